@@ -1,0 +1,3 @@
+"""hpct-slurm: checkpointless training on plain Slurm clusters."""
+
+__version__ = "0.1.0"

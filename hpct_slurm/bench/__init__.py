@@ -1,0 +1,1 @@
+"""Benchmarks: `hpct-slurm bench NAME` runs `hpct_slurm.bench.NAME.run`."""

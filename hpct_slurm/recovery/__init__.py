@@ -1,0 +1,1 @@
+"""Rank side of recovery: snapshots, replicas, peer transfer, disk persistence."""

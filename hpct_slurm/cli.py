@@ -15,6 +15,9 @@ from .errors import HpctError
 COMMAND_MODULES = [
     "hpct_slurm.localcluster.cli",
     "hpct_slurm.slurm.cli",
+    "hpct_slurm.hooks.cli",
+    "hpct_slurm.controller.cli",
+    "hpct_slurm.bench.cli",
 ]
 
 

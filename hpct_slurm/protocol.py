@@ -252,8 +252,9 @@ def _mac(secret: bytes, header: bytes) -> "hmac.HMAC":
 
 
 def _header_bytes(msg: Any, job_id: str, seq: int, body_len: int) -> bytes:
+    fields = _fields_json(msg)
     header = json.dumps({"v": VERSION, "type": msg.TYPE, "job": job_id, "seq": seq,
-                         "body_len": body_len, "fields": _fields_json(msg)},
+                         "body_len": body_len, "fields": fields},
                         separators=(",", ":")).encode()
     if len(header) > HEADER_MAX:
         raise ProtocolError(f"{msg.TYPE} header is {len(header)} bytes, over the {HEADER_MAX} limit")
@@ -396,35 +397,76 @@ def _recv_exact(sock: socket.socket, buf: memoryview, deadline: float | None, wh
         got += n
 
 
+class FrameWriter:
+    """Streams one frame whose body is written piece by piece from the caller's memory.
+
+    The MAC is computed as the pieces go out; a sender that finds its data bad mid-way closes
+    the socket instead of calling `finish`, and the receiver sees a truncated frame.
+    """
+
+    def __init__(self, sock: socket.socket, msg: Any, secret: bytes, seq: int, job_id: str,
+                 body_len: int, timeout: float | None = None):
+        self._sock, self._msg, self._left = sock, msg, body_len
+        header = _header_bytes(msg, job_id, seq, body_len)
+        self._mac = _mac(secret, header)
+        sock.settimeout(timeout)
+        self._send(_LEN.pack(len(header)) + header)
+
+    def _send(self, data: bytes | memoryview) -> None:
+        try:
+            self._sock.sendall(data)
+        except (socket.timeout, TimeoutError):
+            raise ProtocolTimeout(f"timed out sending {self._msg.TYPE}") from None
+        except OSError as exc:
+            raise ProtocolError(f"connection failed sending {self._msg.TYPE}: {exc}") from None
+
+    def write(self, data: bytes | memoryview) -> None:
+        data = memoryview(data).cast("B")
+        if len(data) > self._left:
+            raise ProtocolError(f"{self._msg.TYPE}: body longer than the declared length")
+        self._left -= len(data)
+        for off in range(0, len(data), CHUNK):
+            piece = data[off:off + CHUNK]
+            self._mac.update(piece)
+            self._send(piece)
+
+    def finish(self) -> None:
+        if self._left:
+            raise ProtocolError(f"{self._msg.TYPE}: body {self._left} bytes short of the declared length")
+        self._send(self._mac.digest())
+
+
 def send_msg(sock: socket.socket, msg: Any, secret: bytes, seq: int, job_id: str = "",
-             body: bytes | memoryview = b"", timeout: float | None = None) -> None:
-    """Send one frame; a large body goes out in slices from the caller's memory, never copied."""
-    body = memoryview(body).cast("B")
-    header = _header_bytes(msg, job_id, seq, len(body))
-    mac = _mac(secret, header)
-    sock.settimeout(timeout)
-    try:
-        if len(body) <= CHUNK:
-            mac.update(body)
-            sock.sendall(b"".join((_LEN.pack(len(header)), header, body, mac.digest())))
-            return
-        sock.sendall(_LEN.pack(len(header)) + header)
-        for off in range(0, len(body), CHUNK):
-            piece = body[off:off + CHUNK]
-            mac.update(piece)
-            sock.sendall(piece)
-        sock.sendall(mac.digest())
-    except (socket.timeout, TimeoutError):
-        raise ProtocolTimeout(f"timed out sending {msg.TYPE}") from None
+             body: bytes | memoryview | list[bytes | memoryview] = b"",
+             timeout: float | None = None) -> None:
+    """Send one frame; the body (one buffer or a list gathered in order) is never copied whole."""
+    parts = [memoryview(p).cast("B") for p in (body if isinstance(body, list) else [body])]
+    total = sum(len(p) for p in parts)
+    if total <= CHUNK:
+        sock.settimeout(timeout)
+        frame = encode(msg, secret, seq, job_id, b"".join(parts))
+        try:
+            sock.sendall(frame)
+        except (socket.timeout, TimeoutError):
+            raise ProtocolTimeout(f"timed out sending {msg.TYPE}") from None
+        except OSError as exc:
+            raise ProtocolError(f"connection failed sending {msg.TYPE}: {exc}") from None
+        return
+    writer = FrameWriter(sock, msg, secret, seq, job_id, total, timeout)
+    for p in parts:
+        writer.write(p)
+    writer.finish()
 
 
 def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
              timeout: float | None = None, max_body: int = DEFAULT_MAX_BODY,
-             body_sink: BodySink | None = None) -> Envelope:
+             body_sink: BodySink | None = None,
+             on_piece: Callable[[int, memoryview], None] | None = None) -> Envelope:
     """Receive one frame within `timeout` seconds (None: wait forever) and authenticate it.
 
     With `body_sink`, the body lands in the caller's buffers; they hold unauthenticated bytes
-    if this raises, so a caller must only use them after a successful return.
+    if this raises, so a caller must only use them after a successful return. `on_piece(i, view)`
+    sees each received slice of body buffer `i` while it is still in cache (for a checksum).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     prefix = memoryview(bytearray(_LEN.size))
@@ -439,12 +481,14 @@ def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
     if sum(len(p) for p in parts) != head.body_len:
         raise ProtocolError(f"{head.msg.TYPE}: body buffers do not add up to {head.body_len} bytes")
     mac = _mac(secret, header)
-    for part in parts:
+    for i, part in enumerate(parts):
         part = part.cast("B") if part.format != "B" else part
         for off in range(0, len(part), CHUNK):
             piece = part[off:off + CHUNK]
             _recv_exact(sock, piece, deadline, f"{head.msg.TYPE} body")
             mac.update(piece)
+            if on_piece is not None:
+                on_piece(i, piece)
     tag = memoryview(bytearray(MAC_LEN))
     _recv_exact(sock, tag, deadline, "frame MAC")
     _verify(head, mac, bytes(tag), job_id)

@@ -1,1 +1,5 @@
-"""Rank side of recovery: snapshots, replicas, peer transfer, disk persistence."""
+"""Rank side of recovery: the in-process restart wrapper (`Job`), snapshots, peer transfer,
+disk persistence, health checks and the coordination client."""
+from .job import Job
+
+__all__ = ["Job"]

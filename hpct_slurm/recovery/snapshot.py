@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Iterator, Literal
 
 import torch
 

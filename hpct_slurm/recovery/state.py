@@ -117,7 +117,7 @@ def _decode(node: Any, tensors: list) -> Any:
     raise HpctError(f"snapshot layout has an unknown tree tag {tag!r}")
 
 
-def _flat_u8(buf: Any) -> torch.Tensor:
+def as_flat_u8(buf: Any) -> torch.Tensor:
     """A uint8 tensor over `buf` (a tensor, numpy array, bytearray or writable memoryview)."""
     if isinstance(buf, torch.Tensor):
         return buf.view(torch.uint8).reshape(-1)
@@ -224,7 +224,7 @@ class TrainState:
         Tensors are cloned out of `buf`, so the buffer can be reused right away (optimizers keep
         the tensors they are given).
         """
-        flat = _flat_u8(buf)
+        flat = as_flat_u8(buf)
         if flat.numel() < layout.nbytes:
             raise HpctError(f"snapshot buffer holds {flat.numel()} bytes, its layout needs {layout.nbytes}")
         tensors: list[Any] = []

@@ -54,6 +54,8 @@ class RendezvousInfo:
     members: tuple[str, ...]
     tasks_per_node: tuple[int, ...]
     # Per member, in member order: the address and the port of that node's store shard.
+    # Ports depend only on what every member agrees on (job, generation, membership), never
+    # on SLURM_JOB_NODELIST, which shrinks for steps launched after a node failure.
     addresses: tuple[str, ...]
     store_ports: tuple[int, ...]
     master_addr: str
@@ -123,33 +125,33 @@ def job_window(port_span: int, nodes_per_host: int = DEFAULT_NODES_PER_HOST) -> 
     return (port_span // nodes_per_host) // GENERATION_WINDOW
 
 
-def derived_port(job_id: int, generation: int, node_index: int, *,
+def derived_port(job_id: int, generation: int, host_slot: int, *,
                  port_base: int = DEFAULT_PORT_BASE, port_span: int = DEFAULT_PORT_SPAN,
                  nodes_per_host: int = DEFAULT_NODES_PER_HOST) -> int:
     """The store port of one node of a job in one generation, when Slurm reserved none.
 
     The range is cut into blocks of `nodes_per_host` ports; (job, generation) picks the block,
-    the node's index in the job's allocation picks the port inside it. Two jobs whose ids differ
-    by less than `job_window(...)` never share a block, and neither do two generations of one job
-    less than GENERATION_WINDOW apart.
+    the node's slot among the members on its host picks the port inside it. Two jobs whose ids
+    differ by less than `job_window(...)` never share a block, and neither do two generations
+    of one job less than GENERATION_WINDOW apart.
     """
     check_port_range(port_base, port_span, nodes_per_host)
     if job_id < 0:
         raise HpctError(f"job_id {job_id!r} must not be negative")
     if generation < 0:
         raise HpctError(f"generation {generation!r} must not be negative")
-    if node_index < 0:
-        raise HpctError(f"node_index {node_index!r} must not be negative")
+    if not 0 <= host_slot < nodes_per_host:
+        raise HpctError(f"host_slot {host_slot!r} must lie in 0-{nodes_per_host - 1}")
     n_blocks = port_span // nodes_per_host
     block = (job_id * GENERATION_WINDOW + generation % GENERATION_WINDOW) % n_blocks
-    return port_base + block * nodes_per_host + node_index % nodes_per_host
+    return port_base + block * nodes_per_host + host_slot
 
 
-def reserved_port(resv_ports: tuple[int, int], generation: int, node_index: int,
-                  n_job_nodes: int) -> int:
+def reserved_port(resv_ports: tuple[int, int], generation: int, host_slot: int,
+                  nodes_per_host: int) -> int:
     """A port out of SLURM_STEP_RESV_PORTS (the same range on every node of the step).
 
-    Slurm keeps the range free of other steps on these nodes; the node index keeps nodes that
+    Slurm keeps the range free of other steps on these nodes; the host slot keeps nodes that
     share one host apart, the generation keeps consecutive generations apart where the range
     allows.
     """
@@ -157,7 +159,17 @@ def reserved_port(resv_ports: tuple[int, int], generation: int, node_index: int,
     if not 0 < lo <= hi <= 65535:
         raise HpctError(f"SLURM_STEP_RESV_PORTS '{lo}-{hi}' is not a port range")
     count = hi - lo + 1
-    return lo + (generation * n_job_nodes + node_index) % count
+    return lo + (generation * nodes_per_host + host_slot) % count
+
+
+def host_slots(addresses: Sequence[str]) -> list[int]:
+    """Each member's index among the members that share its address (0 on real clusters)."""
+    seen: dict[str, int] = {}
+    slots = []
+    for addr in addresses:
+        slots.append(seen.get(addr, 0))
+        seen[addr] = slots[-1] + 1
+    return slots
 
 
 def layout(members: Sequence[str], tasks_per_node: Sequence[int], node_name: str,
@@ -221,7 +233,7 @@ def ifname_for_address(addr: str) -> str | None:
 def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = None,
            tasks_per_node: int | None = None, port_base: int = DEFAULT_PORT_BASE,
            port_span: int = DEFAULT_PORT_SPAN, ifname: str | None = None, *,
-           nodes_per_host: int = DEFAULT_NODES_PER_HOST,
+           nodes_per_host: int | None = None,
            init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
            collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
            resolve: Callable[[str], str] = resolve_host,
@@ -232,14 +244,15 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
     means a plain `srun` spanning the nodes, whose SLURM_PROCID/NTASKS are already global.
     Ports come from SLURM_STEP_RESV_PORTS in that plain case (one step, one reserved range on
     all its nodes); with controller membership every node runs its own step with its own
-    reservation, so ports are derived from (job, generation, node) instead.
+    reservation, so ports are derived from (job, generation, host slot) instead.
+    `nodes_per_host`: ports set aside per (job, generation) on one host; None takes the most
+    members found sharing one address (1 on a real cluster).
     """
     if generation < 0:
         raise HpctError(f"generation {generation!r} must not be negative")
     if init_timeout_s <= 0 or collective_timeout_s <= 0:
         raise HpctError(f"timeouts must be positive: init {init_timeout_s!r}, "
                         f"collective {collective_timeout_s!r}")
-    check_port_range(port_base, port_span, nodes_per_host)
     if not env.node_name:
         raise HpctError("SLURMD_NODENAME is not set: derive runs inside a Slurm step")
     if env.localid is None:
@@ -267,21 +280,23 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
     if strangers:
         raise HpctError(f"member node(s) {strangers} are not in SLURM_JOB_NODELIST {job_nodes}")
 
-    def port_of(node: str) -> int:
-        index = job_nodes.index(node)
-        if use_resv_ports:
-            return reserved_port(env.step_resv_ports, generation, index, len(job_nodes))
-        return derived_port(env.job_id, generation, index, port_base=port_base,
-                            port_span=port_span, nodes_per_host=nodes_per_host)
-
     addresses = tuple(resolve(m) for m in members)
-    ports = tuple(port_of(m) for m in members)
-    clash = _first_clash(members, addresses, ports)
-    if clash:
+    slots = host_slots(addresses)
+    if nodes_per_host is None:
+        nodes_per_host = max(slots) + 1
+    elif max(slots) >= nodes_per_host:
+        crowded = addresses[slots.index(max(slots))]
         raise HpctError(
-            f"nodes '{clash[0]}' and '{clash[1]}' share address {clash[2]} and port {clash[3]}: "
-            f"several nodes on one host need nodes_per_host (HPCT_NODES_PER_HOST) at least the "
-            f"number of nodes on that host")
+            f"{max(slots) + 1} member nodes share address {crowded} but nodes_per_host is "
+            f"{nodes_per_host}: raise it (HPCT_NODES_PER_HOST) or leave it unset")
+    check_port_range(port_base, port_span, nodes_per_host)
+    if use_resv_ports:
+        ports = tuple(reserved_port(env.step_resv_ports, generation, slot, nodes_per_host)
+                      for slot in slots)
+    else:
+        ports = tuple(derived_port(env.job_id, generation, slot, port_base=port_base,
+                                   port_span=port_span, nodes_per_host=nodes_per_host)
+                      for slot in slots)
     if ifname is None:
         ifname = find_ifname(addresses[node_rank])
         if ifname is None:
@@ -308,13 +323,3 @@ def _env_tasks_per_node(env: "SlurmEnv", n_nodes: int) -> list[int]:
         raise HpctError(f"SLURM_TASKS_PER_NODE {per_node} does not cover the step's "
                         f"{n_nodes} node(s)")
     return per_node
-
-
-def _first_clash(members: Sequence[str], addresses: Sequence[str],
-                 ports: Sequence[int]) -> tuple[str, str, str, int] | None:
-    seen: dict[tuple[str, int], str] = {}
-    for node, addr, port in zip(members, addresses, ports):
-        if (addr, port) in seen:
-            return seen[(addr, port)], node, addr, port
-        seen[(addr, port)] = node
-    return None

@@ -149,9 +149,8 @@ def _run_of(host: str) -> _Run:
 
 
 def compress(hosts: Iterable[str]) -> str:
-    """A short hostlist for `hosts` that expands back to exactly `hosts` (order, duplicates).
-
-    An empty iterable gives "".
+    """A short hostlist for `hosts` that expands back to exactly `hosts` (order, duplicates),
+    never longer than the names joined by commas. An empty iterable gives "".
     """
     runs: list[_Run] = []
     for host in hosts:
@@ -170,8 +169,10 @@ def compress(hosts: Iterable[str]) -> str:
         group = list(group)
         if not numbered:
             parts.extend(r.prefix for r in group)
-        elif len(group) == 1 and group[0].lo == group[0].hi:
-            parts.append(prefix + group[0].numbers())
         else:
-            parts.append(f"{prefix}[{','.join(r.numbers() for r in group)}]")
+            bracketed = f"{prefix}[{','.join(r.numbers() for r in group)}]"
+            plain = ",".join(prefix + str(n).zfill(r.width or 0)
+                             for r in group for n in range(r.lo, r.hi + 1))
+            # A bracket only pays off from a few hosts on: n1,n2 is shorter than n[1-2].
+            parts.append(bracketed if len(bracketed) < len(plain) else plain)
     return ",".join(parts)

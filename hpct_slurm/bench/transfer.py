@@ -1,0 +1,116 @@
+"""Peer state transfer throughput vs a raw TCP sendall/recv_into of the same bytes (loopback).
+
+A child process holds a ~256 MB snapshot and serves it two ways: through `TransferServer`
+(authenticated frame, checksum verified on serve and on receive) and through a bare socket
+that just `sendall`s the bytes. The parent alternates fetches from both into one preallocated
+buffer, so both see the same machine state; the summary is the ratio of median throughputs.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import plot_bars, write_result
+
+JOB = "bench"
+
+
+def _serve_raw(listener: socket.socket, data: memoryview, stop: threading.Event) -> None:
+    from ..recovery.transfer import _tune
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            _tune(conn)
+            conn.recv(1)  # the request
+            conn.sendall(data)
+
+
+def _holder(conn: Any, nbytes: int, secret: bytes) -> None:
+    import torch
+
+    from ..recovery.snapshot import SnapshotStore
+    from ..recovery.state import TrainState
+    from ..recovery.transfer import TransferServer
+
+    state = TrainState()
+    state.extras["weights"] = torch.randn(nbytes // 4)
+    store = SnapshotStore(state, scopes=("rank",))
+    snap = store.commit(1)
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_serve_raw, args=(listener, snap.data, stop), daemon=True).start()
+    with TransferServer(secret, JOB, 0, own=store) as verified, \
+            TransferServer(secret, JOB, 0, own=store, verify_on_serve=False) as unverified:
+        conn.send({"nbytes": snap.layout.nbytes, "raw": listener.getsockname()[:2],
+                   "ours": verified.address, "ours_noverify": unverified.address})
+        conn.recv()  # parent says stop
+    stop.set()
+    listener.close()
+
+
+def _raw_fetch(addr: tuple[str, int], into: memoryview) -> None:
+    from ..recovery.transfer import _connect
+    with _connect(addr, 60) as sock:
+        sock.sendall(b"?")
+        got = 0
+        while got < len(into):
+            n = sock.recv_into(into[got:])
+            if n == 0:
+                raise ConnectionError("raw server closed early")
+            got += n
+
+
+def run(out_dir: Path, quick: bool = False) -> dict:
+    import torch
+
+    from ..recovery.state import as_memoryview
+    from ..recovery.transfer import fetch_state
+
+    nbytes = (32 if quick else 256) * 1024 * 1024
+    reps = 3 if quick else 7
+    secret = secrets.token_bytes(32)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_holder, args=(child, nbytes, secret), daemon=True)
+    proc.start()
+    try:
+        info = parent.recv()
+        n = info["nbytes"]
+        into = torch.empty(n + 4096, dtype=torch.uint8)
+        view = as_memoryview(into)
+        times: dict[str, list[float]] = {"raw": [], "ours": [], "ours_noverify": []}
+        for rep in range(reps + 1):  # the first round warms page tables and socket buffers
+            for kind in times:
+                t0 = time.perf_counter()
+                if kind == "raw":
+                    _raw_fetch(tuple(info["raw"]), view[:n])
+                else:
+                    res = fetch_state([tuple(info[kind])], 0, secret, JOB, into=into)
+                    assert res.layout.nbytes == n and res.data is into
+                if rep:
+                    times[kind].append(time.perf_counter() - t0)
+        parent.send("stop")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    gbps = {k: n / statistics.median(v) / 1e9 for k, v in times.items()}
+    summary = {"bench": "transfer", "throughput_ratio": round(gbps["ours"] / gbps["raw"], 3),
+               "throughput_ratio_noverify": round(gbps["ours_noverify"] / gbps["raw"], 3),
+               "gbps": {k: round(v, 3) for k, v in gbps.items()}, "nbytes": n}
+    write_result(out_dir, "transfer", {**summary, "reps": reps, "seconds": times,
+                                       "notes": "ours = HMAC-SHA256 frame + crc32 verified on "
+                                                "serve and on receive; noverify skips the serve check"})
+    plot_bars(Path(out_dir) / "transfer.png", ["raw sendall", "ours", "ours (no serve check)"],
+              [gbps["raw"], gbps["ours"], gbps["ours_noverify"]], "GB/s",
+              f"Peer transfer of {n / 2**20:.0f} MiB, loopback")
+    return summary

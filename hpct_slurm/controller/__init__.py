@@ -1,0 +1,1 @@
+"""The batch-host controller: one step per node, warm spares, detection, relaunch."""

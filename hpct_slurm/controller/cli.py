@@ -1,0 +1,28 @@
+"""`hpct-slurm controller [options] -- CMD ...` (run by the sbatch templates)."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("controller", help="run a training command with warm spares and "
+                                          "in-memory recovery (inside an sbatch job)")
+    p.add_argument("--spares", type=int, default=1, help="nodes of the allocation kept as "
+                                                         "warm spares (default 1)")
+    p.add_argument("--tasks-per-node", type=int, default=1)
+    p.add_argument("--run-dir", default=None, help="events, logs, secret, persisted "
+                                                   "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
+    p.add_argument("--store", choices=["rootless", "tcpstore"], default="rootless")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="seconds without a heartbeat before a rank counts as hung")
+    p.add_argument("--on-no-spare", choices=["requeue", "fail"], default="requeue")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .controller import main_from_env
+
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return main_from_env(cmd, args.run_dir, args.spares, args.tasks_per_node, args.store,
+                         args.heartbeat_timeout, args.on_no_spare)

@@ -1,0 +1,487 @@
+"""The controller on the batch host: steps, heartbeats, detection, relaunch onto a spare.
+
+One asyncio loop owns all state. Ranks connect over TCP (protocol.py, per-job secret); every
+active node runs its own `srun -N1 -w node` step (a node's failure then ends only its own step),
+every spare node a warm-spare step. A fault — a dropped connection, missed heartbeats, a step
+that exits, srun's "Node failure on" line — starts one recovery round: STOP to the survivors,
+fence the lost node (DOWN in Slurm, or cancel a hung step), wait for survivors to report ready,
+give the lost positions to warm spares under a new generation, and track the first completed
+step. Faults that arrive during a round are folded into the next round.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import protocol as P
+from ..errors import HpctError
+from ..events import EventLog
+from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
+from .policy import World, replace, restore_step
+
+NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
+
+
+@dataclass
+class Options:
+    command: list[str]
+    run_dir: Path
+    job_id: int
+    nodes: list[str]
+    batch_host: str
+    spares: int = 1
+    tasks_per_node: int = 1
+    heartbeat_timeout_s: float = 3.0
+    ready_timeout_s: float = 60.0
+    store: str = "rootless"
+    collective_timeout_s: float = 10.0
+    on_no_spare: str = "requeue"  # or "fail"
+    slurmd_port: int = 6818
+
+
+@dataclass
+class Conn:
+    node: str
+    local_rank: int
+    role: str
+    pid: int
+    host_addr: str
+    transfer_port: int
+    writer: asyncio.StreamWriter
+    seq: int = 0
+    rank: int = -1
+    generation: int = -1
+    state: str = "registered"
+    step: int = -1
+    last_seen: float = field(default_factory=time.monotonic)
+    gone: bool = False
+
+
+class Controller:
+    def __init__(self, opts: Options, client: SlurmClient | None = None):
+        self.o = opts
+        self.slurm = client or SlurmClient()
+        self.run_dir = opts.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.events = EventLog(self.run_dir / "controller.jsonl", source="controller")
+        secret_path = self.run_dir / "secret"
+        self.secret = (P.load_secret(secret_path) if secret_path.exists()
+                       else P.new_secret_file(secret_path))
+        self.secret_path = secret_path
+        self.job = str(opts.job_id)
+        from .policy import split_allocation
+
+        active, spares = split_allocation(opts.nodes, opts.batch_host, opts.spares)
+        self.world = World(active, spares, opts.tasks_per_node)
+        self.conns: dict[tuple[str, int], Conn] = {}
+        self.steps: dict[str, asyncio.subprocess.Process] = {}
+        self.dead_nodes: set[str] = set()
+        self.pending_faults: dict[str, str] = {}
+        self.fault_event = asyncio.Event()
+        self.recovering = False
+        self.recovery: dict | None = None
+        self.finished = asyncio.Event()
+        self.exit_code = 0
+        self.address: tuple[str, int] = ("", 0)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def run(self) -> int:
+        host = _resolve(self.o.batch_host)
+        server = await asyncio.start_server(self._serve, host, 0, backlog=1024)
+        self.address = server.sockets[0].getsockname()[:2]
+        self.events.emit("controller.start", job_id=self.o.job_id, active=self.world.members,
+                         spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
+                         address=f"{self.address[0]}:{self.address[1]}",
+                         command=self.o.command)
+        for node in self.world.members:
+            self._launch(node, "active")
+        for node in self.world.spares:
+            self._launch(node, "spare")
+        tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._faults())]
+        try:
+            await self.finished.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            server.close()
+            await self._stop_steps()
+        self.events.emit("controller.exit", code=self.exit_code)
+        return self.exit_code
+
+    def _launch(self, node: str, role: str) -> None:
+        env = dict(os.environ)
+        env.update({
+            "HPCT_CONTROLLER": f"{self.address[0]}:{self.address[1]}",
+            "HPCT_SECRET_FILE": str(self.secret_path),
+            "HPCT_RUN_DIR": str(self.run_dir),
+            "HPCT_ROLE": role,
+            "HPCT_STORE": self.o.store,
+            "HPCT_COLLECTIVE_TIMEOUT_S": str(self.o.collective_timeout_s),
+        })
+        argv = srun_argv(node, self.o.command, ntasks=self.o.tasks_per_node,
+                         job_id=self.o.job_id,
+                         extra_opts=["--overlap", "--kill-on-bad-exit=0", "-u",
+                                     f"--job-name=hpct-{role}-{node}", "--cpus-per-task=1"])
+        log = open(self.run_dir / "logs" / f"{node}.out", "ab")
+        proc_task = asyncio.create_task(self._run_step(node, role, argv, env, log))
+        proc_task.add_done_callback(lambda t: log.close())
+        self.events.emit("step.launch", node=node, role=role)
+
+    async def _run_step(self, node: str, role: str, argv: list[str], env: dict, log) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
+            stderr=asyncio.subprocess.PIPE)
+        self.steps[node] = proc
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            log.write(raw)
+            log.flush()
+            m = NODE_FAILURE_RE.search(raw.decode(errors="replace"))
+            if m:
+                self._fault(m.group(1), "srun: node failure")
+        rc = await proc.wait()
+        if self.steps.get(node) is proc:
+            del self.steps[node]
+        self.events.emit("step.exit", node=node, role=role, code=rc)
+        if not self.finished.is_set() and node not in self.dead_nodes:
+            # srun exits 0 even on node failure: any exit while training runs is a fault.
+            if node in self.world.members or node in self.world.spares:
+                self._fault(node, f"step exited ({rc})")
+
+    async def _stop_steps(self, grace: float = 15.0) -> None:
+        deadline = time.monotonic() + grace
+        for proc in list(self.steps.values()):
+            with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
+                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
+        for proc in list(self.steps.values()):
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    # ---- connections ---------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        chan = P.Channel(self.secret, self.job)
+        conn: Conn | None = None
+        try:
+            env = chan.accept(await asyncio.wait_for(
+                P.read_msg(reader, self.secret, self.job), timeout=30))
+            if not isinstance(env.msg, P.Register):
+                raise P.ProtocolError(f"first message must be register, got {env.msg.TYPE}")
+            r = env.msg
+            conn = Conn(r.node, r.local_rank, r.role, r.pid, r.host_addr, r.transfer_port,
+                        writer)
+            old = self.conns.get((r.node, r.local_rank))
+            if old and not old.gone:
+                raise P.ProtocolError(f"{r.node}/{r.local_rank} is already registered")
+            self.conns[(r.node, r.local_rank)] = conn
+            self.events.emit("rank.register", node=r.node, local_rank=r.local_rank,
+                             role=r.role, pid=r.pid)
+            self._maybe_start()
+            while True:
+                env = chan.accept(await P.read_msg(reader, self.secret, self.job))
+                self._on_message(conn, env.msg)
+        except P.ConnectionClosed:
+            pass
+        except (HpctError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            # Unauthenticated or malformed input never gets further than this line.
+            self.events.emit("protocol.rejected", peer=str(peer), error=str(exc),
+                             node=conn.node if conn else None)
+        finally:
+            writer.close()
+            if conn is not None and not conn.gone:
+                conn.gone = True
+                if conn.state != "done" and not self.finished.is_set():
+                    self._fault(conn.node, "connection lost")
+
+    def _on_message(self, conn: Conn, msg) -> None:
+        conn.last_seen = time.monotonic()
+        if isinstance(msg, P.Heartbeat):
+            if msg.generation != conn.generation and conn.generation >= 0:
+                return  # stale: a fenced rank from an older generation
+            conn.state, conn.step = msg.state, msg.step
+            if msg.state == "done":
+                self._maybe_finish()
+            elif msg.state in ("ready", "unhealthy"):
+                self.fault_event.set()
+        elif isinstance(msg, P.StepDone):
+            if msg.generation == conn.generation:
+                conn.step = msg.step
+                conn.state = "running"
+                self._track_first_step(msg.step)
+        elif isinstance(msg, P.Goodbye):
+            conn.state = "done" if msg.reason == "done" else conn.state
+        else:
+            self.events.emit("protocol.unexpected", node=conn.node, type=msg.TYPE)
+
+    async def _send(self, conn: Conn, msg) -> None:
+        if conn.gone:
+            return
+        conn.seq += 1
+        try:
+            await P.write_msg(conn.writer, msg, self.secret, conn.seq, self.job)
+        except (HpctError, OSError, ConnectionError):
+            conn.gone = True
+
+    def _live(self, node: str) -> list[Conn]:
+        return [c for (n, _), c in self.conns.items() if n == node and not c.gone]
+
+    def _node_ready(self, node: str) -> bool:
+        return len(self._live(node)) == self.o.tasks_per_node
+
+    # ---- generation 0 --------------------------------------------------------------------
+    def _maybe_start(self) -> None:
+        if self.world.generation == 0 and self.recovery is None and not self.recovering \
+                and all(self._node_ready(n) for n in self.world.members) \
+                and all(c.rank < 0 for n in self.world.members for c in self._live(n)):
+            asyncio.create_task(self._assign(restore=-1, sources={}))
+
+    async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:
+        g = self.world.generation
+        self.events.emit("generation.start", generation=g, members=self.world.members,
+                         restore_step=restore)
+        for node in self.world.members:
+            for c in self._live(node):
+                c.rank = self.world.rank_of(node, c.local_rank)
+                c.generation, c.state, c.role = g, "assigned", "active"
+                await self._send(c, P.Assign(g, c.rank, self.world.world_size,
+                                             list(self.world.members), self.o.tasks_per_node,
+                                             restore, sources))
+
+    # ---- detection -----------------------------------------------------------------------
+    def _fault(self, node: str, reason: str) -> None:
+        if self.finished.is_set() or node in self.pending_faults or node in self.dead_nodes:
+            return
+        if node not in self.world.members and node not in self.world.spares:
+            return
+        self.pending_faults[node] = reason
+        self.events.emit("fault.detected", node=node, reason=reason,
+                         generation=self.world.generation,
+                         role="spare" if node in self.world.spares else "active")
+        self.fault_event.set()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for c in list(self.conns.values()):
+                if not c.gone and c.state not in ("done",) \
+                        and now - c.last_seen > self.o.heartbeat_timeout_s:
+                    self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
+
+    # ---- recovery ------------------------------------------------------------------------
+    async def _faults(self) -> None:
+        while True:
+            await self.fault_event.wait()
+            self.fault_event.clear()
+            if self.pending_faults and not self.recovering:
+                self.recovering = True
+                try:
+                    await self._recover()
+                except HpctError as exc:
+                    self.events.emit("recovery.failed", error=exc.message)
+                    await self._escalate(exc.message)
+                finally:
+                    self.recovering = False
+                if self.pending_faults:
+                    self.fault_event.set()
+
+    async def _recover(self) -> None:
+        t_detect = time.time()
+        lost = dict(self.pending_faults)
+        self.pending_faults.clear()
+        lost_spares = [n for n in lost if n in self.world.spares]
+        for node in lost_spares:
+            await self._fence(node, lost[node])
+            self.world.spares.remove(node)
+        lost_active = [n for n in lost if n in self.world.members]
+        if not lost_active:
+            return
+        g = self.world.generation
+        survivors = [c for n in self.world.members if n not in lost for c in self._live(n)]
+        for c in survivors:
+            await self._send(c, P.Stop(g, f"{', '.join(lost_active)}: "
+                                          f"{'; '.join(lost[n] for n in lost_active)}"))
+        t_stop = time.time()
+        self.events.emit("fault.stop_sent", generation=g, survivors=len(survivors))
+        for node in lost_active:
+            await self._fence(node, lost[node])
+        t_fenced = time.time()
+        ready_steps = await self._wait_ready(survivors)
+        # a survivor that failed its health check or never answered is lost as well
+        for c in survivors:
+            if c.gone or c.state != "ready":
+                self.pending_faults.setdefault(c.node, f"not ready after fault ({c.state})")
+        if self.pending_faults:
+            extra = list(self.pending_faults)
+            self.events.emit("fault.second", nodes=extra, during="recovery")
+            for node in extra:
+                lost[node] = self.pending_faults.pop(node)
+                await self._fence(node, lost[node])
+            lost_active = [n for n in lost if n in self.world.members]
+            survivors = [c for c in survivors if c.node not in lost]
+            ready_steps = {c.rank: c.step for c in survivors}
+        t_ready = time.time()
+        spares = [s for s in self.world.spares if self._node_ready(s)]
+        rep = replace(self.world, lost_active, spares)
+        restore = restore_step(ready_steps)
+        self.world.members, self.world.spares = rep.members, rep.spares
+        self.world.generation = rep.generation
+        self.world.lost += lost_active
+        # shared state is identical on every survivor: the controller lists them all, nearest
+        # first, so a corrupted or vanished source costs one retry, not the recovery
+        sources = {c.rank: [(c.host_addr, c.transfer_port)] for c in survivors}
+        self.recovery = {"generation": rep.generation, "restore_step": restore,
+                         "lost": lost_active, "taken": rep.taken,
+                         "reasons": {n: lost[n] for n in lost_active},
+                         "t_detect": t_detect, "t_stop": t_stop, "t_fenced": t_fenced,
+                         "t_ready": t_ready, "t_assigned": time.time(),
+                         "first_step": restore + 1, "done_ranks": set()}
+        self.events.emit("recovery.assign", generation=rep.generation, restore_step=restore,
+                         taken=rep.taken, members=rep.members)
+        await self._assign(restore, sources)
+
+    async def _wait_ready(self, survivors: list[Conn]) -> dict[int, int]:
+        deadline = time.monotonic() + self.o.ready_timeout_s
+        while time.monotonic() < deadline:
+            if all(c.gone or c.state in ("ready", "unhealthy") for c in survivors):
+                break
+            if self.pending_faults:
+                await asyncio.sleep(0.05)  # a second fault: keep waiting for the rest
+            await asyncio.sleep(0.02)
+        return {c.rank: c.step for c in survivors if not c.gone and c.state == "ready"}
+
+    async def _fence(self, node: str, reason: str) -> None:
+        """Make sure nothing of the lost node can rejoin: a dead or unreachable node goes DOWN
+        in Slurm; a live node with a failed or hung process has its step cancelled."""
+        for c in self._live(node):
+            c.gone = True
+            c.writer.close()
+        alive = await asyncio.to_thread(self._slurmd_reachable, node)
+        loop = asyncio.get_running_loop()
+        if alive and not reason.startswith("srun: node failure"):
+            await loop.run_in_executor(None, self._cancel_steps_on, node)
+            self.events.emit("fault.fenced", node=node, how="step cancelled", reason=reason)
+            # the node is healthy: it becomes a warm spare again
+            self.world.members = [m for m in self.world.members]
+            asyncio.get_running_loop().call_later(1.0, self._replenish, node)
+            return
+        self.dead_nodes.add(node)
+        try:
+            await loop.run_in_executor(None, lambda: self.slurm.update_node(
+                node, "DOWN", f"hpct: {reason} (job {self.o.job_id})"))
+        except SlurmCommandError as exc:
+            self.events.emit("slurm.error", node=node, error=exc.message)
+        self.events.emit("fault.fenced", node=node, how="node down", reason=reason)
+
+    def _replenish(self, node: str) -> None:
+        if self.finished.is_set() or node in self.world.spares:
+            return
+        for key in [k for k, c in self.conns.items() if k[0] == node and c.gone]:
+            del self.conns[key]
+        self.world.spares.append(node)
+        self._launch(node, "spare")
+
+    def _slurmd_reachable(self, node: str) -> bool:
+        try:
+            addr = self.slurm.show_node(node).addr or node
+            with socket.create_connection((addr, self.o.slurmd_port), timeout=1.0):
+                return True
+        except (OSError, HpctError):
+            return False
+
+    def _cancel_steps_on(self, node: str) -> None:
+        try:
+            out = self.slurm.run(["squeue", "-h", "-s", "-j", str(self.o.job_id),
+                                  "-o", "%i %N"]).stdout
+        except SlurmCommandError:
+            return
+        for line in out.splitlines():
+            step, _, nodes = line.strip().partition(" ")
+            if nodes.strip() == node and "." in step:
+                with contextlib.suppress(SlurmCommandError):
+                    self.slurm.cancel(self.o.job_id, int(step.split(".")[1]), signal="KILL")
+
+    def _track_first_step(self, step: int) -> None:
+        rec = self.recovery
+        if not rec or step != rec["first_step"]:
+            return
+        ranks = {c.rank for c in self.conns.values() if not c.gone and c.step >= step
+                 and c.generation == rec["generation"]}
+        if len(ranks) == self.world.world_size:
+            now = time.time()
+            phases = {"detect_to_stop": rec["t_stop"] - rec["t_detect"],
+                      "fence": rec["t_fenced"] - rec["t_stop"],
+                      "survivors_ready": rec["t_ready"] - rec["t_fenced"],
+                      "reform_restore_first_step": now - rec["t_assigned"]}
+            self.events.emit("recovery.done", generation=rec["generation"],
+                             restore_step=rec["restore_step"], lost=rec["lost"],
+                             taken=rec["taken"], reasons=rec["reasons"],
+                             recovery_s=now - rec["t_detect"], phases=phases)
+            self.recovery = None
+
+    async def _escalate(self, why: str) -> None:
+        if self.o.on_no_spare == "requeue":
+            self.events.emit("escalate.requeue", reason=why)
+            try:
+                await asyncio.to_thread(self.slurm.requeue, self.o.job_id)
+            except SlurmCommandError as exc:
+                self.events.emit("slurm.error", error=exc.message)
+        else:
+            self.events.emit("escalate.fail", reason=why)
+        self.exit_code = 1
+        await self._goodbye_all(f"job escalated: {why}")
+        self.finished.set()
+
+    # ---- the end -------------------------------------------------------------------------
+    def _maybe_finish(self) -> None:
+        actives = [c for n in self.world.members for c in self._live(n)]
+        if self.recovering or len(actives) != self.world.world_size:
+            return
+        if all(c.state == "done" for c in actives):
+            self.events.emit("job.done", generation=self.world.generation,
+                             lost=self.world.lost)
+            asyncio.create_task(self._finish())
+
+    async def _finish(self) -> None:
+        await self._goodbye_all("done")
+        self.finished.set()
+
+    async def _goodbye_all(self, reason: str) -> None:
+        for c in list(self.conns.values()):
+            await self._send(c, P.Goodbye(reason))
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise HpctError(f"batch host {host!r} does not resolve: {exc}") from exc
+
+
+def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_per_node: int,
+                  store: str, heartbeat_timeout_s: float, on_no_spare: str) -> int:
+    from ..slurm.env import SlurmEnv
+
+    env = SlurmEnv.from_environ()
+    if not command:
+        raise HpctError("controller needs the training command after --")
+    batch_host = env.node_name or socket.gethostname()
+    rd = Path(run_dir or os.environ.get("HPCT_RUN_DIR") or
+              Path(env.submit_dir or os.getcwd()) / f"hpct-{env.job_id}")
+    opts = Options(command=command, run_dir=rd, job_id=env.job_id, nodes=env.job_nodelist,
+                   batch_host=batch_host, spares=spares, tasks_per_node=tasks_per_node,
+                   store=store, heartbeat_timeout_s=heartbeat_timeout_s,
+                   on_no_spare=on_no_spare)
+    try:
+        return asyncio.run(Controller(opts).run())
+    except KeyboardInterrupt:
+        print("controller interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,96 @@
+"""`hpct-slurm prolog|epilog|task-prolog` (what the hook scripts run), `hpct-slurm hooks
+install DIR`, and `hpct-slurm spank build`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prolog", help="Slurm Prolog: health check, stale sweep, job shm dir")
+    p.set_defaults(func=_prolog)
+    p = sub.add_parser("epilog", help="Slurm Epilog: remove the job's shm dir")
+    p.set_defaults(func=_epilog)
+    p = sub.add_parser("task-prolog", help="Slurm TaskProlog: print the task's export lines")
+    p.set_defaults(func=_task_prolog)
+
+    p = sub.add_parser("hooks", help="install the hook scripts slurm.conf points at")
+    hs = p.add_subparsers(dest="hooks_action", metavar="ACTION")
+    hs.required = True
+    i = hs.add_parser("install", help="write prolog.sh, epilog.sh, task_prolog.sh into DIR")
+    i.add_argument("dest", type=Path, metavar="DIR")
+    i.add_argument("--python", default=sys.executable,
+                   help="absolute path of the python that has hpct_slurm (default: this one)")
+    i.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a setting the hooks run with (HPCT_SHM_ROOT, HPCT_HOOKS_LOG, "
+                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB, "
+                        "SLURM_CONF)")
+    i.set_defaults(func=_hooks_install)
+
+    p = sub.add_parser("spank", help="the SPANK plugin")
+    ss = p.add_subparsers(dest="spank_action", metavar="ACTION")
+    ss.required = True
+    b = ss.add_parser("build", help="compile the plugin against this machine's Slurm and "
+                                    "print its plugstack.conf line")
+    b.add_argument("--out", type=Path, default=Path("hpct_spank.so"))
+    b.set_defaults(func=_spank_build)
+
+
+def _log(source: str):
+    from ..events import EventLog
+
+    return EventLog(path=os.environ.get("HPCT_HOOKS_LOG") or None, stream=sys.stderr,
+                    source=source)
+
+
+def _prolog(args: argparse.Namespace) -> int:
+    from .context import HookConfig, JobContext
+    from .node import SlurmNode
+    from .prolog import prolog
+
+    result = prolog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ),
+                    SlurmNode(), _log("prolog"))
+    return 0 if result.healthy else 1
+
+
+def _epilog(args: argparse.Namespace) -> int:
+    from .context import HookConfig, JobContext
+    from .epilog import epilog
+
+    epilog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ), _log("epilog"))
+    return 0
+
+
+def _task_prolog(args: argparse.Namespace) -> int:
+    from .task_prolog import format_exports, rendezvous_env, task_env
+
+    env = task_env(os.environ)
+    env.update(rendezvous_env({**os.environ, **env}))
+    sys.stdout.write(format_exports(env))
+    return 0
+
+
+def _hooks_install(args: argparse.Namespace) -> int:
+    from ..errors import HpctError
+    from .install import install_hooks, slurm_conf_lines
+
+    settings = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise HpctError(f"--set {item!r} is not NAME=VALUE")
+        settings[name] = value
+    scripts = install_hooks(args.dest.absolute(), args.python, settings)
+    print("\n".join(slurm_conf_lines(scripts)))
+    return 0
+
+
+def _spank_build(args: argparse.Namespace) -> int:
+    from .install import build_plugin, plugstack_line
+
+    plugin = build_plugin(args.out)
+    hpct = Path(sys.executable).parent / "hpct-slurm"
+    print(plugstack_line(plugin, hpct=str(hpct) if hpct.exists() else None))
+    return 0

@@ -1,0 +1,241 @@
+"""The per-node shm root and its per-job directories, touched only through directory fds.
+
+Layout under the root (default /dev/shm/hpct, owned by root, mode 0755):
+    <jobid>/          the job's cache dir, owned by the job's user, mode 0700
+    <jobid>.budget    the MB the prolog granted that job (root-owned; read by the task prolog)
+Nothing else in the root is ever touched. Every operation works relative to an fd of the root
+opened with O_NOFOLLOW, and removal walks directories by fd, so a symlink planted anywhere
+(the root, a job dir, inside a job dir) is removed as a link and never followed.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ..errors import HpctError
+
+DEFAULT_SHM_ROOT = Path("/dev/shm/hpct")
+SHM_ROOT_ENV = "HPCT_SHM_ROOT"
+BUDGET_SUFFIX = ".budget"
+
+# Slurm job ids are uint32; a leading zero would give one job two names.
+_JOB_ID_RE = re.compile(r"[1-9][0-9]{0,9}")
+# A single path component: no separators, no leading dot (so never '.' or '..').
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def check_job_id(value: str | int) -> int:
+    text = str(value)
+    if not _JOB_ID_RE.fullmatch(text) or int(text) > 0xFFFFFFFF:
+        raise HpctError(f"job id {text!r} is not a Slurm job id (a decimal number 1..4294967295)")
+    return int(text)
+
+
+def check_name(value: str, what: str = "cache name") -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise HpctError(f"{what} {value!r} is not a plain name (letters, digits, '._-', "
+                        f"at most 64, not starting with '.')")
+    return value
+
+
+def shm_root(environ: Mapping[str, str]) -> Path:
+    raw = environ.get(SHM_ROOT_ENV) or str(DEFAULT_SHM_ROOT)
+    path = Path(raw)
+    if not path.is_absolute() or ".." in path.parts or path == Path("/"):
+        raise HpctError(f"{SHM_ROOT_ENV} {raw!r} is not an absolute directory path")
+    return path
+
+
+@dataclass(frozen=True)
+class JobDirInfo:
+    path: Path
+    uid: int
+    gid: int
+    mode: int
+    replaced: bool  # an entry that was not the job's own directory stood there
+
+
+class ShmRoot:
+    """An open handle on the shm root. Use as a context manager."""
+
+    def __init__(self, path: Path, create: bool = False):
+        self.path = path
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if create:
+                try:
+                    os.mkdir(path.name, 0o755, dir_fd=parent)
+                except FileExistsError:
+                    pass
+            try:
+                self.fd = os.open(path.name, _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                raise HpctError(f"shm root {path} does not exist") from None
+            except (NotADirectoryError, OSError) as exc:
+                raise HpctError(f"shm root {path} is not a directory (a symlink or a file: "
+                                f"{exc.strerror}); remove it") from None
+        finally:
+            os.close(parent)
+        st = os.fstat(self.fd)
+        # Anyone who could write into the root could plant entries the prolog then chowns.
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            os.close(self.fd)
+            raise HpctError(f"shm root {path} is owned by uid {st.st_uid} with mode "
+                            f"{stat.S_IMODE(st.st_mode):o}; it must be owned by uid "
+                            f"{os.geteuid()} and not group/other-writable: remove it")
+        if create and stat.S_IMODE(st.st_mode) != 0o755:
+            os.fchmod(self.fd, 0o755)
+
+    def __enter__(self) -> "ShmRoot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # ---- reading -----------------------------------------------------------------------
+    def job_ids(self) -> set[int]:
+        """Jobs with a dir or a budget record here; other entries are not ours to judge."""
+        ids = set()
+        for name in os.listdir(self.fd):
+            base = name[:-len(BUDGET_SUFFIX)] if name.endswith(BUDGET_SUFFIX) else name
+            if _JOB_ID_RE.fullmatch(base):
+                ids.add(int(base))
+        return ids
+
+    def budgets_mb(self) -> dict[int, int]:
+        out = {}
+        for job_id in self.job_ids():
+            mb = self.read_budget(job_id)
+            if mb is not None:
+                out[job_id] = mb
+        return out
+
+    def read_budget(self, job_id: int) -> int | None:
+        return _read_budget(self.fd, job_id)
+
+    def capacity_mb(self) -> int:
+        st = os.fstatvfs(self.fd)
+        return st.f_blocks * st.f_frsize // (1 << 20)
+
+    def free_mb(self) -> int:
+        st = os.fstatvfs(self.fd)
+        return st.f_bavail * st.f_frsize // (1 << 20)
+
+    # ---- acting ------------------------------------------------------------------------
+    def create_job_dir(self, job_id: int, uid: int, gid: int) -> JobDirInfo:
+        """The job's dir, owned by uid:gid, mode 0700. A requeued job finds its own dir (and
+        its warm cache) again; any other entry under that name is removed first."""
+        name = str(check_job_id(job_id))
+        replaced = False
+        try:
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                self._remove_entry(name)
+                replaced = True
+        except FileNotFoundError:
+            pass
+        try:
+            os.mkdir(name, 0o700, dir_fd=self.fd)
+        except FileExistsError:
+            pass
+        fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+        try:
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o700)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return JobDirInfo(self.path / name, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode),
+                          replaced)
+
+    def write_budget(self, job_id: int, mb: int) -> None:
+        name = f"{check_job_id(job_id)}{BUDGET_SUFFIX}"
+        tmp = f".{name}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=self.fd)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{int(mb)}\n")
+        os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def remove_job(self, job_id: int) -> bool:
+        """Remove the job's dir and budget record; True if anything was there."""
+        name = str(check_job_id(job_id))
+        found = False
+        for entry in (name, name + BUDGET_SUFFIX):
+            try:
+                self._remove_entry(entry)
+                found = True
+            except FileNotFoundError:
+                pass
+        return found
+
+    def _remove_entry(self, name: str) -> None:
+        _remove_at(self.fd, name)
+
+
+def _remove_at(dir_fd: int, name: str) -> None:
+    """rm -r of one entry relative to dir_fd, never following a symlink (Python 3.10 has no
+    shutil.rmtree(dir_fd=...)). The job's user owns what is inside a job dir and may swap
+    entries while we walk: O_NOFOLLOW makes a swapped-in symlink fail to open, and it is then
+    unlinked as the link it is."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    try:
+        # Same device only: a mount inside a job dir is not ours to empty.
+        if os.fstat(fd).st_dev != os.fstat(dir_fd).st_dev:
+            raise HpctError(f"refusing to remove {name}: it is a mount point")
+        for child in os.listdir(fd):
+            _remove_at(fd, child)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _read_budget(dir_fd: int, job_id: int) -> int | None:
+    name = f"{check_job_id(job_id)}{BUDGET_SUFFIX}"
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        text = f.read(32).strip()
+    return int(text) if text.isdecimal() else None
+
+
+def read_budget(root: Path, job_id: int) -> int | None:
+    """The MB the prolog granted a job, read without privileges (the task prolog runs as the
+    job's user); None when no prolog granted one."""
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        return _read_budget(fd, job_id)
+    finally:
+        os.close(fd)
+
+
+def job_dir(environ: Mapping[str, str]) -> Path:
+    """The shm dir of the job this process belongs to."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        raise HpctError("SLURM_JOB_ID is not set: not inside a Slurm job, so there is no "
+                        "per-job shm dir (pass the cache a directory instead)")
+    return shm_root(environ) / str(check_job_id(job))

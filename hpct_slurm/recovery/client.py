@@ -1,0 +1,146 @@
+"""Rank side of the coordination protocol: register, heartbeat, receive STOP and assignments.
+
+One background thread owns the socket's receive side; the training thread only reads flags and
+queues, so a STOP is seen at the next step boundary even while training is busy, and a hung
+training thread still lets heartbeats stop (the controller then fences it).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import protocol as P
+from ..errors import HpctError
+from ..events import EventLog
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass(frozen=True)
+class ControllerAddress:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, var: str = "HPCT_CONTROLLER") -> "ControllerAddress":
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise HpctError(f"{var} {text!r} is not host:port")
+        return cls(host, int(port))
+
+
+class CoordinationClient:
+    """A rank's connection to the controller."""
+
+    def __init__(self, address: ControllerAddress, secret: bytes, job_id: str,
+                 events: EventLog | None = None, connect_timeout: float = 60.0):
+        self.secret, self.job_id = secret, job_id
+        self.events = events or EventLog()
+        self._chan = P.Channel(secret, job_id)
+        self._send_lock = threading.Lock()
+        self._sock = self._connect(address, connect_timeout)
+        self.assignments: "queue.Queue[P.Assign | P.Goodbye]" = queue.Queue()
+        self.stop_event = threading.Event()
+        self.stop_reason = ""
+        self.closed = threading.Event()
+        self.rank = -1
+        self.generation = -1
+        self.step = -1
+        self.state = "registering"
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="hpct-coord-rx")
+        self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="hpct-coord-hb")
+
+    @staticmethod
+    def _connect(address: ControllerAddress, timeout: float) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.create_connection((address.host, address.port), timeout=5)
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise HpctError(f"cannot reach the controller at {address.host}:"
+                                    f"{address.port}: {exc}") from exc
+                time.sleep(0.2)
+
+    def send(self, msg) -> None:
+        with self._send_lock:
+            P.send_msg(self._sock, msg, self.secret, self._chan.next_seq(), self.job_id,
+                       timeout=10)
+
+    def register(self, node: str, local_rank: int, role: str, host_addr: str,
+                 transfer_port: int) -> None:
+        self.send(P.Register(self.job_id, node, local_rank, role, os.getpid(), host_addr,
+                             transfer_port))
+        self._reader.start()
+        self._beater.start()
+
+    def heartbeat_now(self) -> None:
+        try:
+            self.send(P.Heartbeat(self.rank, self.generation, self.step, self.state))
+        except (HpctError, OSError):
+            self.closed.set()
+
+    def step_done(self, step: int) -> None:
+        self.step = step
+        try:
+            self.send(P.StepDone(self.rank, self.generation, step))
+        except (HpctError, OSError):
+            self.closed.set()
+
+    def next_assignment(self, timeout: float | None = None) -> "P.Assign | P.Goodbye":
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.assignments.get(timeout=0.5)
+            except queue.Empty:
+                if self.closed.is_set() and self.assignments.empty():
+                    return P.Goodbye("controller connection lost")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise HpctError(f"no assignment from the controller within {timeout:.0f} s")
+
+    def close(self, reason: str = "done") -> None:
+        if not self.closed.is_set():
+            try:
+                self.send(P.Goodbye(reason))
+            except (HpctError, OSError):
+                pass
+        self.closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                env = self._chan.accept(P.recv_msg(self._sock, self.secret, self.job_id))
+                msg = env.msg
+                if isinstance(msg, P.Stop):
+                    if msg.generation >= self.generation:
+                        self.stop_reason = msg.reason
+                        self.stop_event.set()
+                elif isinstance(msg, (P.Assign, P.Goodbye)):
+                    self.assignments.put(msg)
+                elif isinstance(msg, P.Ack):
+                    continue
+                else:
+                    self.events.emit("rank.unexpected_message", type=msg.TYPE)
+        except P.ConnectionClosed:
+            pass
+        except (HpctError, OSError) as exc:
+            if not self.closed.is_set():
+                self.events.emit("rank.controller_lost", error=str(exc))
+        finally:
+            self.closed.set()
+
+    def _beat_loop(self) -> None:
+        while not self.closed.wait(HEARTBEAT_S):
+            self.heartbeat_now()

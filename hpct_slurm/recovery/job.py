@@ -1,0 +1,255 @@
+"""The in-process restart wrapper a training script uses.
+
+    job = Job(model=model, optimizer=opt, seed=0)      # registers state; a spare waits warm here
+    def train_step(step):                              # one optimizer step, plain PyTorch
+        loss = loss_fn(model(x_for(step, job.rank)), y)
+        opt.zero_grad(); loss.backward(); job.allreduce_gradients(); opt.step()
+        return loss.item()
+    job.run(train_step, total_steps)
+
+On a fault the wrapper leaves the failed step's `except` block (the traceback would keep the
+broken group's sockets open), tears the group down, runs health checks, tells the controller it
+is ready with the steps it holds, waits for the next generation, re-forms the group, restores
+the common step and re-enters the loop right after it. Survivors never exit.
+
+Determinism: the wrapper reseeds python/numpy/torch RNGs from (seed, rank, step) before every
+step, and gradients are reduced parameter by parameter in a fixed order, so a run that recovers
+from a fault is bit-identical to one that never saw it.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import protocol as P
+from ..errors import HpctError
+from ..events import EventLog
+from ..rendezvous import derive as rdv
+from ..rendezvous import pg
+from ..rendezvous.store import make_store, serve_shard
+from ..slurm.env import SlurmEnv
+from .client import ControllerAddress, CoordinationClient
+from .health import health_check
+from .persist import DiskPersister
+from .snapshot import SnapshotStore
+from .state import TrainState
+from .transfer import TransferServer, fetch_state
+
+STEP_SEED_DOMAIN = b"hpct-step-seed"
+
+
+class _Stopped(Exception):
+    """The controller asked this rank to stop the current generation."""
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """A 63-bit seed that depends only on (seed, rank, step): data order and dropout of any
+    step can be reproduced by any process that takes over the rank."""
+    h = hashlib.blake2b(f"{seed}:{rank}:{step}".encode(), digest_size=8, key=STEP_SEED_DOMAIN)
+    return int.from_bytes(h.digest(), "big") >> 1
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class Job:
+    """One rank (or warm spare) of an hpct-slurm job."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any = None, *, seed: int = 0, persist_every: int = 0,
+                 environ: dict[str, str] | None = None, **extra_state: Any):
+        env = dict(os.environ if environ is None else environ)
+        self.slurm = SlurmEnv.from_environ(env)
+        self.seed = seed
+        self.role = env.get("HPCT_ROLE", "active")
+        self.run_dir = Path(_require(env, "HPCT_RUN_DIR"))
+        self.store_kind = env.get("HPCT_STORE", "rootless")
+        self.collective_timeout_s = float(env.get("HPCT_COLLECTIVE_TIMEOUT_S", "10"))
+        self.model, self.optimizer = model, optimizer
+        self.state = TrainState(model=model, optimizer=optimizer, **extra_state)
+        if lr_scheduler is not None:
+            self.state.register(lr_scheduler=lr_scheduler)
+        # Plain data parallelism: every rank holds the whole model and optimizer, so the
+        # just-in-time path applies: no steady-state replica traffic, a replacement pulls the
+        # shared state from any survivor and derives its per-rank parts from (seed, rank, step).
+        self.snapshots = SnapshotStore(self.state, scopes=("shared",))
+        self.secret = P.load_secret(_require(env, "HPCT_SECRET_FILE"))
+        self.job_id = str(self.slurm.job_id)
+        node = self.slurm.node_name or socket.gethostname()
+        self.events = EventLog(self.run_dir / "events" / f"{node}-{self.slurm.localid}.jsonl",
+                               source=f"{node}/{self.slurm.localid}")
+        self.host_addr = rdv.resolve_host(node)
+        self.transfer = TransferServer(self.secret, self.job_id, rank=-1, own=self.snapshots,
+                                       host=self.host_addr, events=self.events)
+        self.persist_every = persist_every
+        self.persister: DiskPersister | None = None
+        self.rank = -1
+        self.world_size = 0
+        self.generation = -1
+        self.losses: dict[int, float] = {}
+        self.client = CoordinationClient(
+            ControllerAddress.parse(_require(env, "HPCT_CONTROLLER")), self.secret, self.job_id,
+            self.events)
+        self.client.register(node, self.slurm.localid or 0, self.role, self.host_addr,
+                             self.transfer.address[1])
+        self.events.emit("rank.registered", role=self.role, pid=os.getpid())
+
+    # ---- what the training step calls --------------------------------------------------
+    def allreduce_gradients(self) -> None:
+        """Average gradients over the group in a fixed per-parameter order (bit-reproducible
+        across re-formed groups, unlike DDP's rebuilt buckets)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world_size)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self, train_step: Callable[[int], Any], total_steps: int) -> bool:
+        """Train until `total_steps` steps are done; True when this process trained, False when
+        it stayed a spare that was never needed."""
+        trained = False
+        while True:
+            msg = self.client.next_assignment()
+            if isinstance(msg, P.Goodbye):
+                self._shutdown(msg.reason)
+                return trained
+            trained = True
+            failure = None
+            try:
+                self._adopt(msg)
+                self._train(train_step, msg.restore_step + 1, total_steps)
+            except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
+                failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if failure is None:
+                self.events.emit("rank.finished", rank=self.rank, step=total_steps - 1)
+                self._teardown()
+                self.client.state = "done"
+                self.client.heartbeat_now()
+                continue  # the controller says goodbye once every rank is done
+            # Outside the except block from here on: the failed group can now really close.
+            self._recover(failure)
+
+    def _train(self, train_step: Callable[[int], Any], start: int, total: int) -> None:
+        self.client.state = "running"
+        for step in range(start, total):
+            if self.client.stop_event.is_set():
+                raise _Stopped(self.client.stop_reason)
+            seed_everything(step_seed(self.seed, self.rank, step))
+            out = train_step(step)
+            if isinstance(out, (int, float)):
+                self.losses[step] = float(out)
+            self.snapshots.commit(step)
+            if self.persister:
+                self.persister.after_commit(step)
+            self.client.step_done(step)
+            self.events.emit("rank.step", rank=self.rank, generation=self.generation,
+                             step=step, loss=self.losses.get(step))
+
+    def _recover(self, failure: str) -> None:
+        t0 = time.time()
+        self.events.emit("rank.fault", rank=self.rank, generation=self.generation,
+                         error=failure, stop_reason=self.client.stop_reason)
+        self._teardown()
+        healthy, detail = health_check()
+        latest = self.snapshots.latest()
+        self.client.step = latest.step if latest else -1
+        self.client.state = "ready" if healthy else "unhealthy"
+        self.client.heartbeat_now()
+        self.events.emit("rank.ready", rank=self.rank, healthy=healthy, detail=detail,
+                         latest_step=self.client.step, teardown_s=time.time() - t0)
+        if not healthy:
+            self._shutdown(f"health check failed: {detail}")
+            sys.exit(3)
+
+    # ---- generations --------------------------------------------------------------------
+    def _adopt(self, a: P.Assign) -> None:
+        t0 = time.time()
+        previous_rank = self.rank
+        self.client.stop_event.clear()
+        self.client.stop_reason = ""
+        self.rank, self.world_size, self.generation = a.rank, a.world_size, a.generation
+        self.client.rank, self.client.generation = a.rank, a.generation
+        self.client.state = "forming"
+        self.transfer.rank = a.rank
+        info = rdv.derive(self.slurm, a.generation, members=a.members,
+                          tasks_per_node=a.tasks_per_node,
+                          collective_timeout_s=self.collective_timeout_s)
+        if info.rank != a.rank:
+            raise HpctError(f"controller assigned rank {a.rank} but the derived layout puts "
+                            f"{self.slurm.node_name}/{self.slurm.localid} at rank {info.rank}")
+        shard = None
+        if self.store_kind == "rootless" and info.local_rank == 0:
+            shard = serve_shard(info, self.secret, events=self.events)
+        store = make_store(self.store_kind, info, self.secret)
+        pg.init(info, store, "gloo", shard=shard,
+                init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
+                collective_timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        t_formed = time.time()
+        source = "fresh"
+        if a.restore_step >= 0:
+            source = self._restore(a, same_rank=previous_rank == a.rank)
+        if self.persist_every and self.persister is None:
+            self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
+                                           self.persist_every, self.events)
+        self.events.emit("rank.adopted", rank=a.rank, generation=a.generation,
+                         restore_step=a.restore_step, source=source,
+                         reform_s=t_formed - t0, restore_s=time.time() - t_formed)
+
+    def _restore(self, a: P.Assign, same_rank: bool) -> str:
+        if same_rank:
+            with self.snapshots.lease(a.restore_step) as snap:
+                if snap is not None and snap.verify():
+                    self.state.restore_from(snap.layout, snap.data)
+                    return "own"
+        # Shared state is the same on every rank: try each survivor in the controller's order,
+        # then the last persisted snapshot.
+        for src_rank, addrs in a.sources.items():
+            try:
+                got = fetch_state(addrs, int(src_rank), self.secret, self.job_id,
+                                  step=a.restore_step, events=self.events)
+            except HpctError:
+                continue
+            self.state.restore_from(got.layout, got.data)
+            return got.source
+        got = fetch_state([], 0, self.secret, self.job_id, step=a.restore_step,
+                          disk_dir=str(self.run_dir / "persist"), events=self.events)
+        if got.step != a.restore_step:
+            raise HpctError(f"disk holds step {got.step}, the group restores step "
+                            f"{a.restore_step}: the job must restart from disk")
+        self.state.restore_from(got.layout, got.data)
+        return got.source
+
+    def _teardown(self) -> None:
+        gc.collect()
+        pg.teardown()
+        gc.collect()
+
+    def _shutdown(self, reason: str) -> None:
+        self.events.emit("rank.exit", rank=self.rank, reason=reason)
+        if self.persister:
+            self.persister.close()
+        self.transfer.close()
+        self.client.close(reason)
+
+
+def _require(env: dict[str, str], name: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise HpctError(f"{name} is not set: run the training script under "
+                        f"`hpct-slurm controller` (it sets HPCT_* for every step)")
+    return value

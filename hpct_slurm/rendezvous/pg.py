@@ -1,0 +1,107 @@
+"""Forming and re-forming the default process group, one generation at a time.
+
+Rules learnt the hard way (torch-distributed.md):
+- every generation rendezvouses under its own key prefix: destroy_process_group() resets the
+  group counter, so a new generation's keys would otherwise collide with the old one's;
+- initialise with a long timeout (a replacement may be slow to join), then shorten the
+  collective timeout on the formed group;
+- tear down outside any `except` block: the traceback keeps the broken group (and gloo's
+  sockets) alive, the peers never hear of it and hang for the default 30 minutes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import os
+import sys
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
+
+from ..errors import HpctError
+from .derive import RendezvousInfo
+from .store import ShardServer
+
+# Read by the backends when a group is created; set from the derived env unless the user (or
+# the task prolog) already exported them.
+_BACKEND_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_GLOO_LAZY_INIT",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+
+
+@dataclasses.dataclass
+class _Formed:
+    info: RendezvousInfo
+    store: dist.Store
+    shard: ShardServer | None
+
+
+_formed: _Formed | None = None
+
+
+def generation_prefix(generation: int) -> str:
+    return f"hpct/gen{generation}"
+
+
+def current() -> RendezvousInfo | None:
+    """The generation this process's default group belongs to, if one is formed."""
+    return _formed.info if _formed else None
+
+
+def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
+         init_timeout: datetime.timedelta | None = None,
+         collective_timeout: datetime.timedelta | None = None, *,
+         shard: ShardServer | None = None,
+         device_id: "int | None" = None) -> dist.ProcessGroup:
+    """Form the default group of `info`'s generation over `store`.
+
+    `shard`: this node's shard server, if this process runs it; teardown() stops it.
+    """
+    global _formed
+    if dist.is_initialized():
+        raise HpctError(f"a process group is already formed (generation "
+                        f"{current().generation if current() else '?'}): teardown() first")
+    init_timeout = init_timeout or datetime.timedelta(seconds=info.init_timeout_s)
+    collective_timeout = collective_timeout or datetime.timedelta(
+        seconds=info.collective_timeout_s)
+    env = info.env()
+    for name in _BACKEND_ENV:
+        if name in env:
+            os.environ.setdefault(name, env[name])
+    prefixed = dist.PrefixStore(generation_prefix(info.generation), store)
+    kwargs = {} if device_id is None else {"device_id": device_id}
+    dist.init_process_group(backend, store=prefixed, rank=info.rank,
+                            world_size=info.world_size, timeout=init_timeout, **kwargs)
+    group = dist.group.WORLD
+    if collective_timeout != init_timeout:
+        _set_pg_timeout(collective_timeout, group)
+    _formed = _Formed(info, store, shard)
+    return group
+
+
+def teardown() -> None:
+    """Destroy the default group, close the store, stop this node's shard. Never blocks on
+    peers: gloo's sockets close with the group, NCCL communicators are aborted first.
+
+    Call it after leaving the `except` block that caught the failure, and after dropping every
+    object that holds the group (a DDP module's reducer does).
+    """
+    global _formed
+    if sys.exc_info()[0] is not None:
+        raise HpctError("teardown() called inside an except block: the traceback keeps the "
+                        "broken group's sockets open and the peers hang; leave the except block "
+                        "first (record the error, then tear down)")
+    formed, _formed = _formed, None
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            _abort_process_group()
+        dist.destroy_process_group()
+    # The group's destructor is what closes gloo's sockets: make sure it runs now.
+    gc.collect()
+    if formed is not None:
+        close = getattr(formed.store, "close", None)
+        if close is not None:
+            close()
+        if formed.shard is not None:
+            formed.shard.stop()

@@ -1,0 +1,692 @@
+"""A key-value store for torch.distributed with no root: keys are sharded over one small
+server per node.
+
+TCPStore puts every rank's connection and request on rank 0's host; at a few dozen ranks its
+listen backlog already stalls connects for seconds (torch-distributed.md). Here each node runs a
+`ShardServer`, every key lives on the shard chosen by a stable hash, so a rendezvous spreads its
+connections and requests over all nodes.
+
+Wire protocol (TCP, one request in flight per connection):
+  on accept, the server sends a 16-byte random nonce;
+  each frame is `u32 length | body`;
+  request body  = `tag(32) | op(u8) | fields`, tag = HMAC-SHA256(secret, "Q" nonce seq op fields)
+  response body = `tag(32) | status(u8) | fields`, tag = HMAC-SHA256(secret, "R" nonce seq ...)
+  fields = repeated `u32 length | bytes`; seq counts the requests on the connection, so a
+  recorded request replayed on this or any other connection fails authentication.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import hashlib
+import hmac
+import os
+import secrets
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch.distributed as dist
+
+from ..errors import HpctError
+from ..events import EventLog, stderr_log
+
+if TYPE_CHECKING:
+    from .derive import RendezvousInfo
+
+SECRET_ENV = "HPCT_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+NONCE_BYTES = 16
+TAG_BYTES = 32
+MAX_FRAME = 16 << 20
+LISTEN_BACKLOG = 4096
+
+EVENT_AUTH_REJECTED = "store.auth_rejected"
+EVENT_SHARD_STARTED = "store.shard_started"
+EVENT_SHARD_STOPPED = "store.shard_stopped"
+
+OP_SET, OP_GET, OP_ADD, OP_CAS, OP_CHECK, OP_WAIT, OP_DELETE, OP_NUM_KEYS, OP_STATS = range(1, 10)
+OP_NAMES = {OP_SET: "set", OP_GET: "get", OP_ADD: "add", OP_CAS: "compare_set",
+            OP_CHECK: "check", OP_WAIT: "wait", OP_DELETE: "delete_key",
+            OP_NUM_KEYS: "num_keys", OP_STATS: "stats"}
+ST_OK, ST_TIMEOUT, ST_NOT_INT, ST_BAD_REQUEST = range(4)
+
+_U32 = struct.Struct("!I")
+_I64 = struct.Struct("!q")
+_U64 = struct.Struct("!Q")
+
+
+# ---------------------------------------------------------------- secret
+
+
+def load_secret(path: str | os.PathLike | None = None) -> bytes:
+    """The per-job secret: from `path`, else from the file named by $HPCT_SECRET_FILE."""
+    if path is None:
+        path = os.environ.get(SECRET_ENV)
+        if not path:
+            raise HpctError(f"{SECRET_ENV} is not set: the store needs the per-job secret file")
+    p = Path(path)
+    try:
+        st = p.stat()
+        data = p.read_bytes()
+    except OSError as exc:
+        raise HpctError(f"secret file '{p}' cannot be read: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise HpctError(f"secret file '{p}' is open to group/others (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it")
+    if len(data) < MIN_SECRET_BYTES:
+        raise HpctError(f"secret file '{p}' holds {len(data)} bytes, fewer than "
+                        f"{MIN_SECRET_BYTES}")
+    return data
+
+
+def write_secret(path: str | os.PathLike) -> bytes:
+    """Create a fresh random secret file readable by its owner only."""
+    data = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return data
+
+
+# ---------------------------------------------------------------- framing
+
+
+def _pack_fields(fields: Sequence[bytes]) -> bytes:
+    return b"".join(_U32.pack(len(f)) + f for f in fields)
+
+
+def _unpack_fields(data: bytes | memoryview) -> list[bytes]:
+    out = []
+    i = 0
+    while i < len(data):
+        if i + 4 > len(data):
+            raise ValueError("truncated field length")
+        (n,) = _U32.unpack_from(data, i)
+        i += 4
+        if i + n > len(data):
+            raise ValueError("truncated field")
+        out.append(bytes(data[i:i + n]))
+        i += n
+    return out
+
+
+def _tag(secret: bytes, direction: bytes, nonce: bytes, seq: int, payload: bytes) -> bytes:
+    return hmac.new(secret, direction + nonce + _U64.pack(seq) + payload,
+                    hashlib.sha256).digest()
+
+
+def shard_of(key: str | bytes, n_shards: int) -> int:
+    """Stable across processes and Python versions (unlike hash())."""
+    if isinstance(key, str):
+        key = key.encode()
+    return zlib.crc32(key) % n_shards
+
+
+def _ms(timeout: datetime.timedelta) -> int:
+    return max(0, int(timeout.total_seconds() * 1000))
+
+
+# ---------------------------------------------------------------- server
+
+
+@dataclasses.dataclass
+class ShardStats:
+    connections: int = 0
+    requests: int = 0
+    auth_rejected: int = 0
+    keys: int = 0
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "nonce", "seq", "rbuf", "wbuf", "wait_keys", "wait_op",
+                 "deadline")
+
+    def __init__(self, sock: socket.socket, peer: str, nonce: bytes):
+        self.sock = sock
+        self.peer = peer
+        self.nonce = nonce
+        self.seq = 0
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.wait_keys: list[bytes] | None = None
+        self.wait_op = 0
+        self.deadline: float | None = None
+
+
+class ShardServer:
+    """One node's shard: a selectors loop on one thread, fast accept, large listen backlog.
+
+    Blocking gets and waits are parked on the server and answered when the key arrives or
+    their deadline passes, so clients never poll.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, *, events: EventLog | None = None,
+                 name: str = ""):
+        if len(secret) < MIN_SECRET_BYTES:
+            raise HpctError(f"store secret of {len(secret)} bytes is shorter than "
+                            f"{MIN_SECRET_BYTES}")
+        self._secret = secret
+        self._events = events or stderr_log("store")
+        self._data: dict[bytes, bytes] = {}
+        self._waiters: dict[bytes, set[_Conn]] = {}
+        self._parked: set[_Conn] = set()
+        self._stats = ShardStats()
+        self._stats_lock = threading.Lock()
+        self._sel = selectors.DefaultSelector()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise HpctError(f"store shard cannot listen on {host}:{port}: {exc.strerror}"
+                            ) from None
+        self._listener.listen(LISTEN_BACKLOG)
+        self._listener.setblocking(False)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self.name = name or f"{self.address[0]}:{self.address[1]}"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"hpct-shard-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        self._events.emit(EVENT_SHARD_STARTED, shard=self.name, address=list(self.address))
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    def stats(self) -> ShardStats:
+        with self._stats_lock:
+            return dataclasses.replace(self._stats, keys=len(self._data))
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=10)
+        self._events.emit(EVENT_SHARD_STOPPED, shard=self.name, **dataclasses.asdict(self.stats()))
+
+    def __enter__(self) -> "ShardServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- event loop
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                for key, mask in self._sel.select(self._next_timeout()):
+                    sock = key.fileobj
+                    if sock is self._listener:
+                        self._accept()
+                    elif sock is self._wake_r:
+                        self._wake_r.recv(64)
+                    else:
+                        conn: _Conn = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._readable(conn)
+                        if mask & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
+                            self._flush(conn)
+                self._expire()
+        finally:
+            for key in list(self._sel.get_map().values()):
+                key.fileobj.close()
+            self._sel.close()
+            self._wake_w.close()
+
+    def _next_timeout(self) -> float | None:
+        deadlines = [c.deadline for c in self._parked if c.deadline is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _accept(self) -> None:
+        # Drain the whole backlog in one go: a burst of N ranks connecting at once must not
+        # wait one select round per connection.
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return
+                raise
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", secrets.token_bytes(NONCE_BYTES))
+            conn.wbuf += conn.nonce
+            with self._stats_lock:
+                self._stats.connections += 1
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._flush(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        self._unpark(conn)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _readable(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(conn)
+            return
+        conn.rbuf += chunk
+        while len(conn.rbuf) >= 4:
+            (n,) = _U32.unpack_from(conn.rbuf, 0)
+            if n > MAX_FRAME or n < TAG_BYTES + 1:
+                self._reject(conn, f"frame length {n}")
+                return
+            if len(conn.rbuf) < 4 + n:
+                return
+            body = bytes(conn.rbuf[4:4 + n])
+            del conn.rbuf[:4 + n]
+            if not self._request(conn, body):
+                return
+
+    def _reject(self, conn: _Conn, why: str) -> None:
+        with self._stats_lock:
+            self._stats.auth_rejected += 1
+        self._events.emit(EVENT_AUTH_REJECTED, shard=self.name, peer=conn.peer, reason=why)
+        self._close(conn)
+
+    def _request(self, conn: _Conn, body: bytes) -> bool:
+        tag, payload = body[:TAG_BYTES], body[TAG_BYTES:]
+        if not hmac.compare_digest(tag, _tag(self._secret, b"Q", conn.nonce, conn.seq, payload)):
+            self._reject(conn, "bad request tag")
+            return False
+        if conn.wait_keys is not None:
+            self._reject(conn, "request while another is pending")
+            return False
+        with self._stats_lock:
+            self._stats.requests += 1
+        op = payload[0]
+        try:
+            fields = _unpack_fields(memoryview(payload)[1:])
+            self._dispatch(conn, op, fields)
+        except (ValueError, IndexError, struct.error):
+            self._respond(conn, ST_BAD_REQUEST, [f"bad {OP_NAMES.get(op, op)} request".encode()])
+        return True
+
+    def _dispatch(self, conn: _Conn, op: int, f: list[bytes]) -> None:
+        data = self._data
+        if op == OP_SET:
+            data[f[0]] = f[1]
+            self._respond(conn, ST_OK, [])
+            self._wake(f[0])
+        elif op == OP_GET:
+            self._park_or_answer(conn, OP_GET, [f[0]], _I64.unpack(f[1])[0])
+        elif op == OP_WAIT:
+            self._park_or_answer(conn, OP_WAIT, f[1:], _I64.unpack(f[0])[0])
+        elif op == OP_ADD:
+            # Like HashStore, a missing or empty value counts as 0.
+            current = data.get(f[0]) or b"0"
+            try:
+                value = int(current) + _I64.unpack(f[1])[0]
+            except ValueError:
+                self._respond(conn, ST_NOT_INT, [current[:64]])
+                return
+            data[f[0]] = str(value).encode()
+            self._respond(conn, ST_OK, [_I64.pack(value)])
+            self._wake(f[0])
+        elif op == OP_CAS:
+            key, expected, desired = f
+            current = data.get(key)
+            # HashStore's semantics: a missing key is only created when expected is empty;
+            # otherwise the caller gets back the current value (or its own expected one).
+            if current is None:
+                if expected == b"":
+                    data[key] = desired
+                    self._respond(conn, ST_OK, [desired])
+                    self._wake(key)
+                else:
+                    self._respond(conn, ST_OK, [expected])
+            elif current == expected:
+                data[key] = desired
+                self._respond(conn, ST_OK, [desired])
+            else:
+                self._respond(conn, ST_OK, [current])
+        elif op == OP_CHECK:
+            self._respond(conn, ST_OK, [b"\x01" if all(k in data for k in f) else b"\x00"])
+        elif op == OP_DELETE:
+            existed = data.pop(f[0], None) is not None
+            self._respond(conn, ST_OK, [b"\x01" if existed else b"\x00"])
+        elif op == OP_NUM_KEYS:
+            self._respond(conn, ST_OK, [_U64.pack(len(data))])
+        elif op == OP_STATS:
+            s = self.stats()
+            self._respond(conn, ST_OK, [_U64.pack(v) for v in dataclasses.astuple(s)])
+        else:
+            raise ValueError(f"unknown op {op}")
+
+    def _park_or_answer(self, conn: _Conn, op: int, keys: list[bytes], timeout_ms: int) -> None:
+        if all(k in self._data for k in keys):
+            self._answer_wait(conn, op, keys)
+            return
+        conn.wait_keys = keys
+        conn.wait_op = op
+        conn.deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms > 0 else None
+        self._parked.add(conn)
+        for k in keys:
+            self._waiters.setdefault(k, set()).add(conn)
+
+    def _answer_wait(self, conn: _Conn, op: int, keys: list[bytes]) -> None:
+        self._respond(conn, ST_OK, [self._data[keys[0]]] if op == OP_GET else [])
+
+    def _unpark(self, conn: _Conn) -> None:
+        if conn.wait_keys is None:
+            return
+        for k in conn.wait_keys:
+            waiting = self._waiters.get(k)
+            if waiting is not None:
+                waiting.discard(conn)
+                if not waiting:
+                    del self._waiters[k]
+        conn.wait_keys = None
+        conn.deadline = None
+        self._parked.discard(conn)
+
+    def _wake(self, key: bytes) -> None:
+        for conn in list(self._waiters.get(key, ())):
+            keys = conn.wait_keys
+            if keys is not None and all(k in self._data for k in keys):
+                op = conn.wait_op
+                self._unpark(conn)
+                self._answer_wait(conn, op, keys)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._parked if c.deadline is not None and c.deadline <= now]:
+            missing = next(k for k in conn.wait_keys if k not in self._data)
+            self._unpark(conn)
+            self._respond(conn, ST_TIMEOUT, [missing])
+
+    def _respond(self, conn: _Conn, status: int, fields: list[bytes]) -> None:
+        payload = bytes([status]) + _pack_fields(fields)
+        tag = _tag(self._secret, b"R", conn.nonce, conn.seq, payload)
+        conn.seq += 1
+        conn.wbuf += _U32.pack(TAG_BYTES + len(payload)) + tag + payload
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.wbuf:
+            try:
+                sent = conn.sock.send(conn.wbuf)
+                del conn.wbuf[:sent]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self._close(conn)
+                return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wbuf else 0)
+        try:
+            self._sel.modify(conn.sock, events, conn)
+        except (KeyError, ValueError):
+            pass
+
+
+# ---------------------------------------------------------------- client
+
+
+class _Shard:
+    """One client connection to one shard; requests on it are serialized by a lock."""
+
+    def __init__(self, host: str, port: int, secret: bytes):
+        self.host = host
+        self.port = port
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._nonce = b""
+        self._seq = 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def _connect(self, deadline: float | None) -> socket.socket:
+        # The node's shard server may start a moment after this rank does: retry refusals.
+        delay = 0.01
+        while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.settimeout(30.0)
+                sock.connect((self.host, self.port))
+                self._nonce = _recv_exact(sock, NONCE_BYTES)
+                self._seq = 0
+                sock.settimeout(None)
+                return sock
+            except OSError as exc:
+                sock.close()
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise dist.DistNetworkError(
+                        f"store shard {self.host}:{self.port} unreachable: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def request(self, op: int, fields: list[bytes], deadline: float | None,
+                what: str) -> tuple[int, list[bytes]]:
+        payload = bytes([op]) + _pack_fields(fields)
+        with self._lock:
+            if self._sock is None:
+                self._sock = self._connect(deadline)
+            sock = self._sock
+            tag = _tag(self._secret, b"Q", self._nonce, self._seq, payload)
+            try:
+                sock.sendall(_U32.pack(TAG_BYTES + len(payload)) + tag + payload)
+                (n,) = _U32.unpack(_recv_exact(sock, 4))
+                if n > MAX_FRAME or n < TAG_BYTES + 1:
+                    raise OSError(f"bad response length {n}")
+                body = _recv_exact(sock, n)
+            except OSError as exc:
+                sock.close()
+                self._sock = None
+                raise dist.DistNetworkError(
+                    f"store shard {self.host}:{self.port} failed during {what}: {exc}"
+                ) from None
+            resp_tag, resp = body[:TAG_BYTES], body[TAG_BYTES:]
+            if not hmac.compare_digest(resp_tag, _tag(self._secret, b"R", self._nonce,
+                                                      self._seq, resp)):
+                sock.close()
+                self._sock = None
+                raise dist.DistNetworkError(
+                    f"store shard {self.host}:{self.port} sent an unauthenticated reply to "
+                    f"{what} (wrong secret?)")
+            self._seq += 1
+        return resp[0], _unpack_fields(memoryview(resp)[1:])
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise ConnectionResetError("connection closed by the shard server")
+        got += r
+    return bytes(buf)
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class RootlessStore(dist.Store):
+    """A torch.distributed Store over per-node shard servers; no rank is special.
+
+    Build one per generation over that generation's live members: the shard map is the member
+    list, so a new membership gives a new map.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], secret: bytes,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=300)):
+        super().__init__()
+        if not endpoints:
+            raise HpctError("RootlessStore needs at least one shard endpoint")
+        self._endpoints = [(str(h), int(p)) for h, p in endpoints]
+        self._secret = secret
+        self._shards = [_Shard(h, p, secret) for h, p in self._endpoints]
+        self.set_timeout(timeout)
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        return list(self._endpoints)
+
+    def close(self) -> None:
+        for s in self._shards:
+            s.close()
+
+    def clone(self) -> "RootlessStore":
+        return RootlessStore(self._endpoints, self._secret, self.timeout)
+
+    def _shard(self, key: str | bytes) -> _Shard:
+        return self._shards[shard_of(key, len(self._shards))]
+
+    def _deadline(self, timeout: datetime.timedelta) -> float | None:
+        ms = _ms(timeout)
+        return None if ms == 0 else time.monotonic() + ms / 1000
+
+    def _call(self, key: str, op: int, fields: list[bytes], what: str) -> list[bytes]:
+        status, out = self._shard(key).request(op, fields, self._deadline(self.timeout), what)
+        if status == ST_NOT_INT:
+            raise ValueError(f"store key '{key}' holds {out[0]!r}, not an integer: cannot add")
+        if status != ST_OK:
+            raise dist.DistStoreError(f"store {what} of key '{key}' failed: {out!r}")
+        return out
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(key, OP_SET, [key.encode(), _as_bytes(value)], "set")
+
+    def get(self, key: str) -> bytes:
+        timeout = self.timeout
+        status, out = self._shard(key).request(
+            OP_GET, [key.encode(), _I64.pack(_ms(timeout))], self._deadline(timeout), "get")
+        if status == ST_TIMEOUT:
+            raise dist.DistStoreError(
+                f"store get of key '{key}' timed out after {timeout.total_seconds():g} s")
+        if status != ST_OK:
+            raise dist.DistStoreError(f"store get of key '{key}' failed: {out!r}")
+        return out[0]
+
+    def add(self, key: str, value: int) -> int:
+        out = self._call(key, OP_ADD, [key.encode(), _I64.pack(int(value))], "add")
+        return _I64.unpack(out[0])[0]
+
+    def compare_set(self, key: str, expected_value: str | bytes,
+                    desired_value: str | bytes) -> bytes:
+        out = self._call(key, OP_CAS, [key.encode(), _as_bytes(expected_value),
+                                       _as_bytes(desired_value)], "compare_set")
+        return out[0]
+
+    def _by_shard(self, keys: Sequence[str]) -> dict[int, list[str]]:
+        groups: dict[int, list[str]] = {}
+        for k in keys:
+            groups.setdefault(shard_of(k, len(self._shards)), []).append(k)
+        return groups
+
+    def check(self, keys: list[str]) -> bool:
+        deadline = self._deadline(self.timeout)
+        for i, group in self._by_shard(keys).items():
+            status, out = self._shards[i].request(OP_CHECK, [k.encode() for k in group],
+                                                  deadline, "check")
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store check of keys {group} failed: {out!r}")
+            if out[0] != b"\x01":
+                return False
+        return True
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = self._deadline(timeout)
+        for i, group in self._by_shard(keys).items():
+            left_ms = 0 if deadline is None else max(1, int((deadline - time.monotonic()) * 1000))
+            status, out = self._shards[i].request(
+                OP_WAIT, [_I64.pack(left_ms)] + [k.encode() for k in group], deadline, "wait")
+            if status == ST_TIMEOUT:
+                raise dist.DistStoreError(
+                    f"store wait for key '{out[0].decode(errors='replace')}' timed out after "
+                    f"{timeout.total_seconds():g} s")
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store wait for keys {group} failed: {out!r}")
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(key, OP_DELETE, [key.encode()], "delete_key")[0] == b"\x01"
+
+    def num_keys(self) -> int:
+        deadline = self._deadline(self.timeout)
+        total = 0
+        for s in self._shards:
+            status, out = s.request(OP_NUM_KEYS, [], deadline, "num_keys")
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store num_keys failed: {out!r}")
+            total += _U64.unpack(out[0])[0]
+        return total
+
+    def shard_stats(self) -> list[ShardStats]:
+        """Each shard server's counters (connections, requests, rejected, keys)."""
+        deadline = self._deadline(self.timeout)
+        out = []
+        for s in self._shards:
+            _, fields = s.request(OP_STATS, [], deadline, "stats")
+            out.append(ShardStats(*(_U64.unpack(f)[0] for f in fields)))
+        return out
+
+
+# ---------------------------------------------------------------- factory
+
+
+def serve_shard(info: "RendezvousInfo", secret: bytes, *,
+                events: EventLog | None = None) -> ShardServer:
+    """Start this node's shard server for `info`'s generation (one per node)."""
+    return ShardServer(info.addresses[info.node_rank], info.store_port, secret, events=events,
+                       name=f"{info.node_name}/gen{info.generation}")
+
+
+def make_store(kind: Literal["rootless", "tcpstore"], info: "RendezvousInfo",
+               secret: bytes | None = None,
+               timeout: datetime.timedelta | None = None) -> dist.Store:
+    """The store a generation rendezvouses over.
+
+    `rootless` needs every member's shard server (see `serve_shard`); `tcpstore` is stock
+    TCPStore with its server on rank 0 at MASTER_ADDR:MASTER_PORT.
+    """
+    if timeout is None:
+        timeout = datetime.timedelta(seconds=info.init_timeout_s)
+    if kind == "rootless":
+        return RootlessStore(info.store_endpoints, secret if secret is not None else load_secret(),
+                             timeout)
+    if kind == "tcpstore":
+        return dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                             is_master=info.rank == 0, timeout=timeout, wait_for_workers=False)
+    raise HpctError(f"store kind {kind!r} is not one of 'rootless', 'tcpstore'")

@@ -1,0 +1,270 @@
+"""The control-message protocol: round trips, and every kind of bad frame is a clear ProtocolError."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import socket
+import stat
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpct_slurm import protocol as P
+from hpct_slurm.errors import HpctError
+
+SECRET = bytes(range(32))
+JOB = "4242"
+
+ints = st.integers(min_value=-(2**62), max_value=2**62)
+nat = st.integers(min_value=0, max_value=2**31)
+text = st.text(max_size=40)
+addr = st.tuples(text, st.integers(min_value=0, max_value=65535))
+
+MESSAGES = st.one_of(
+    st.builds(P.Register, job_id=text, node=text, local_rank=nat,
+              role=st.sampled_from(["active", "spare"]), pid=nat, host_addr=text, transfer_port=nat),
+    st.builds(P.Heartbeat, rank=nat, generation=nat, step=ints, state=text),
+    st.builds(P.Stop, generation=nat, reason=text),
+    st.builds(P.Assign, generation=nat, rank=nat, world_size=nat, members=st.lists(text, max_size=5),
+              tasks_per_node=nat, restore_step=ints,
+              sources=st.dictionaries(nat, st.lists(addr, max_size=3), max_size=4)),
+    st.builds(P.Resume, generation=nat, step=ints),
+    st.builds(P.StepDone, rank=nat, generation=nat, step=ints),
+    st.builds(P.Ack, ok=st.booleans(), detail=text),
+    st.builds(P.Goodbye, reason=text),
+    st.builds(P.FetchState, rank=nat, step=ints, slot=st.sampled_from(["own", "replica", "any"])),
+    st.builds(P.StateBlob, rank=nat, step=ints, checksum=nat, nbytes=nat, layout_nbytes=nat),
+)
+
+
+def test_every_message_type_is_covered_by_the_strategy():
+    seen = set()
+
+    @given(MESSAGES)
+    @settings(max_examples=200)
+    def collect(msg):
+        seen.add(msg.TYPE)
+
+    collect()
+    assert seen == set(P.MESSAGE_TYPES)
+
+
+@given(MESSAGES, st.binary(max_size=300), st.integers(min_value=0, max_value=2**63))
+def test_round_trip(msg, body, seq):
+    env = P.decode_frame(P.encode(msg, SECRET, seq, JOB, body), SECRET, JOB)
+    assert env.msg == msg and env.seq == seq and env.job_id == JOB and bytes(env.body) == body
+
+
+@given(MESSAGES, st.data())
+def test_any_flipped_byte_is_rejected(msg, data):
+    frame = bytearray(P.encode(msg, SECRET, 7, JOB, b"payload"))
+    i = data.draw(st.integers(min_value=0, max_value=len(frame) - 1))
+    frame[i] ^= data.draw(st.integers(min_value=1, max_value=255))
+    with pytest.raises(P.ProtocolError):
+        P.decode(bytes(frame), SECRET, JOB)
+
+
+def test_wrong_secret_and_wrong_job_are_rejected():
+    frame = P.encode(P.Stop(3, "node died"), SECRET, 1, JOB)
+    with pytest.raises(P.ProtocolError, match="bad MAC"):
+        P.decode(frame, b"x" * 32, JOB)
+    with pytest.raises(P.ProtocolError, match="expected job '9999'"):
+        P.decode(frame, SECRET, "9999")
+
+
+@given(st.binary(max_size=200))
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_garbage_is_a_protocol_error_never_a_crash(junk):
+    with pytest.raises(P.ProtocolError):
+        P.decode(junk, SECRET, JOB)
+
+
+@given(MESSAGES, st.data())
+def test_truncated_frames_are_rejected(msg, data):
+    frame = P.encode(msg, SECRET, 1, JOB, b"abc")
+    cut = data.draw(st.integers(min_value=0, max_value=len(frame) - 1))
+    with pytest.raises(P.ProtocolError):
+        P.decode(frame[:cut], SECRET, JOB)
+
+
+def _forge(header: dict, body: bytes = b"", secret: bytes = SECRET) -> bytes:
+    """A correctly MACed frame with an arbitrary header: checks validation, not authentication."""
+    raw = json.dumps(header).encode()
+    mac = hmac.new(secret, b"hpct1" + raw + body, hashlib.sha256).digest()
+    return struct.pack(">I", len(raw)) + raw + body + mac
+
+
+def _hdr(type_: str, fields: dict, **over) -> dict:
+    return {"v": 1, "type": type_, "job": JOB, "seq": 1, "body_len": 0, "fields": fields, **over}
+
+
+@pytest.mark.parametrize("header,reason", [
+    (_hdr("explode", {}), "unknown message type 'explode'"),
+    (_hdr("stop", {"generation": 1}), "missing field 'reason'"),
+    (_hdr("stop", {"generation": "1", "reason": "x"}), "stop.generation must be an int"),
+    (_hdr("stop", {"generation": True, "reason": "x"}), "stop.generation must be an int"),
+    (_hdr("stop", {"generation": 1, "reason": "x", "evil": 1}), "unknown fields"),
+    (_hdr("register", {"job_id": "j", "node": "n", "local_rank": 0, "role": "boss", "pid": 1,
+                       "host_addr": "h", "transfer_port": 1}), "must be one of"),
+    (_hdr("assign", {"generation": 1, "rank": 0, "world_size": 2, "members": ["a"],
+                     "tasks_per_node": 1, "restore_step": 0, "sources": {"x": []}}), "is not an int"),
+    (_hdr("assign", {"generation": 1, "rank": 0, "world_size": 2, "members": ["a"],
+                     "tasks_per_node": 1, "restore_step": 0, "sources": {"0": [["h"]]}}), "2-item list"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, v=2), "version"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, seq=-1), "seq"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, job=5), "'job' must be a string"),
+    (_hdr("stop", [1, 2]), "'fields' must be an object"),
+])
+def test_ill_formed_headers_name_the_problem(header, reason):
+    with pytest.raises(P.ProtocolError, match=reason):
+        P.decode(_forge(header), SECRET)
+
+
+def test_size_limits():
+    too_long = struct.pack(">I", P.HEADER_MAX + 1) + b"x" * 10
+    with pytest.raises(P.ProtocolError, match="outside 1"):
+        P.decode(too_long, SECRET)
+    frame = P.encode(P.Goodbye("bye"), SECRET, 1, JOB, b"x" * 100)
+    with pytest.raises(P.ProtocolError, match="over the 50-byte limit"):
+        P.decode(frame, SECRET, JOB, max_body=50)
+    with pytest.raises(P.ProtocolError, match="over the"):
+        P.encode(P.Goodbye("x" * (P.HEADER_MAX + 1)), SECRET, 1, JOB)
+    with pytest.raises(P.ProtocolError, match="not a protocol message"):
+        P.encode(object(), SECRET, 1, JOB)  # type: ignore[arg-type]
+
+
+def test_not_json_header():
+    raw = b"\xff{not json"
+    mac = hmac.new(SECRET, b"hpct1" + raw, hashlib.sha256).digest()
+    with pytest.raises(P.ProtocolError, match="not JSON"):
+        P.decode(struct.pack(">I", len(raw)) + raw + mac, SECRET)
+
+
+def test_channel_rejects_replayed_sequence_numbers():
+    tx, rx = P.Channel(SECRET, JOB), P.Channel(SECRET, JOB)
+    frame = P.encode(P.Heartbeat(0, 1, 5, "train"), SECRET, tx.next_seq(), JOB)
+    rx.accept(P.decode_frame(frame, SECRET, JOB))
+    with pytest.raises(P.ProtocolError, match="replayed"):
+        rx.accept(P.decode_frame(frame, SECRET, JOB))
+    later = P.Channel(SECRET, JOB)
+    later.accept(P.decode_frame(P.encode(P.Ack(True), SECRET, later.next_seq(), JOB), SECRET))
+    with pytest.raises(P.ProtocolError, match="replayed"):
+        later.accept(P.decode_frame(frame, SECRET, JOB))
+
+
+# --- sockets ---------------------------------------------------------------------------------------
+
+def test_socket_round_trip_with_large_body_into_caller_buffers():
+    a, b = socket.socketpair()
+    body = os.urandom(3 * P.CHUNK + 123)
+    head, data = bytearray(10), bytearray(len(body) - 10)
+    with a, b:
+        import threading
+        t = threading.Thread(target=P.send_msg,
+                             args=(a, P.StateBlob(1, 2, 3, len(data), 10), SECRET, 5, JOB,
+                                   [body[:10], memoryview(body)[10:]]))
+        t.start()
+        env = P.recv_msg(b, SECRET, JOB, timeout=10, max_body=len(body),
+                         body_sink=lambda msg, n: [memoryview(head), memoryview(data)])
+        t.join()
+    assert env.msg == P.StateBlob(1, 2, 3, len(data), 10)
+    assert bytes(head) + bytes(data) == body
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=50, deadline=None)
+def test_socket_garbage_then_close_raises_quickly(junk):
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(junk)
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(P.ProtocolError):
+            P.recv_msg(b, SECRET, JOB, timeout=5)
+
+
+def test_socket_clean_close_and_timeout_are_distinguished():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(P.ProtocolTimeout):
+            P.recv_msg(b, SECRET, JOB, timeout=0.1)
+        a.close()
+        with pytest.raises(P.ConnectionClosed):
+            P.recv_msg(b, SECRET, JOB, timeout=5)
+
+
+def test_socket_truncated_body_is_reported():
+    a, b = socket.socketpair()
+    frame = P.encode(P.Goodbye("x"), SECRET, 1, JOB, b"y" * 1000)
+    with a, b:
+        a.sendall(frame[:500])
+        a.close()
+        with pytest.raises(P.ProtocolError, match="truncated frame"):
+            P.recv_msg(b, SECRET, JOB, timeout=5)
+
+
+@given(MESSAGES)
+@settings(max_examples=30, deadline=None)
+def test_asyncio_round_trip(msg):
+    async def main():
+        got = []
+
+        async def handle(reader, writer):
+            got.append(await P.read_msg(reader, SECRET, JOB))
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await P.write_msg(writer, msg, SECRET, 9, JOB, b"zz")
+        with pytest.raises(P.ConnectionClosed):
+            await asyncio.wait_for(P.read_msg(reader, SECRET, JOB), 5)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return got[0]
+
+    env = asyncio.run(main())
+    assert env.msg == msg and env.seq == 9 and bytes(env.body) == b"zz"
+
+
+def test_asyncio_truncated_frame():
+    async def main():
+        reader = asyncio.StreamReader()
+        frame = P.encode(P.Stop(1, "r"), SECRET, 1, JOB)
+        reader.feed_data(frame[:-5])
+        reader.feed_eof()
+        await P.read_msg(reader, SECRET, JOB)
+
+    with pytest.raises(P.ProtocolError, match="truncated frame"):
+        asyncio.run(main())
+
+
+# --- secret file -----------------------------------------------------------------------------------
+
+def test_secret_file_is_private_and_round_trips(tmp_path):
+    path = tmp_path / "secret"
+    secret = P.new_secret_file(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(secret) == P.SECRET_BYTES and P.load_secret(path) == secret
+    with pytest.raises(HpctError, match="already exists"):
+        P.new_secret_file(path)
+
+
+def test_load_secret_refuses_readable_or_bad_files(tmp_path):
+    path = tmp_path / "secret"
+    P.new_secret_file(path)
+    os.chmod(path, 0o640)
+    with pytest.raises(HpctError, match="mode 0640"):
+        P.load_secret(path)
+    bad = tmp_path / "bad"
+    bad.write_text("not hex")
+    os.chmod(bad, 0o600)
+    with pytest.raises(HpctError, match="does not hold a hex secret"):
+        P.load_secret(bad)
+    with pytest.raises(HpctError, match="does not exist"):
+        P.load_secret(tmp_path / "missing")

@@ -1,0 +1,239 @@
+"""TrainState capture/restore, double-buffered snapshot slots, replica placement, mode choice."""
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hpct_slurm.errors import HpctError
+from hpct_slurm.recovery.snapshot import (ReplicaStore, SnapshotStore, choose_mode, ranks_held_by,
+                                          replica_peer, replica_peer_rank, replica_source_node)
+from hpct_slurm.recovery.state import Layout, TrainState
+
+
+class Sampler:
+    """A data position with state_dict/load_state_dict, like a resumable sampler."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+def make_training(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    sampler = Sampler()
+    state = TrainState(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
+
+    def step() -> float:
+        # Every RNG the state promises to restore feeds the step.
+        x = torch.randn(8, 16) * float(np.random.rand() + random.random())
+        x = x + sampler.pos
+        sampler.pos += 1
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.item()
+
+    return model, opt, state, step
+
+
+def params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_restore_is_bit_identical_including_adam_and_rng():
+    model, opt, state, step = make_training()
+    for _ in range(5):
+        step()
+    store = SnapshotStore(state)
+    store.commit(5)
+    first = [step() for _ in range(4)]
+    first_params = params(model)
+    first_adam = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    first_step_count = [opt.state[p]["step"].clone() for p in model.parameters()]
+
+    snap = store.latest()
+    assert snap is not None and snap.step == 5 and snap.verify()
+    state.restore_from(snap.layout, snap.data)
+    second = [step() for _ in range(4)]
+    assert first == second
+    for a, b in zip(first_params, params(model)):
+        assert torch.equal(a, b)
+    for p, a, c in zip(model.parameters(), first_adam, first_step_count):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], a)
+        assert torch.equal(opt.state[p]["step"], c) and c.item() == 9
+
+
+def test_restore_into_a_fresh_process_state_from_bytes():
+    """A replacement builds its own objects, gets only bytes + layout JSON, and continues."""
+    model, _, state, step = make_training(seed=1)
+    for _ in range(3):
+        step()
+    snap = SnapshotStore(state).commit(3)
+    wire_layout, wire_data = snap.layout.to_json(), bytearray(snap.data)
+    expected = [step() for _ in range(3)]
+
+    model2, _, state2, step2 = make_training(seed=99)
+    state2.restore_from(Layout.from_json(wire_layout), wire_data)
+    wire_data[:] = b"\0" * len(wire_data)  # restored tensors must not alias the buffer
+    assert [step2() for _ in range(3)] == expected
+    for a, b in zip(params(model), params(model2)):
+        assert torch.equal(a, b)
+
+
+def test_steady_state_reuses_the_two_slot_buffers():
+    _, _, state, step = make_training()
+    store = SnapshotStore(state)
+    store.commit(0)  # before the first step: no optimizer state yet
+    small = store.latest().layout.nbytes
+    ptrs = set()
+    for s in range(1, 9):
+        step()
+        store.commit(s)
+        ptrs.add(store.slots._bufs[store.slots._current].data_ptr())
+    assert store.latest().layout.nbytes > small  # Adam's moments appeared and were captured
+    # Slot 0 held the pre-step snapshot and grew once; after that, two buffers alternate.
+    assert len(ptrs) <= 3
+    later = set()
+    for s in range(9, 15):
+        step()
+        store.commit(s)
+        later.add(store.slots._bufs[store.slots._current].data_ptr())
+    assert len(later) == 2 and later <= ptrs
+
+
+def test_failed_capture_keeps_the_last_good_snapshot():
+    class Flaky(Sampler):
+        fail = False
+
+        def state_dict(self) -> dict:
+            if self.fail:
+                raise RuntimeError("device lost mid-capture")
+            return super().state_dict()
+
+    model, _, state, step = make_training()
+    flaky = Flaky()
+    state.register(sampler=flaky)
+    store = SnapshotStore(state)
+    step()
+    store.commit(1)
+    step()
+    store.commit(2)
+    flaky.fail = True
+    with pytest.raises(RuntimeError):
+        store.commit(3)
+    snap = store.latest()
+    assert snap.step == 2 and snap.verify()
+    assert store.slots.steps() == [2]  # the slot being written was invalidated, not published
+    flaky.fail = False
+    store.commit(3)  # the writer lock was released
+    assert store.slots.steps() == [2, 3]
+
+
+def test_scopes_split_shared_and_rank_state():
+    _, _, state, step = make_training()
+    step()
+    rank_layout, _ = state.capture_into(None, ("rank",))
+    shared_layout, _ = state.capture_into(None, ("shared",))
+    rank_keys = {kv[0] for kv in rank_layout.tree["d"]}
+    assert {"sampler", "rng", "extras"} <= rank_keys and "model" not in rank_keys
+    shared_keys = {kv[0] for kv in shared_layout.tree["d"]}
+    assert shared_keys == {"model", "optimizer", "lr_scheduler"}
+    assert (32, 16) in {e.shape for e in shared_layout.entries}
+    assert (32, 16) not in {e.shape for e in rank_layout.entries}
+
+
+def test_extras_round_trip_with_tensors_tuples_and_int_keys():
+    _, _, state, _ = make_training()
+    extras = {"epoch": 3, "best": float("inf"), "pair": (1, "a"), "by_id": {7: [1.5, None]},
+              "ema": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "empty": torch.zeros(0)}
+    state.extras = dict(extras)
+    layout, buf = state.capture_into(None)
+    state.extras = {}
+    state.restore_from(Layout.from_json(layout.to_json()), buf)
+    got = state.extras
+    assert got["pair"] == (1, "a") and got["by_id"] == {7: [1.5, None]} and got["best"] == float("inf")
+    assert torch.equal(got["ema"], extras["ema"]) and got["ema"].dtype == torch.bfloat16
+    assert got["empty"].shape == (0,)
+
+
+def test_unsupported_values_and_registrations_are_clear_errors():
+    state = TrainState()
+    state.extras = {"fn": print}
+    with pytest.raises(HpctError, match="extras.fn: values of type builtin_function_or_method"):
+        state.capture_into(None)
+    with pytest.raises(HpctError, match="no state_dict/load_state_dict"):
+        state.register(model=object())
+    with pytest.raises(HpctError, match="reserved"):
+        state.register(rng=Sampler())
+    model, _, full, _ = make_training()
+    layout, buf = full.capture_into(None)
+    with pytest.raises(HpctError, match="does not register"):
+        TrainState(model=model).restore_from(layout, buf)
+
+
+def test_replica_store_keeps_previous_on_checksum_mismatch():
+    _, _, state, step = make_training()
+    step()
+    snap = SnapshotStore(state).commit(1)
+    replicas = ReplicaStore()
+    idx, buf = replicas.begin(3, snap.layout.nbytes)
+    buf.numpy()[:snap.layout.nbytes] = np.frombuffer(snap.data, dtype=np.uint8)
+    replicas.finish(3, idx, buf, 1, snap.layout, snap.checksum)
+    idx, buf = replicas.begin(3, snap.layout.nbytes)
+    buf.numpy()[:snap.layout.nbytes] = 7  # garbage "received"
+    with pytest.raises(HpctError, match="kept the previous replica"):
+        replicas.finish(3, idx, buf, 2, snap.layout, snap.checksum)
+    kept = replicas.latest(3)
+    assert kept.step == 1 and kept.verify() and bytes(kept.data) == bytes(snap.data)
+
+
+@given(st.integers(min_value=2, max_value=64), st.integers(min_value=1, max_value=8))
+def test_ring_placement_puts_every_replica_on_another_node(num_nodes, tpn):
+    held: list[int] = []
+    for node in range(num_nodes):
+        peer = replica_peer(node, num_nodes)
+        assert peer != node and replica_source_node(peer, num_nodes) == node
+        held += ranks_held_by(node, num_nodes, tpn)
+        for r in ranks_held_by(node, num_nodes, tpn):
+            assert r // tpn != node and replica_peer_rank(r, num_nodes, tpn) // tpn == node
+    assert sorted(held) == list(range(num_nodes * tpn))  # each rank replicated exactly once
+
+
+def test_ring_placement_rejects_bad_input():
+    with pytest.raises(HpctError, match="at least 2 nodes"):
+        replica_peer(0, 1)
+    with pytest.raises(HpctError, match="outside 0..3"):
+        replica_peer(4, 4)
+
+
+def test_choose_mode(tmp_path):
+    model, opt, state, _ = make_training()
+    assert choose_mode(state) == "replicated"  # not DDP: no peer is known to hold the state
+    assert choose_mode(state, force="jit") == "jit"
+    with pytest.raises(HpctError, match="not 'jit' or 'replicated'"):
+        choose_mode(state, force="fast")  # type: ignore[arg-type]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        assert choose_mode(TrainState(model=ddp, optimizer=opt)) == "jit"
+    finally:
+        dist.destroy_process_group()

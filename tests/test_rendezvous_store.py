@@ -1,0 +1,266 @@
+"""RootlessStore against torch's own stores: HashStore as the oracle, TCPStore for a few cases."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import os
+import re
+import socket
+import struct
+import threading
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hpct_slurm.errors import HpctError
+from hpct_slurm.events import EventLog, read_events
+from hpct_slurm.rendezvous.store import (EVENT_AUTH_REJECTED, RootlessStore, ShardServer,
+                                         load_secret, shard_of, write_secret)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+SHORT = datetime.timedelta(milliseconds=5)
+
+
+def _servers(n: int, events: EventLog | None = None) -> list[ShardServer]:
+    return [ShardServer("127.0.0.1", 0, SECRET, events=events or EventLog()) for _ in range(n)]
+
+
+@pytest.fixture
+def shards():
+    servers = _servers(3)
+    store = RootlessStore([s.address for s in servers], SECRET, datetime.timedelta(seconds=5))
+    yield servers, store
+    store.close()
+    for s in servers:
+        s.stop()
+
+
+KEYS = st.sampled_from(["a", "b", "c", "gen0/x", "gen1/x", "0//cpu//0/0", "ü-key", ""])
+INT_VALUE = re.compile(rb"-?[0-9]{1,9}")
+VALUES = st.one_of(
+    st.binary(max_size=24),
+    st.integers(-10**6, 10**6).map(lambda i: str(i).encode()),
+    st.text("xyz", max_size=5).map(str.encode),
+)
+
+
+class StoreVsHashStore(RuleBasedStateMachine):
+    """Every operation gloo/NCCL init uses, on 3 shards, must match HashStore exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.servers = _servers(3)
+        self.store = RootlessStore([s.address for s in self.servers], SECRET,
+                                   datetime.timedelta(seconds=5))
+        self.oracle = dist.HashStore()
+
+    def teardown(self) -> None:
+        self.store.close()
+        for s in self.servers:
+            s.stop()
+
+    def present(self, key: str) -> bool:
+        return self.oracle.check([key])
+
+    @rule(key=KEYS, value=VALUES)
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+        self.oracle.set(key, value)
+
+    @rule(key=KEYS)
+    def get(self, key: str) -> None:
+        if self.present(key):
+            assert self.store.get(key) == self.oracle.get(key)
+        else:
+            self.store.set_timeout(SHORT)
+            self.oracle.set_timeout(SHORT)
+            with pytest.raises(dist.DistStoreError, match=re.escape(f"'{key}'")):
+                self.store.get(key)
+            with pytest.raises(dist.DistStoreError):
+                self.oracle.get(key)
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+
+    @rule(key=KEYS, delta=st.integers(-1000, 1000))
+    def add(self, key: str, delta: int) -> None:
+        current = self.oracle.get(key) if self.present(key) else None
+        if current is None or INT_VALUE.fullmatch(current):
+            assert self.store.add(key, delta) == self.oracle.add(key, delta)
+        elif re.fullmatch(rb"[a-z]+", current):
+            with pytest.raises(ValueError):
+                self.store.add(key, delta)
+            with pytest.raises(ValueError):
+                self.oracle.add(key, delta)
+        # Other bytes: HashStore's stoll takes a numeric prefix ("12ab" -> 12), we refuse;
+        # gloo/NCCL never add to such keys, so neither answer is pinned here.
+
+    @rule(key=KEYS, expected=st.one_of(st.just(b""), VALUES), desired=VALUES,
+          use_current=st.booleans())
+    def compare_set(self, key: str, expected: bytes, desired: bytes, use_current: bool) -> None:
+        if use_current and self.present(key):
+            expected = self.oracle.get(key)
+        assert (self.store.compare_set(key, expected, desired)
+                == self.oracle.compare_set(key, expected, desired))
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def check(self, keys: list[str]) -> None:
+        assert self.store.check(keys) == self.oracle.check(keys)
+
+    @precondition(lambda self: self.oracle.num_keys() > 0)
+    @rule(key=KEYS)
+    def wait_present(self, key: str) -> None:
+        if self.present(key):
+            self.store.wait([key], SHORT)
+
+    @rule(key=KEYS)
+    def delete_key(self, key: str) -> None:
+        assert self.store.delete_key(key) == self.oracle.delete_key(key)
+
+    @invariant()
+    def same_num_keys(self) -> None:
+        assert self.store.num_keys() == self.oracle.num_keys()
+
+
+StoreVsHashStore.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestStoreVsHashStore = StoreVsHashStore.TestCase
+
+
+def test_keys_spread_over_all_shards(shards):
+    servers, store = shards
+    for i in range(300):
+        store.set(f"hpct/gen0/key{i}", b"v")
+    counts = [s.stats().keys for s in servers]
+    assert sum(counts) == 300 and min(counts) > 50, counts
+    assert shard_of("hpct/gen0/key7", 3) == shard_of(b"hpct/gen0/key7", 3)
+
+
+def test_get_blocks_until_another_client_sets(shards):
+    _, store = shards
+    other = store.clone()
+    timer = threading.Timer(0.2, other.set, args=("late", b"value"))
+    timer.start()
+    assert store.get("late") == b"value"
+    store.wait(["late"], SHORT)
+    timer.join()
+    other.close()
+
+
+def test_wait_timeout_names_the_missing_key(shards):
+    _, store = shards
+    store.set("here", b"1")
+    with pytest.raises(dist.DistStoreError, match="'not-here'"):
+        store.wait(["here", "not-here"], SHORT)
+
+
+@pytest.mark.parametrize("kind", ["rootless", "tcpstore"])
+def test_compare_set_and_num_keys_against_tcpstore(shards, kind):
+    """The same script gives the same answers on TCPStore (without wait_for_workers, which
+    would add a key of its own)."""
+    _, store = shards
+    if kind == "tcpstore":
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=5),
+                              wait_for_workers=False)
+    assert store.compare_set("k", "x", "y") == b"x"  # missing, expected set: not created
+    assert not store.check(["k"])
+    assert store.compare_set("k", "", "first") == b"first"  # missing, expected empty: created
+    assert store.compare_set("k", "", "second") == b"first"  # present, mismatch
+    assert store.compare_set("k", "first", "third") == b"third"
+    assert store.add("n", 3) == 3 and store.add("n", -5) == -2
+    assert store.get("n") == b"-2"
+    assert store.num_keys() == 2
+    assert store.delete_key("k") and not store.delete_key("k")
+    assert store.num_keys() == 1
+
+
+def test_wrong_secret_is_rejected_and_logged(tmp_path):
+    log_path = tmp_path / "events.jsonl"
+    servers = _servers(1, EventLog(log_path))
+    try:
+        intruder = RootlessStore([servers[0].address], b"x" * 32, SHORT)
+        with pytest.raises(dist.DistNetworkError):
+            intruder.set("k", b"v")
+        good = RootlessStore([servers[0].address], SECRET, SHORT)
+        assert not good.check(["k"])
+        assert servers[0].stats().auth_rejected == 1
+    finally:
+        servers[0].stop()
+    rejected = [e for e in read_events(log_path) if e["event"] == EVENT_AUTH_REJECTED]
+    assert len(rejected) == 1 and rejected[0]["reason"] == "bad request tag"
+
+
+def test_replayed_request_is_rejected(shards):
+    """A request signed for one connection's nonce fails on another connection."""
+    servers, store = shards
+    host, port = servers[0].address
+
+    def frame(nonce: bytes, payload: bytes) -> bytes:
+        tag = hmac.new(SECRET, b"Q" + nonce + struct.pack("!Q", 0) + payload,
+                       hashlib.sha256).digest()
+        return struct.pack("!I", len(tag) + len(payload)) + tag + payload
+
+    payload = bytes([1]) + struct.pack("!I", 1) + b"k" + struct.pack("!I", 1) + b"v"  # set k=v
+    with socket.create_connection((host, port)) as a, socket.create_connection((host, port)) as b:
+        nonce_a = a.recv(16)
+        b.recv(16)
+        b.sendall(frame(nonce_a, payload))
+        b.settimeout(5)
+        assert b.recv(100) == b""  # the server hung up on the replay
+        a.sendall(frame(nonce_a, payload))
+        assert len(a.recv(100)) > 32  # the original, on its own connection, is answered
+    assert servers[0].stats().auth_rejected == 1
+    assert store.check(["k"]) == (shard_of("k", 3) == 0)
+
+
+def test_shard_port_in_use_is_a_clear_error(shards):
+    servers, _ = shards
+    host, port = servers[0].address
+    with pytest.raises(HpctError, match=f"cannot listen on {host}:{port}"):
+        ShardServer(host, port, SECRET)
+
+
+def test_load_secret(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    data = write_secret(path)
+    assert load_secret(path) == data
+    monkeypatch.setenv("HPCT_SECRET_FILE", str(path))
+    assert load_secret() == data
+    os.chmod(path, 0o644)
+    with pytest.raises(HpctError, match="chmod 600"):
+        load_secret(path)
+    monkeypatch.delenv("HPCT_SECRET_FILE")
+    with pytest.raises(HpctError, match="HPCT_SECRET_FILE is not set"):
+        load_secret()
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    os.chmod(short, 0o600)
+    with pytest.raises(HpctError, match="3 bytes"):
+        load_secret(short)
+
+
+def test_client_waits_for_a_shard_that_starts_late():
+    """Ranks may start before their node's shard server: connects retry until it is up."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port)).close()
+    store = RootlessStore([("127.0.0.1", port)], SECRET, datetime.timedelta(seconds=10))
+    started: list[ShardServer] = []
+    timer = threading.Timer(0.3, lambda: started.append(
+        ShardServer("127.0.0.1", port, SECRET, events=EventLog())))
+    timer.start()
+    try:
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert started[0].stats().connections == 1
+    finally:
+        timer.join()
+        store.close()
+        for s in started:
+            s.stop()

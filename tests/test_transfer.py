@@ -1,0 +1,207 @@
+"""Peer transfer, replica pushes, torn/corrupt copies and the disk fallback, over real loopback TCP."""
+from __future__ import annotations
+
+import io
+import json
+import socket
+
+import pytest
+import torch
+
+from hpct_slurm import protocol as P
+from hpct_slurm.errors import HpctError
+from hpct_slurm.events import EventLog
+from hpct_slurm.recovery.persist import DiskPersister, list_steps, load_latest, rank_dir
+from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
+from hpct_slurm.recovery.state import Layout, TrainState
+from hpct_slurm.recovery.transfer import (EV_FALLBACK_DISK, EV_SOURCE_FAILED, LATEST, ReplicaPusher,
+                                          TransferServer, fetch_state)
+
+SECRET = b"s" * 32
+JOB = "77"
+
+
+class Events:
+    def __init__(self) -> None:
+        self.stream = io.StringIO()
+        self.log = EventLog(stream=self.stream)
+
+    def named(self, name: str) -> list[dict]:
+        return [e for e in map(json.loads, self.stream.getvalue().splitlines()) if e["event"] == name]
+
+
+def trained_state(seed: int = 0, steps: int = 2):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    state = TrainState(model=model, optimizer=opt)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+
+    for _ in range(steps):
+        step()
+    return model, state, step
+
+
+@pytest.fixture
+def events() -> Events:
+    return Events()
+
+
+def test_replacement_restores_from_a_replica_bit_identically(events):
+    model, state, step = trained_state()
+    store = SnapshotStore(state)
+    replicas = ReplicaStore()
+    with TransferServer(SECRET, JOB, 1, replicas=replicas, events=events.log) as holder:
+        pusher = ReplicaPusher(store, 0, holder.address, SECRET, JOB, events=events.log)
+        for s in (3, 4):
+            step()
+            store.commit(s)
+            pusher.after_commit(s)
+        pusher.close()
+        assert pusher.acked_step == 4 and replicas.latest(0).step == 4
+        want = [p.detach().clone() for p in model.parameters()]
+
+        into = torch.empty(store.latest().layout.nbytes, dtype=torch.uint8)
+        got = fetch_state([holder.address], 0, SECRET, JOB, step=4, into=into, events=events.log)
+    assert got.step == 4 and got.data is into
+    model2, state2, _ = trained_state(seed=5, steps=1)
+    state2.restore_from(got.layout, got.data)
+    assert all(torch.equal(a, b) for a, b in zip(want, model2.parameters()))
+    assert len(events.named("replica.stored")) == 2 and len(events.named("transfer.fetched")) == 1
+
+
+@pytest.mark.parametrize("verify_on_serve", [True, False])
+def test_corrupted_replica_is_detected_and_the_next_source_used(events, verify_on_serve):
+    _, state, _ = trained_state()
+    own = SnapshotStore(state)
+    snap = own.commit(2)
+    replicas = ReplicaStore()
+    idx, buf = replicas.begin(0, snap.layout.nbytes)
+    buf.numpy()[:snap.layout.nbytes] = memoryview(snap.data)
+    replicas.finish(0, idx, buf, 2, snap.layout, snap.checksum)
+    replicas.latest(0).data[snap.layout.nbytes // 2] ^= 0x10  # a bit flips in the holder's memory
+
+    with TransferServer(SECRET, JOB, 1, replicas=replicas, events=events.log,
+                        verify_on_serve=verify_on_serve) as bad, \
+            TransferServer(SECRET, JOB, 0, own=own, events=events.log) as good:
+        got = fetch_state([bad.address, good.address], 0, SECRET, JOB, step=2, events=events.log)
+    assert got.source == f"{good.address[0]}:{good.address[1]}"
+    assert bytes(got.data.numpy()) == bytes(snap.data)
+    failed = events.named(EV_SOURCE_FAILED)
+    assert len(failed) == 1 and failed[0]["source"] == f"{bad.address[0]}:{bad.address[1]}"
+    if verify_on_serve:
+        assert events.named("transfer.serve_corrupt")[0]["rank"] == 0
+        assert replicas.latest(0) is None  # the corrupt copy is never offered again
+    else:
+        assert "checksum mismatch" in failed[0]["error"]
+
+
+def test_no_source_left_falls_back_to_disk_and_says_so(tmp_path, events):
+    model, state, step = trained_state()
+    store = SnapshotStore(state)
+    persister = DiskPersister(store, tmp_path, rank=0, every=2, events=events.log)
+    for s in range(1, 6):
+        step()
+        store.commit(s)
+        persister.after_commit(s)
+        persister.flush()
+    persister.close()
+    assert list_steps(tmp_path, 0) == [2, 4]  # every 2nd step, last 2 kept
+
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_addr = dead.getsockname()[:2]
+    dead.close()  # nothing listens here any more
+    with TransferServer(b"w" * 32, JOB, 9, replicas=ReplicaStore()) as wrong_secret:
+        got = fetch_state([dead_addr, wrong_secret.address], 0, SECRET, JOB, step=5,
+                          disk_dir=str(tmp_path), events=events.log, timeout=5)
+    assert got.step == 4 and got.source == f"disk:{tmp_path}"
+    assert len(events.named(EV_SOURCE_FAILED)) == 2
+    (fb,) = events.named(EV_FALLBACK_DISK)
+    assert fb["rank"] == 0 and fb["disk_step"] == 4 and fb["step"] == 5
+
+    with pytest.raises(HpctError, match="no good copy of rank 0's state at step 5: tried 127.0.0.1"):
+        fetch_state([dead_addr], 0, SECRET, JOB, step=5, timeout=5)
+
+
+def test_disk_falls_back_to_the_previous_file_when_the_newest_is_corrupt(tmp_path, events):
+    _, state, step = trained_state()
+    store = SnapshotStore(state)
+    persister = DiskPersister(store, tmp_path, rank=3, every=1)
+    for s in (1, 2):
+        step()
+        store.commit(s)
+        persister.after_commit(s)
+        persister.flush()
+    persister.close()
+    newest = rank_dir(tmp_path, 3) / "step2.bin"
+    raw = bytearray(newest.read_bytes())
+    raw[-10] ^= 0xFF
+    newest.write_bytes(raw)
+    step_, layout, data = load_latest(tmp_path, 3, events=events.log)
+    assert step_ == 1 and isinstance(layout, Layout) and len(data) == layout.nbytes
+    assert events.named("persist.corrupt")[0]["step"] == 2
+    (rank_dir(tmp_path, 3) / "step1.bin").write_bytes(b"\0\0")
+    with pytest.raises(HpctError, match="no intact snapshot of rank 3"):
+        load_latest(tmp_path, 3)
+
+
+def _push_raw(addr, msg: P.StateBlob, body: bytes, cut: int | None) -> P.Envelope | None:
+    """Push a replica by hand; with `cut`, close after `cut` body bytes (a torn transfer)."""
+    chan = P.Channel(SECRET, JOB)
+    with socket.create_connection(addr, timeout=5) as sock:
+        writer = P.FrameWriter(sock, msg, SECRET, chan.next_seq(), JOB, len(body), timeout=5)
+        if cut is not None:
+            writer.write(body[:cut])
+            return None
+        writer.write(body)
+        writer.finish()
+        return P.recv_msg(sock, SECRET, JOB, timeout=5)
+
+
+def test_torn_or_bad_pushes_leave_the_previous_replica_intact(events):
+    _, state, step = trained_state()
+    store = SnapshotStore(state)
+    good = store.commit(1)
+    replicas = ReplicaStore()
+    with TransferServer(SECRET, JOB, 1, replicas=replicas, events=events.log) as holder:
+        pusher = ReplicaPusher(store, 0, holder.address, SECRET, JOB)
+        pusher.after_commit(1)
+        pusher.close()
+        step()
+        newer = store.commit(2)
+        layout_json = newer.layout.to_json()
+        body = layout_json + bytes(newer.data)
+        blob = P.StateBlob(0, 2, newer.checksum, newer.layout.nbytes, len(layout_json))
+
+        _push_raw(holder.address, blob, body, cut=len(body) // 2)  # sender dies mid-body
+
+        def assert_kept() -> bool:
+            kept = replicas.latest(0)
+            return kept.step == 1 and kept.verify() and bytes(kept.data) == bytes(good.data)
+
+        assert assert_kept()
+        bad = P.StateBlob(0, 2, newer.checksum ^ 1, newer.layout.nbytes, len(layout_json))
+        refused = _push_raw(holder.address, bad, body, cut=None)
+        assert isinstance(refused.msg, P.Ack) and not refused.msg.ok
+        assert "kept the previous replica" in refused.msg.detail
+        assert assert_kept()
+        ok = _push_raw(holder.address, blob, body, cut=None)
+    assert isinstance(ok.msg, P.Ack) and ok.msg.ok
+    assert replicas.latest(0).step == 2
+    assert len(events.named("replica.rejected")) >= 2
+
+
+def test_fetch_of_a_missing_step_or_rank_names_what_the_server_has(events):
+    _, state, _ = trained_state()
+    store = SnapshotStore(state)
+    store.commit(1)
+    with TransferServer(SECRET, JOB, 0, own=store) as srv:
+        with pytest.raises(HpctError, match="has no snapshot of rank 0 at step 9"):
+            fetch_state([srv.address], 0, SECRET, JOB, step=9, events=events.log)
+        with pytest.raises(HpctError, match="has no snapshot of rank 5"):
+            fetch_state([srv.address], 5, SECRET, JOB, step=LATEST)
+        assert fetch_state([srv.address], 0, SECRET, JOB).step == 1

@@ -13,6 +13,7 @@ from .errors import HpctError
 
 # Order is the order shown in --help.
 COMMAND_MODULES = [
+    "hpct_slurm.demo_cli",
     "hpct_slurm.localcluster.cli",
     "hpct_slurm.slurm.cli",
     "hpct_slurm.hooks.cli",

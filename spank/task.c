@@ -93,6 +93,8 @@ static int run_task_env(spank_t sp)
 		close(fds[0]);
 		close(fds[1]);
 		execve(hpct_cfg.hpct, argv, env);
+		/* the task's stderr: the user sees why (e.g. a python the job user cannot read) */
+		dprintf(STDERR_FILENO, "hpct: cannot run %s: %s\n", hpct_cfg.hpct, strerror(errno));
 		_exit(127);
 	}
 	close(fds[1]);
@@ -111,7 +113,9 @@ static int run_task_env(spank_t sp)
 	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
 		;
 	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-		slurm_error("hpct: %s task-prolog failed (status %d)", hpct_cfg.hpct, status);
+		slurm_error("hpct: %s task-prolog failed (%s %d)", hpct_cfg.hpct,
+			    WIFEXITED(status) ? "exit code" : "signal",
+			    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
 		free(out);
 		return -1;
 	}

@@ -166,3 +166,14 @@ def test_slurm_rejects_what_we_reject(cluster, hostlist: str) -> None:
     assert "Invalid hostlist" in proc.stderr + proc.stdout
     with pytest.raises(HpctError):
         expand(hostlist)
+
+
+def test_cli_expand_and_compress(capsys: pytest.CaptureFixture[str]) -> None:
+    from hpct_slurm.cli import main
+
+    assert main(["hostlist", "expand", "n[1-2]", "m[01-02]"]) == 0
+    assert capsys.readouterr().out.split() == ["n1", "n2", "m01", "m02"]
+    assert main(["hostlist", "compress", "n1", "n2", "n[3-4]"]) == 0
+    assert capsys.readouterr().out.strip() == "n[1-4]"
+    assert main(["hostlist", "expand", "n[1-"]) == 2
+    assert "HPCT: hostlist 'n[1-' is not a hostlist: unclosed '['" in capsys.readouterr().err

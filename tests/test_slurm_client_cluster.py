@@ -61,7 +61,7 @@ JOB_PENDING = JOB_RUNNING.replace("JobState=RUNNING", "JobState=PENDING").replac
 SQUEUE_JSON = """{"meta": {"plugin": {"type": "openapi/v0.0.38", "name": "Slurm OpenAPI v0.0.38"},
  "Slurm": {"version": {"major": 22, "micro": 8, "minor": 5}, "release": "22.05.8"}},
  "errors": [], "jobs": [
- {"job_id": 3, "name": "wrap", "job_state": "FAILED", "nodes": "n1", "batch_host": "n1",
+ {"job_id": 3, "name": "wrap", "user_name": "root", "job_state": "FAILED", "nodes": "n1", "batch_host": "n1",
   "restart_cnt": 0, "state_reason": "NonZeroExitCode", "exit_code": 768,
   "flags": ["TRES_STR_CALC"]},
  {"job_id": 5, "name": "wrap", "job_state": "CANCELLED", "nodes": "", "batch_host": "",
@@ -127,7 +127,7 @@ def test_parse_node_state_rejects(bad: str) -> None:
 
 def test_parse_job_records() -> None:
     job = parse_job_record(JOB_RUNNING)
-    assert (job.job_id, job.name, job.state) == (1, "job.sh", "RUNNING")
+    assert (job.job_id, job.name, job.user, job.state) == (1, "job.sh", "root", "RUNNING")
     assert job.nodelist == ["n1", "n2"] and job.batch_host == "n1"
     assert job.reason is None and job.restart_count == 0 and job.flags is None
     assert not job.finished
@@ -143,6 +143,7 @@ def test_parse_job_records() -> None:
 
 def test_parse_squeue_json() -> None:
     jobs = {j.job_id: j for j in parse_squeue_json(SQUEUE_JSON)}
+    assert jobs[3].user == "root" and jobs[5].user is None
     assert jobs[3].state == "FAILED" and (jobs[3].exit_code, jobs[3].exit_signal) == (3, 0)
     assert jobs[5].nodelist == [] and jobs[5].batch_host is None
     assert jobs[6].nodelist == ["n2", "n3"] and jobs[6].restart_count == 1
@@ -312,8 +313,9 @@ def test_sbatch_job_runs_and_completes(cluster, tmp_path: Path) -> None:
             log = _read(tmp_path / f"step-{node}.log")
             assert f"node={node}" in log and "srun_exit=0" in log, log
         assert "batch-done" in _read(tmp_path / "batch.out")
-        [queued] = client.jobs(job_ids=[job_id])
+        [queued] = client.jobs(user="root", job_ids=[job_id])
         assert queued.state == "COMPLETED" and queued.nodelist == running.nodelist
+        assert client.jobs(user="nobody-here") == []
     finally:
         client.cancel(job_id)
 
@@ -369,4 +371,8 @@ def test_killed_node_inside_no_kill_job(cluster, tmp_path: Path) -> None:
         if victim is not None:
             if not cluster.node_pids(victim):
                 cluster.revive_node(victim)
+            # A node that was only "not responding" returns to service by itself when its
+            # slurmd registers (ReturnToService=1); resuming it then would race that.
+            _until(f"{victim} responding", lambda: "NOT_RESPONDING" not in
+                   client.show_node(victim).flags, timeout=60)
             _resume_if_needed(client, victim)

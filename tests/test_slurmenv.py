@@ -1,6 +1,9 @@
 """SlurmEnv.from_environ: what a batch script and a step task see, good and bad values."""
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 from hypothesis import given, strategies as st
 
@@ -124,3 +127,22 @@ def test_tasks_per_node_round_trip(counts: list[int]) -> None:
     # Slurm's form never repeats a value in two neighbouring items
     items = [item.split("(")[0] for item in text.split(",")]
     assert all(a != b for a, b in zip(items, items[1:]))
+
+
+@pytest.mark.cluster
+def test_real_step_environment_parses_and_agrees(cluster) -> None:
+    """What srun really exports, parsed in every task of a 2-node, 3-task step."""
+    proc = cluster.run(["srun", "-N2", "-n3", sys.executable, "-m", "hpct_slurm.cli", "env",
+                        "--json"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    tasks = sorted((json.loads(line) for line in proc.stdout.splitlines()),
+                   key=lambda t: t["procid"])
+    assert [t["procid"] for t in tasks] == [0, 1, 2]
+    first = tasks[0]
+    assert len(first["step_nodelist"]) == 2 and sum(first["tasks_per_node"]) == 3
+    for t in tasks:
+        assert t["ntasks"] == 3 and t["job_id"] == first["job_id"]
+        assert t["step_nodelist"] == first["step_nodelist"] == t["job_nodelist"]
+        # SLURM_NODEID indexes the step's node list at this task's own node
+        assert t["step_nodelist"][t["nodeid"]] == t["node_name"]
+        assert t["node_name"] in cluster.nodes and t["batch_host"] == t["job_nodelist"][0]

@@ -390,12 +390,7 @@ class Controller:
         self._launch(node, "spare")
 
     def _slurmd_reachable(self, node: str) -> bool:
-        try:
-            addr = self.slurm.show_node(node).addr or node
-            with socket.create_connection((addr, self.o.slurmd_port), timeout=1.0):
-                return True
-        except (OSError, HpctError):
-            return False
+        return slurmd_reachable(self.slurm, node, self.o.slurmd_port)
 
     def _cancel_steps_on(self, node: str) -> None:
         try:
@@ -457,6 +452,18 @@ class Controller:
     async def _goodbye_all(self, reason: str) -> None:
         for c in list(self.conns.values()):
             await self._send(c, P.Goodbye(reason))
+
+
+def slurmd_reachable(slurm: SlurmClient, node: str, port: int = 6818) -> bool:
+    """Whether the node's slurmd accepts a TCP connection within a second: tells a crashed or
+    partitioned node from a live node whose training process failed, long before Slurm's own
+    SlurmdTimeout marks it not responding."""
+    try:
+        addr = slurm.show_node(node).addr or node
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except (OSError, HpctError):
+        return False
 
 
 def _resolve(host: str) -> str:

@@ -9,6 +9,9 @@ import argparse
 import hashlib
 import json
 import os
+import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,28 +39,37 @@ def main() -> None:
     job = Job(model=model, optimizer=opt, seed=7)  # hpct
 
     def train_step(step: int) -> float:  # hpct: one optimizer step
-        # data for (rank, step): the wrapper seeded the RNG from (seed, rank, step)
-        x = torch.randn(args.batch, 32)
-        y = x[:, :4].sum(dim=1, keepdim=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        job.allreduce_gradients()  # hpct: fixed-order reduction
-        opt.step()
-        if args.step_sleep:
-            import time
-            time.sleep(args.step_sleep)
-        return loss.item()
+        return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)
 
     if job.run(train_step, args.steps):  # hpct
-        digest = hashlib.sha256()
-        for p in model.parameters():
-            digest.update(p.detach().numpy().tobytes())
-        out = job.run_dir / "results" / f"rank{job.rank}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps({"rank": job.rank, "params_sha256": digest.hexdigest(),
-                                   "losses": {str(k): v for k, v in sorted(job.losses.items())},
-                                   "node": os.environ.get("SLURMD_NODENAME")}))
+        write_result(job.run_dir, job.rank, model, job.losses)
+
+
+def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
+             allreduce: Callable[[], None], step_sleep: float = 0.0) -> float:
+    # data for (rank, step): the caller seeded the RNG from (seed, rank, step)
+    x = torch.randn(batch, 32)
+    y = x[:, :4].sum(dim=1, keepdim=True)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    allreduce()  # fixed-order reduction
+    opt.step()
+    if step_sleep:
+        time.sleep(step_sleep)
+    return loss.item()
+
+
+def write_result(run_dir: Path, rank: int, model: torch.nn.Module,
+                 losses: dict[int, float]) -> None:
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    out = Path(run_dir) / "results" / f"rank{rank}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"rank": rank, "params_sha256": digest.hexdigest(),
+                               "losses": {str(k): v for k, v in sorted(losses.items())},
+                               "node": os.environ.get("SLURMD_NODENAME")}))
 
 
 if __name__ == "__main__":

@@ -182,10 +182,10 @@ class ShmRoot:
         return found
 
     def _remove_entry(self, name: str) -> None:
-        _remove_at(self.fd, name)
+        remove_tree_at(self.fd, name)
 
 
-def _remove_at(dir_fd: int, name: str) -> None:
+def remove_tree_at(dir_fd: int, name: str) -> None:
     """rm -r of one entry relative to dir_fd, never following a symlink (Python 3.10 has no
     shutil.rmtree(dir_fd=...)). The job's user owns what is inside a job dir and may swap
     entries while we walk: O_NOFOLLOW makes a swapped-in symlink fail to open, and it is then
@@ -202,7 +202,7 @@ def _remove_at(dir_fd: int, name: str) -> None:
         if os.fstat(fd).st_dev != os.fstat(dir_fd).st_dev:
             raise HpctError(f"refusing to remove {name}: it is a mount point")
         for child in os.listdir(fd):
-            _remove_at(fd, child)
+            remove_tree_at(fd, child)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)

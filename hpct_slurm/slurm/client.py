@@ -26,7 +26,7 @@ from .hostlist import compress, expand
 BASE_NODE_STATES = frozenset(
     {"IDLE", "ALLOCATED", "MIXED", "DOWN", "ERROR", "FUTURE", "UNKNOWN"})
 # States `scontrol update NodeName=... State=` accepts that this project has a use for.
-UPDATE_NODE_STATES = frozenset({"DOWN", "DRAIN", "FAIL", "RESUME", "UNDRAIN", "IDLE"})
+UPDATE_NODE_STATES = frozenset({"DOWN", "DRAIN", "FAIL", "RESUME", "UNDRAIN"})
 _STATES_NEEDING_REASON = frozenset({"DOWN", "DRAIN", "FAIL"})
 FINISHED_JOB_STATES = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
@@ -93,6 +93,7 @@ class JobInfo:
 
     job_id: int
     name: str | None
+    user: str | None
     state: str
     nodelist: list[str]
     batch_host: str | None
@@ -209,6 +210,7 @@ def parse_job_record(line: str) -> JobInfo:
     code, _, sig = rec.get("ExitCode", "0:0").partition(":")
     return JobInfo(
         job_id=_uint(rec["JobId"], "JobId"), name=_opt(rec.get("JobName")),
+        user=_opt(rec.get("UserId", "").split("(")[0]),
         state=rec["JobState"].split()[0].upper(),
         nodelist=_hosts_or_empty(rec.get("NodeList")),
         batch_host=_opt(rec.get("BatchHost")),
@@ -225,7 +227,7 @@ def parse_squeue_json(text: str) -> list[JobInfo]:
     for j in doc.get("jobs", []):
         status = int(j.get("exit_code") or 0)
         jobs.append(JobInfo(
-            job_id=int(j["job_id"]), name=_opt(j.get("name")),
+            job_id=int(j["job_id"]), name=_opt(j.get("name")), user=_opt(j.get("user_name")),
             state=str(j["job_state"]).upper(),
             nodelist=_hosts_or_empty(j.get("nodes")),
             batch_host=_opt(j.get("batch_host")),
@@ -343,13 +345,12 @@ class SlurmClient:
         return parse_job_record(lines[0])
 
     def jobs(self, user: str | None = None, job_ids: Sequence[int] = ()) -> list[JobInfo]:
-        """Jobs slurmctld still remembers (finished ones too, until MinJobAge), with flags."""
-        argv = ["squeue", "--json"]
-        if user:
-            argv.append(f"--user={user}")
-        if job_ids:
-            argv.append("--jobs=" + ",".join(str(int(j)) for j in job_ids))
-        return parse_squeue_json(self.run(argv).stdout)
+        """Jobs slurmctld still remembers (finished ones too, until MinJobAge), with flags.
+
+        Filtered here: Slurm 22.05 ignores --user/--jobs when it prints --json."""
+        wanted = {int(j) for j in job_ids}
+        return [j for j in parse_squeue_json(self.run(["squeue", "--json"]).stdout)
+                if (user is None or j.user == user) and (not wanted or j.job_id in wanted)]
 
     def show_hostnames(self, hostlist: str) -> list[str]:
         # "--" keeps a hostlist that starts with '-' from being read as an option

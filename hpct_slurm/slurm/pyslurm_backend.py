@@ -49,7 +49,10 @@ def choose_backend(prefer: str, slurm_version: str | None,
 
 
 class PyslurmClient(SlurmClient):
-    """The CLI client with node reads done through pyslurm's API (pyslurm >= 23.2)."""
+    """The CLI client with node reads done through pyslurm's API (pyslurm >= 23.2).
+
+    pyslurm talks to slurmctld from this process: it honours this process's SLURM_CONF and
+    network namespace, not the client's `env` and `wrap` (which still apply to the commands)."""
 
     def __init__(self, pyslurm_module, **kwargs):
         super().__init__(**kwargs)
@@ -75,19 +78,17 @@ class PyslurmClient(SlurmClient):
 def select_backend(prefer: str = "auto", env: Mapping[str, str] | None = None,
                    wrap: Sequence[str] | None = None, timeout: float = 30.0) -> SlurmClient:
     """A client for this machine's Slurm; `client.backend.reason` says which and why."""
-    cli = SlurmClient(env=env, wrap=wrap, timeout=timeout)
-    if prefer == "cli":
-        return SlurmClient(env=env, wrap=wrap, timeout=timeout,
-                           backend=choose_backend("cli", None, None))
-    try:
-        pyslurm = importlib.import_module("pyslurm")
-        pyslurm_version = str(getattr(pyslurm, "__version__", "") or "unknown")
-    except ImportError:
-        pyslurm, pyslurm_version = None, None
-    try:
-        slurm_version = cli.version()
-    except HpctError:
-        slurm_version = None
+    pyslurm, pyslurm_version, slurm_version = None, None, None
+    if prefer != "cli":
+        try:
+            pyslurm = importlib.import_module("pyslurm")
+            pyslurm_version = str(getattr(pyslurm, "__version__", "") or "unknown")
+        except ImportError:
+            pass
+        try:
+            slurm_version = SlurmClient(env=env, wrap=wrap, timeout=timeout).version()
+        except HpctError:
+            pass
     choice = choose_backend(prefer, slurm_version, pyslurm_version)
     if choice.name == "pyslurm":
         return PyslurmClient(pyslurm, env=env, wrap=wrap, timeout=timeout, backend=choice)

@@ -1,0 +1,185 @@
+"""The per-node shared-memory data cache: build once per node, map everywhere.
+
+A cache is a directory `<job shm dir>/<name>/` holding one `.npy` file per array and an
+`index.json`. One local rank builds it under a filelock while the others wait; it is built in a
+hidden temporary directory and renamed into place, so a present `<name>/` is always complete
+and attaching needs no lock. Every rank maps the files read-only (`np.load(mmap_mode="r")`): the
+pages live once in the node's tmpfs however many ranks map them, and a restarted rank (or a
+spare taking over) re-attaches in milliseconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+from filelock import FileLock, Timeout
+
+from ..errors import HpctError
+from ..hooks.shm import check_name, job_dir, remove_tree_at
+
+INDEX = "index.json"
+FORMAT_VERSION = 1
+_BUILDING = ".building-"
+
+Builder = Callable[[], Mapping[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CacheIndex:
+    name: str
+    arrays: tuple[ArraySpec, ...]
+    built_on: str
+    build_s: float
+    version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> "CacheIndex":
+        try:
+            d = json.loads(text)
+            if d.get("version") != FORMAT_VERSION:
+                raise ValueError(f"format version {d.get('version')!r}, not {FORMAT_VERSION}")
+            arrays = tuple(ArraySpec(a["name"], a["dtype"], tuple(a["shape"]), a["nbytes"])
+                           for a in d["arrays"])
+            return cls(d["name"], arrays, d["built_on"], d["build_s"], d["version"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HpctError(f"cache index {where} is unreadable ({exc}); remove "
+                            f"{where.parent} to rebuild it") from None
+
+
+@dataclass
+class CacheEntry:
+    """One attached cache. `built` is True only in the process that built it."""
+
+    name: str
+    path: Path
+    index: CacheIndex
+    arrays: dict[str, np.ndarray]
+    built: bool
+    wait_s: float
+    attach_s: float
+
+
+def budget_from_env(environ: Mapping[str, str]) -> int | None:
+    raw = environ.get("HPCT_CACHE_MB")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdecimal() or not raw.isascii():
+        raise HpctError(f"HPCT_CACHE_MB {raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+class SharedCache:
+    """The caches of one job on one node, under `directory` (the job's shm dir)."""
+
+    def __init__(self, directory: str | os.PathLike, budget_mb: int | None = None):
+        self.directory = Path(directory)
+        self.budget_mb = budget_mb
+        if not self.directory.is_dir():
+            raise HpctError(f"cache directory {self.directory} does not exist (the Prolog "
+                            f"creates the job's shm dir: is it configured on this node?)")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SharedCache":
+        """HPCT_SHM_DIR (exported into tasks) or the job's dir under the shm root; the budget
+        is HPCT_CACHE_MB, the prolog's grant."""
+        directory = environ.get("HPCT_SHM_DIR") or job_dir(environ)
+        return cls(directory, budget_from_env(environ))
+
+    def get(self, name: str, build: Builder, timeout: float = 3600.0) -> CacheEntry:
+        """Attach to cache `name`, building it first if no rank on this node has."""
+        check_name(name)
+        t0 = time.perf_counter()
+        path = self.directory / name
+        if (path / INDEX).exists():
+            return self._attach(name, built=False, wait_s=0.0, t0=t0)
+        try:
+            with FileLock(str(self.directory / f".{name}.lock"), timeout=timeout):
+                wait_s = time.perf_counter() - t0
+                if (path / INDEX).exists():  # another rank built it while we waited
+                    return self._attach(name, built=False, wait_s=wait_s, t0=t0)
+                self._build(name, build)
+        except Timeout:
+            raise HpctError(f"cache {name!r}: no lock on {self.directory} within {timeout:g} s "
+                            f"(another rank is still building it)") from None
+        return self._attach(name, built=True, wait_s=wait_s, t0=t0)
+
+    def remove(self, name: str) -> bool:
+        check_name(name)
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            remove_tree_at(fd, name)
+            return True
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(fd)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _build(self, name: str, build: Builder) -> None:
+        t0 = time.perf_counter()
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for entry in os.listdir(fd):  # a builder that crashed left its half-made dir
+                if entry.startswith(f".{name}{_BUILDING}"):
+                    remove_tree_at(fd, entry)
+        finally:
+            os.close(fd)
+        arrays = {k: np.ascontiguousarray(v) for k, v in build().items()}
+        if not arrays:
+            raise HpctError(f"cache {name!r}: the builder returned no arrays")
+        for key in arrays:
+            check_name(key, what=f"cache {name!r} array name")
+        total = sum(a.nbytes for a in arrays.values())
+        if self.budget_mb is not None and total > self.budget_mb << 20:
+            raise HpctError(f"cache {name!r} needs {total / 2**20:.1f} MB but this job's shm "
+                            f"budget on {socket.gethostname()} is {self.budget_mb} MB "
+                            f"(HPCT_CACHE_MB): ask for more with --hpct-cache-mb")
+        tmp = self.directory / f".{name}{_BUILDING}{os.getpid()}"
+        tmp.mkdir(mode=0o700)
+        specs = []
+        for key, arr in arrays.items():
+            out = np.lib.format.open_memmap(tmp / f"{key}.npy", mode="w+", dtype=arr.dtype,
+                                            shape=arr.shape)
+            out[...] = arr
+            out.flush()
+            del out
+            specs.append(ArraySpec(key, arr.dtype.str, tuple(arr.shape), arr.nbytes))
+        index = CacheIndex(name, tuple(specs), socket.gethostname(),
+                           round(time.perf_counter() - t0, 6))
+        (tmp / INDEX).write_text(index.to_json())
+        os.rename(tmp, self.directory / name)
+
+    def _attach(self, name: str, built: bool, wait_s: float, t0: float) -> CacheEntry:
+        path = self.directory / name
+        index = CacheIndex.from_json((path / INDEX).read_text(), path / INDEX)
+        arrays = {}
+        for spec in index.arrays:
+            arr = np.load(path / f"{spec.name}.npy", mmap_mode="r")
+            if arr.dtype.str != spec.dtype or arr.shape != spec.shape:
+                raise HpctError(f"cache {name!r} array {spec.name!r} is {arr.dtype.str} "
+                                f"{arr.shape}, its index says {spec.dtype} {spec.shape}; "
+                                f"remove {path} to rebuild it")
+            arrays[spec.name] = arr
+        return CacheEntry(name, path, index, arrays, built, round(wait_s, 6),
+                          round(time.perf_counter() - t0, 6))

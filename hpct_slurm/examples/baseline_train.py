@@ -1,0 +1,75 @@
+"""The same training job the way most Slurm users run it today: one `srun` step across all
+nodes, MASTER_ADDR/PORT set from the first node, a TCPStore on rank 0, a checkpoint on disk
+every K steps, and on any failure the whole step dies and is relaunched from the checkpoint.
+Used only as the baseline that `hpct-slurm demo` and `bench recovery` measure against."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpct_slurm.events import EventLog
+from hpct_slurm.examples.train import build, one_step, write_result
+from hpct_slurm.recovery.job import seed_everything, step_seed
+from hpct_slurm.slurm.env import SlurmEnv
+
+SEED = 7  # the same seed as the hpct job, so the two runs are comparable bit for bit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--port", type=int, default=29400)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    env = SlurmEnv.from_environ()
+    rank, world = env.procid, env.ntasks
+    run_dir = Path(args.run_dir)
+    events = EventLog(run_dir / "events" / f"baseline-{rank}.jsonl", source=f"baseline/{rank}")
+    master = (env.step_nodelist or env.job_nodelist)[0]
+    store = dist.TCPStore(master, args.port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    model, opt = build(args.hidden)
+    ckpt = run_dir / "ckpt.pt"
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
+    events.emit("baseline.start", rank=rank, start_step=start)
+    losses: dict[int, float] = {}
+
+    def allreduce() -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+
+    for step in range(start, args.steps):
+        seed_everything(step_seed(SEED, rank, step))
+        losses[step] = one_step(model, opt, args.batch, allreduce, args.step_sleep)
+        events.emit("rank.step", rank=rank, step=step, loss=losses[step])
+        if rank == 0 and (step + 1) % args.ckpt_every == 0:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "step": step}, tmp)
+            os.replace(tmp, ckpt)
+    write_result(run_dir, rank, model, losses)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from hpct_slurm.cli import main
 from hpct_slurm.errors import HpctError
 from hpct_slurm.slurm.hostlist import MAX_RANGE, compress, expand
 
@@ -169,8 +170,6 @@ def test_slurm_rejects_what_we_reject(cluster, hostlist: str) -> None:
 
 
 def test_cli_expand_and_compress(capsys: pytest.CaptureFixture[str]) -> None:
-    from hpct_slurm.cli import main
-
     assert main(["hostlist", "expand", "n[1-2]", "m[01-02]"]) == 0
     assert capsys.readouterr().out.split() == ["n1", "n2", "m01", "m02"]
     assert main(["hostlist", "compress", "n1", "n2", "n[3-4]"]) == 0

@@ -84,6 +84,7 @@ class Controller:
         self.conns: dict[tuple[str, int], Conn] = {}
         self.steps: dict[str, asyncio.subprocess.Process] = {}
         self.dead_nodes: set[str] = set()
+        self.expected_exits: set[int] = set()  # pids of steps we cancelled ourselves
         self.pending_faults: dict[str, str] = {}
         self.fault_event = asyncio.Event()
         self.recovering = False
@@ -151,7 +152,8 @@ class Controller:
         if self.steps.get(node) is proc:
             del self.steps[node]
         self.events.emit("step.exit", node=node, role=role, code=rc)
-        if not self.finished.is_set() and node not in self.dead_nodes:
+        if not self.finished.is_set() and node not in self.dead_nodes \
+                and proc.pid not in self.expected_exits:
             # srun exits 0 even on node failure: any exit while training runs is a fault.
             if node in self.world.members or node in self.world.spares:
                 self._fault(node, f"step exited ({rc})")
@@ -367,10 +369,11 @@ class Controller:
         alive = await asyncio.to_thread(self._slurmd_reachable, node)
         loop = asyncio.get_running_loop()
         if alive and not reason.startswith("srun: node failure"):
+            if node in self.steps:
+                self.expected_exits.add(self.steps[node].pid)
             await loop.run_in_executor(None, self._cancel_steps_on, node)
             self.events.emit("fault.fenced", node=node, how="step cancelled", reason=reason)
             # the node is healthy: it becomes a warm spare again
-            self.world.members = [m for m in self.world.members]
             asyncio.get_running_loop().call_later(1.0, self._replenish, node)
             return
         self.dead_nodes.add(node)

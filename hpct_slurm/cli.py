@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "hpct_slurm.slurm.cli",
     "hpct_slurm.hooks.cli",
     "hpct_slurm.controller.cli",
+    "hpct_slurm.templates.cli",
     "hpct_slurm.bench.cli",
 ]
 

@@ -1,16 +1,18 @@
 """Form a gloo group over the rootless store, lose a rank to SIGKILL, re-form with a warm spare.
 
 Each process plays one node (one task per node, all on loopback), runs that node's shard
-server, and takes commands from the test, which plays the controller.
+server, and takes commands from the test, which plays the controller. Each worker has its own
+pipe: a process SIGKILLed while holding a shared multiprocessing.Queue's lock would silence
+every other writer.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import traceback
+from multiprocessing.connection import Connection, wait
 
 import pytest
 
@@ -25,7 +27,7 @@ def _node_environ(job_id: int, node: str) -> dict[str, str]:
             "SLURM_TASKS_PER_NODE": "1"}
 
 
-def _worker(node: str, job_id: int, secret_file: str, cmds: mp.Queue, results: mp.Queue) -> None:
+def _worker(node: str, job_id: int, secret_file: str, conn: Connection) -> None:
     # Imported here so the spare is "warm" (torch loaded) before it is given a rank.
     import torch
     import torch.distributed as dist
@@ -38,12 +40,12 @@ def _worker(node: str, job_id: int, secret_file: str, cmds: mp.Queue, results: m
     torch.set_num_threads(1)
     env = SlurmEnv.from_environ(_node_environ(job_id, node))
     secret = load_secret(secret_file)
-    results.put((node, "ready", None))
+    conn.send((node, "ready", None))
     while True:
-        cmd, *args = cmds.get()
+        cmd, *args = conn.recv()
         if cmd == "exit":
             pg.teardown()
-            results.put((node, "exited", None))
+            conn.send((node, "exited", None))
             return
         try:
             if cmd == "form":
@@ -53,12 +55,12 @@ def _worker(node: str, job_id: int, secret_file: str, cmds: mp.Queue, results: m
                 shard = serve_shard(info, secret) if info.local_rank == 0 else None
                 store = make_store("rootless", info, secret)
                 pg.init(info, store, "gloo", shard=shard)
-                results.put((node, "formed", (info.rank, info.world_size, dist.get_rank())))
+                conn.send((node, "formed", (info.rank, info.world_size, dist.get_rank())))
             elif cmd == "allreduce":
                 # Node-specific values: the sum shows which nodes took part.
                 t = torch.full((1000,), float(JOB_NODES.index(node) + 1))
                 dist.all_reduce(t)
-                results.put((node, "sum", float(t[0])))
+                conn.send((node, "sum", float(t[0])))
             elif cmd == "allreduce_until_failure":
                 failure = None
                 steps = 0
@@ -71,25 +73,26 @@ def _worker(node: str, job_id: int, secret_file: str, cmds: mp.Queue, results: m
                     else:
                         steps += 1
                         if steps == 20:
-                            results.put((node, "looping", None))
+                            conn.send((node, "looping", None))
                 # Outside the except block, as pg.teardown() requires.
                 pg.teardown()
-                results.put((node, "torn_down", (failure, steps)))
+                conn.send((node, "torn_down", (failure, steps)))
         except Exception:
-            results.put((node, "error", traceback.format_exc()))
+            conn.send((node, "error", traceback.format_exc()))
 
 
-def _collect(results: mp.Queue, nodes: list[str], what: str) -> dict[str, object]:
+def _collect(conns: dict[str, Connection], nodes: list[str], what: str) -> dict[str, object]:
     got: dict[str, object] = {}
     while len(got) < len(nodes):
-        try:
-            node, kind, value = results.get(timeout=TIMEOUT_S)
-        except queue.Empty:
+        ready = wait([conns[n] for n in nodes if n not in got], timeout=TIMEOUT_S)
+        if not ready:
             pytest.fail(f"timed out waiting for {what} from {sorted(set(nodes) - set(got))}")
-        if kind == "error":
-            pytest.fail(f"{node} failed:\n{value}")
-        assert kind == what, (node, kind, value)
-        got[node] = value
+        for c in ready:
+            node, kind, value = c.recv()
+            if kind == "error":
+                pytest.fail(f"{node} failed:\n{value}")
+            assert kind == what, (node, kind, value)
+            got[node] = value
     return got
 
 
@@ -100,46 +103,46 @@ def test_kill_one_rank_and_reform_with_warm_spare(tmp_path):
     write_secret(secret_file)
     job_id = random.randrange(1000, 1_000_000)
     ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    cmds = {n: ctx.Queue() for n in JOB_NODES}
-    procs = {n: ctx.Process(target=_worker, args=(n, job_id, str(secret_file), cmds[n], results),
+    pipes = {n: ctx.Pipe() for n in JOB_NODES}
+    conns = {n: pipes[n][0] for n in JOB_NODES}
+    procs = {n: ctx.Process(target=_worker, args=(n, job_id, str(secret_file), pipes[n][1]),
                             daemon=True) for n in JOB_NODES}
     for p in procs.values():
         p.start()
     try:
-        _collect(results, JOB_NODES, "ready")
+        _collect(conns, JOB_NODES, "ready")
 
         gen0 = ["n0", "n1", "n2", "n3"]
         for n in gen0:
-            cmds[n].put(("form", 0, gen0))
-        formed = _collect(results, gen0, "formed")
+            conns[n].send(("form", 0, gen0))
+        formed = _collect(conns, gen0, "formed")
         assert formed == {n: (i, 4, i) for i, n in enumerate(gen0)}
         for n in gen0:
-            cmds[n].put(("allreduce",))
-        assert _collect(results, gen0, "sum") == {n: 1.0 + 2 + 3 + 4 for n in gen0}
+            conns[n].send(("allreduce",))
+        assert _collect(conns, gen0, "sum") == {n: 1.0 + 2 + 3 + 4 for n in gen0}
 
         for n in gen0:
-            cmds[n].put(("allreduce_until_failure",))
-        _collect(results, gen0, "looping")
+            conns[n].send(("allreduce_until_failure",))
+        _collect(conns, gen0, "looping")
         os.kill(procs["n2"].pid, signal.SIGKILL)
         procs["n2"].join(timeout=TIMEOUT_S)
         survivors = ["n0", "n1", "n3"]
-        torn = _collect(results, survivors, "torn_down")
+        torn = _collect(conns, survivors, "torn_down")
         assert all(failure == "RuntimeError" and steps >= 20
                    for failure, steps in torn.values()), torn
 
         gen1 = ["n0", "n1", "s0", "n3"]
         for n in gen1:
-            cmds[n].put(("form", 1, gen1))
-        formed = _collect(results, gen1, "formed")
+            conns[n].send(("form", 1, gen1))
+        formed = _collect(conns, gen1, "formed")
         assert formed == {n: (i, 4, i) for i, n in enumerate(gen1)}
         for n in gen1:
-            cmds[n].put(("allreduce",))
-        assert _collect(results, gen1, "sum") == {n: 1.0 + 2 + 5 + 4 for n in gen1}
+            conns[n].send(("allreduce",))
+        assert _collect(conns, gen1, "sum") == {n: 1.0 + 2 + 5 + 4 for n in gen1}
 
         for n in gen1:
-            cmds[n].put(("exit",))
-        _collect(results, gen1, "exited")
+            conns[n].send(("exit",))
+        _collect(conns, gen1, "exited")
     finally:
         for p in procs.values():
             if p.is_alive():

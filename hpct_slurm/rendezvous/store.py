@@ -466,6 +466,7 @@ class _Shard:
         self._sock: socket.socket | None = None
         self._nonce = b""
         self._seq = 0
+        self._reached = False
 
     def close(self) -> None:
         with self._lock:
@@ -474,7 +475,9 @@ class _Shard:
                 self._sock = None
 
     def _connect(self, deadline: float | None) -> socket.socket:
-        # The node's shard server may start a moment after this rank does: retry refusals.
+        # The node's shard server may start a moment after this rank does: retry refusals
+        # until it has answered once. After that a refusal means its node is gone, and waiting
+        # out the timeout would only keep the survivors from re-forming.
         delay = 0.01
         while True:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -484,11 +487,13 @@ class _Shard:
                 sock.connect((self.host, self.port))
                 self._nonce = _recv_exact(sock, NONCE_BYTES)
                 self._seq = 0
+                self._reached = True
                 sock.settimeout(None)
                 return sock
             except OSError as exc:
                 sock.close()
-                if deadline is not None and time.monotonic() + delay > deadline:
+                if self._reached or (deadline is not None
+                                     and time.monotonic() + delay > deadline):
                     raise dist.DistNetworkError(
                         f"store shard {self.host}:{self.port} unreachable: {exc}") from None
                 time.sleep(delay)
@@ -512,7 +517,8 @@ class _Shard:
                 sock.close()
                 self._sock = None
                 raise dist.DistNetworkError(
-                    f"store shard {self.host}:{self.port} failed during {what}: {exc}"
+                    f"store shard {self.host}:{self.port} failed during {what}: {exc} (a shard "
+                    f"also hangs up on requests that fail authentication: check the secret)"
                 ) from None
             resp_tag, resp = body[:TAG_BYTES], body[TAG_BYTES:]
             if not hmac.compare_digest(resp_tag, _tag(self._secret, b"R", self._nonce,

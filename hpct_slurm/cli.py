@@ -20,6 +20,10 @@ COMMAND_MODULES = [
     "hpct_slurm.controller.cli",
     "hpct_slurm.templates.cli",
     "hpct_slurm.bench.cli",
+    "hpct_slurm.rendezvous.cli",
+    "hpct_slurm.report.cli",
+    "hpct_slurm.spares.cli",
+    "hpct_slurm.goodput.cli",
 ]
 
 

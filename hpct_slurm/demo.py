@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bench.restart_all import batch_script
 from .errors import HpctError
 from .events import read_events
 from .localcluster import DEFAULT_ROOT, LocalCluster
@@ -50,11 +51,11 @@ def _say(msg: str) -> None:
 
 
 def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
-           nodes: int = NODES) -> int:
+           nodes: int | str = NODES, env: dict[str, str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
     env = {"HPCT_BIN": str(bindir / "hpct-slurm"), "HPCT_PYTHON": sys.executable,
-           "HPCT_RUN_DIR": str(run_dir)}
+           "HPCT_RUN_DIR": str(run_dir), **(env or {})}
     proc = cluster.run(["sbatch", "--parsable", f"--nodes={nodes}",
                         f"--output={run_dir / 'slurm-%j.out'}", f"--chdir={run_dir}",
                         str(script), *args], env=env, check=True)
@@ -185,13 +186,8 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
 
     _say(f"[4/4] baseline run: the same crash, restart-all from the last disk checkpoint")
     d = work / "baseline"
-    script = d / "baseline.sbatch"
-    d.mkdir(parents=True)
-    script.write_text("#!/bin/bash\n#SBATCH --exclusive\n#SBATCH --no-kill\n"
-                      f'exec "{sys.executable}" -m hpct_slurm.bench.restart_all '
-                      f'--run-dir "{d}" -- "$@"\n')
-    jid = submit(cluster, d, script, ["--steps", str(steps), "--step-sleep", str(step_sleep),
-                                      "--ckpt-every", "10"])
+    jid = submit(cluster, d, batch_script(d), ["--steps", str(steps), "--step-sleep",
+                                               str(step_sleep), "--ckpt-every", "10"])
     t_kill_b = wait_job(cluster, jid, d, timeout, kill_at=kill_at, label="baseline")
     runs["baseline"] = RunResult("baseline", d, jid, t_kill_b, collect(d, 4))
     cluster.heal()

@@ -2,6 +2,7 @@
 rank restarts, budget and name checks, and the sampler's sharding properties."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -101,12 +102,12 @@ def _train(cache_dir: str, state_path: str, seen_path: str, stop_after: int | No
     loader = PrefetchLoader(ds, ResumableSampler(len(ds), rank=1, world_size=3, seed=11),
                             batch_size=7, prefetch=4)
     if os.path.exists(state_path):
-        loader.load_state_dict(eval(Path(state_path).read_text()))
+        loader.load_state_dict(json.loads(Path(state_path).read_text()))
     with open(seen_path, "a") as seen:
         for step, (ids,) in enumerate(loader):
             seen.write(" ".join(map(str, ids.tolist())) + "\n")
             seen.flush()
-            Path(state_path).write_text(repr(loader.state_dict()))
+            Path(state_path).write_text(json.dumps(loader.state_dict()))
             if stop_after is not None and step + 1 == stop_after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -190,11 +191,13 @@ def test_resume_from_any_point_continues_the_same_sequence(tmp_path_factory, n, 
     full = [i for (b,) in PrefetchLoader(ds, ResumableSampler(n, world_size=2, seed=3), batch,
                                          prefetch) for i in b.tolist()]
     loader = PrefetchLoader(ds, ResumableSampler(n, world_size=2, seed=3), batch, prefetch)
+    cut = min(cut, len(full))  # stop inside the epoch (at its very end at the latest)
     head = []
-    for (b,) in loader:
-        if len(head) >= cut:
-            break
-        head += b.tolist()
+    if cut:
+        for (b,) in loader:
+            head += b.tolist()
+            if len(head) >= cut:
+                break
     state = loader.state_dict()
     resumed = PrefetchLoader(ds, ResumableSampler(n, world_size=2, seed=3), batch, prefetch)
     resumed.load_state_dict(state)

@@ -130,6 +130,16 @@ def test_unsafe_shm_root_fails_health_and_drains(cfg, root, tmp_path, make):
     assert sorted(os.listdir(victim)) == ["precious"]
 
 
+def test_unreachable_slurmctld_still_fails_the_prolog(cfg, root, tmp_path):
+    class Unreachable(RecordingSlurm):
+        def drain(self, node: str, reason: str) -> None:
+            raise HpctError("scontrol update failed: Unable to contact slurm controller")
+    os.symlink(tmp_path, root)
+    assert not prolog(_job(), cfg, Unreachable(), _log(tmp_path)).healthy
+    events = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
+    assert events == ["hook_health_failed", "hook_drain_failed"]
+
+
 def test_low_shm_drains_with_reason(root, tmp_path):
     root.parent.mkdir()
     cfg = HookConfig(shm_root=root, min_free_shm_mb=1 << 40)

@@ -38,7 +38,7 @@ MESSAGES = st.one_of(
     st.builds(P.Ack, ok=st.booleans(), detail=text),
     st.builds(P.Goodbye, reason=text),
     st.builds(P.FetchState, rank=nat, step=ints, slot=st.sampled_from(["own", "replica", "any"])),
-    st.builds(P.StateBlob, rank=nat, step=ints, checksum=nat, nbytes=nat, layout_nbytes=nat),
+    st.builds(P.StateBlob, rank=nat, step=ints, nbytes=nat, layout_nbytes=nat),
 )
 
 
@@ -95,12 +95,12 @@ def test_truncated_frames_are_rejected(msg, data):
 def _forge(header: dict, body: bytes = b"", secret: bytes = SECRET) -> bytes:
     """A correctly MACed frame with an arbitrary header: checks validation, not authentication."""
     raw = json.dumps(header).encode()
-    mac = hmac.new(secret, b"hpct1" + raw + body, hashlib.sha256).digest()
-    return struct.pack(">I", len(raw)) + raw + body + mac
+    mac = hmac.new(secret, b"hpct2" + raw, hashlib.sha256).digest()
+    return struct.pack(">I", len(raw)) + raw + mac + body
 
 
 def _hdr(type_: str, fields: dict, **over) -> dict:
-    return {"v": 1, "type": type_, "job": JOB, "seq": 1, "body_len": 0, "fields": fields, **over}
+    return {"v": 2, "type": type_, "job": JOB, "seq": 1, "parts": [], "fields": fields, **over}
 
 
 @pytest.mark.parametrize("header,reason", [
@@ -115,7 +115,9 @@ def _hdr(type_: str, fields: dict, **over) -> dict:
                      "tasks_per_node": 1, "restore_step": 0, "sources": {"x": []}}), "is not an int"),
     (_hdr("assign", {"generation": 1, "rank": 0, "world_size": 2, "members": ["a"],
                      "tasks_per_node": 1, "restore_step": 0, "sources": {"0": [["h"]]}}), "2-item list"),
-    (_hdr("stop", {"generation": 1, "reason": "x"}, v=2), "version"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, v=1), "version"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, parts=[[3, "ab"]]), "not \\[nbytes, sha256 hex\\]"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, parts={"a": 1}), "'parts' must be a list"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, seq=-1), "seq"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, job=5), "'job' must be a string"),
     (_hdr("stop", [1, 2]), "'fields' must be an object"),
@@ -140,9 +142,54 @@ def test_size_limits():
 
 def test_not_json_header():
     raw = b"\xff{not json"
-    mac = hmac.new(SECRET, b"hpct1" + raw, hashlib.sha256).digest()
+    mac = hmac.new(SECRET, b"hpct2" + raw, hashlib.sha256).digest()
     with pytest.raises(P.ProtocolError, match="not JSON"):
         P.decode(struct.pack(">I", len(raw)) + raw + mac, SECRET)
+
+
+def _reference_digest(data: bytes) -> bytes:
+    """The documented tree, written out independently of the implementation."""
+    leaves = [hashlib.sha256(b"\x00" + data[i:i + P.CHUNK]).digest()
+              for i in range(0, len(data), P.CHUNK)]
+    return hashlib.sha256(b"\x01" + struct.pack(">QI", len(data), P.CHUNK) + b"".join(leaves)).digest()
+
+
+def test_part_digest_follows_the_documented_tree_serial_parallel_and_streamed():
+    data = os.urandom(2 * P.CHUNK + 777)
+    want = _reference_digest(data)
+    assert P.part_digest(data) == want and P.part_digest(data, parallel=False) == want
+    streamed = P.PartHasher(len(data))
+    for off in range(0, len(data), P.CHUNK):
+        streamed.add(memoryview(data)[off:off + P.CHUNK])
+    assert streamed.digest() == want
+    assert P.part_digest(b"") == _reference_digest(b"") != P.part_digest(b"\0")
+    # one more or one less byte of zeros changes the digest (the length is bound)
+    assert P.part_digest(bytes(P.CHUNK)) != P.part_digest(bytes(P.CHUNK + 1))
+    cancel = __import__("threading").Event()
+    cancel.set()
+    assert P.part_digest(data, parallel=False, cancel=cancel) is None
+
+
+def test_a_substituted_body_under_an_authentic_header_is_rejected():
+    """The MAC covers only the header: the body is bound by the digest the header carries."""
+    frame = bytearray(P.encode(P.Goodbye("x"), SECRET, 3, JOB, [b"layout", b"payload!"]))
+    frame[-3] ^= 0x01  # same length, different body, header and MAC untouched
+    with pytest.raises(P.DigestMismatch, match="body part 1 .* does not match its digest"):
+        P.decode(bytes(frame), SECRET, JOB)
+    env = P.decode_frame(P.encode(P.Goodbye("x"), SECRET, 3, JOB, [b"layout", b"payload!"]),
+                         SECRET, JOB)
+    assert env.digests == (P.part_digest(b"layout"), P.part_digest(b"payload!"))
+
+
+def test_known_digests_are_sent_not_recomputed_and_wrong_ones_caught():
+    body = b"z" * 100
+    good = P.encode(P.Goodbye("x"), SECRET, 1, JOB, body, digests=[P.part_digest(body)])
+    assert P.decode_frame(good, SECRET, JOB).digests == (P.part_digest(body),)
+    lying = P.encode(P.Goodbye("x"), SECRET, 1, JOB, body, digests=[P.part_digest(b"other")])
+    with pytest.raises(P.DigestMismatch):
+        P.decode(lying, SECRET, JOB)
+    with pytest.raises(P.ProtocolError, match="1 digests given for 2 body parts"):
+        P.encode(P.Goodbye("x"), SECRET, 1, JOB, [body, body], digests=[None])
 
 
 def test_channel_rejects_replayed_sequence_numbers():
@@ -163,17 +210,52 @@ def test_socket_round_trip_with_large_body_into_caller_buffers():
     a, b = socket.socketpair()
     body = os.urandom(3 * P.CHUNK + 123)
     head, data = bytearray(10), bytearray(len(body) - 10)
+    asked = []
+
+    def sink(msg, sizes):
+        asked.append(list(sizes))
+        return [memoryview(head), memoryview(data)]
+
     with a, b:
         import threading
         t = threading.Thread(target=P.send_msg,
-                             args=(a, P.StateBlob(1, 2, 3, len(data), 10), SECRET, 5, JOB,
+                             args=(a, P.StateBlob(1, 2, len(data), 10), SECRET, 5, JOB,
                                    [body[:10], memoryview(body)[10:]]))
         t.start()
-        env = P.recv_msg(b, SECRET, JOB, timeout=10, max_body=len(body),
-                         body_sink=lambda msg, n: [memoryview(head), memoryview(data)])
+        env = P.recv_msg(b, SECRET, JOB, timeout=10, max_body=len(body), body_sink=sink)
         t.join()
-    assert env.msg == P.StateBlob(1, 2, 3, len(data), 10)
+    assert env.msg == P.StateBlob(1, 2, len(data), 10) and asked == [[10, len(data)]]
     assert bytes(head) + bytes(data) == body
+    assert env.digests[1] == _reference_digest(body[10:])
+
+
+def test_socket_digest_mismatch_reads_the_whole_frame_and_keeps_the_stream_in_step():
+    a, b = socket.socketpair()
+    body = bytearray(os.urandom(2 * P.CHUNK + 5))
+    frame = bytearray(P.encode(P.Goodbye("big"), SECRET, 1, JOB, bytes(body)))
+    frame[-1] ^= 0xFF
+    nxt = P.encode(P.Ack(True, "next"), SECRET, 2, JOB)
+    with a, b:
+        import threading
+        t = threading.Thread(target=a.sendall, args=(bytes(frame) + nxt,))
+        t.start()
+        with pytest.raises(P.DigestMismatch) as info:
+            P.recv_msg(b, SECRET, JOB, timeout=10, max_body=len(body))
+        assert info.value.msg == P.Goodbye("big")
+        assert P.recv_msg(b, SECRET, JOB, timeout=10).msg == P.Ack(True, "next")
+        t.join()
+
+
+def test_socket_bad_mac_is_refused_before_any_body_buffer_is_asked_for():
+    a, b = socket.socketpair()
+    frame = P.encode(P.StateBlob(0, 1, 4, 0), b"w" * 32, 1, JOB, [b"", b"data"])
+    called = []
+    with a, b:
+        a.sendall(frame)
+        with pytest.raises(P.ProtocolError, match="bad MAC"):
+            P.recv_msg(b, SECRET, JOB, timeout=5,
+                       body_sink=lambda msg, sizes: called.append(sizes) or [])
+    assert called == []
 
 
 @given(st.binary(max_size=300))

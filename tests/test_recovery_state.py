@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -11,9 +12,11 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hpct_slurm import protocol as P
 from hpct_slurm.errors import HpctError
-from hpct_slurm.recovery.snapshot import (ReplicaStore, SnapshotStore, choose_mode, ranks_held_by,
-                                          replica_peer, replica_peer_rank, replica_source_node)
+from hpct_slurm.recovery.snapshot import (ReplicaStore, Snapshot, SnapshotStore, choose_mode,
+                                          ranks_held_by, replica_peer, replica_peer_rank,
+                                          replica_source_node)
 from hpct_slurm.recovery.state import Layout, TrainState
 
 
@@ -196,13 +199,66 @@ def test_replica_store_keeps_previous_on_checksum_mismatch():
     replicas = ReplicaStore()
     idx, buf = replicas.begin(3, snap.layout.nbytes)
     buf.numpy()[:snap.layout.nbytes] = np.frombuffer(snap.data, dtype=np.uint8)
-    replicas.finish(3, idx, buf, 1, snap.layout, snap.checksum)
+    replicas.finish(3, idx, buf, 1, snap.layout, snap.digest())
     idx, buf = replicas.begin(3, snap.layout.nbytes)
     buf.numpy()[:snap.layout.nbytes] = 7  # garbage "received"
     with pytest.raises(HpctError, match="kept the previous replica"):
-        replicas.finish(3, idx, buf, 2, snap.layout, snap.checksum)
+        replicas.finish(3, idx, buf, 2, snap.layout, snap.digest())
     kept = replicas.latest(3)
     assert kept.step == 1 and kept.verify() and bytes(kept.data) == bytes(snap.data)
+
+
+def test_commit_is_only_a_copy_and_the_digest_is_sealed_once_on_demand():
+    _, _, state, step = make_training()
+    step()
+    store = SnapshotStore(state)
+    snap = store.commit(1)
+    assert not snap.sealed  # nothing hashed in steady state
+    d = snap.digest()
+    assert snap.sealed and d == P.part_digest(bytes(snap.data)) and snap.digest() is d
+    assert snap.verify()
+    snap.data[3] ^= 0x01  # memory rots after sealing
+    assert not snap.verify()
+
+
+def test_background_sealer_seals_the_newest_commit():
+    _, _, state, step = make_training()
+    step()
+    snap = SnapshotStore(state, background_seal=True).commit(1)
+    deadline = time.monotonic() + 30
+    while not snap.sealed:
+        assert time.monotonic() < deadline, "the sealer never sealed the commit"
+        time.sleep(0.01)
+    assert snap.digest() == P.part_digest(bytes(snap.data))
+
+
+def test_a_superseded_snapshot_is_never_sealed_with_other_bytes():
+    data = bytearray(b"x" * (3 * P.CHUNK))
+    layout = Layout((), {}, len(data))
+    snap = Snapshot(1, layout, memoryview(data))
+    snap.superseded.set()  # what a writer does before it overwrites the slot
+    assert not snap.seal_in_background() and not snap.sealed
+    # ...and the writer's acquire marks the snapshot in the slot it is about to overwrite
+    _, _, state, step = make_training()
+    store = SnapshotStore(state, background_seal=False)
+    old = store.commit(1)
+    store.commit(2)
+    assert not old.superseded.is_set()
+    store.commit(3)
+    assert old.superseded.is_set()
+
+
+def test_every_k_steps_commits_on_the_same_steps_on_every_rank():
+    _, _, state, step = make_training()
+    store = SnapshotStore(state, every=4, background_seal=False)
+    committed = []
+    for s in range(11):
+        step()
+        if store.after_step(s) is not None:
+            committed.append(s)
+    assert committed == [0, 4, 8] and store.slots.steps() == [4, 8]
+    with pytest.raises(HpctError, match="every=0 must be >= 1"):
+        SnapshotStore(state, every=0)
 
 
 @given(st.integers(min_value=2, max_value=64), st.integers(min_value=1, max_value=8))

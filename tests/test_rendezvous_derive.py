@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import re
 
 import pytest
 from hypothesis import assume, given
@@ -221,3 +224,61 @@ def test_real_resolution_and_interface_lookup():
     assert ifname_for_address("192.0.2.123") is None  # TEST-NET-1: assigned to no one
     with pytest.raises(HpctError, match="node name 'no-such-node.invalid' does not resolve"):
         resolve_host("no-such-node.invalid")
+
+
+# ---------------------------------------------------------------- CLI and env knobs
+
+LOCAL_TASK = {"SLURM_JOB_ID": "31", "SLURM_JOB_NODELIST": "localhost",
+              "SLURMD_NODENAME": "localhost", "SLURM_STEP_NODELIST": "localhost",
+              "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+              "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}
+
+
+def _cli(monkeypatch, capsys, environ: dict[str, str], *argv: str) -> tuple[int, str, str]:
+    from hpct_slurm.cli import main
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM", "HPCT_")):
+            monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    rc = main(["rendezvous", "env", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_prints_export_lines_for_the_task_prolog(monkeypatch, capsys):
+    rc, out, _ = _cli(monkeypatch, capsys, LOCAL_TASK, "--generation", "3")
+    assert rc == 0
+    lines = out.splitlines()
+    assert all(re.fullmatch(r"export [A-Z_]+=\S+", line) for line in lines), lines
+    exported = dict(line[len("export "):].split("=", 1) for line in lines)
+    assert exported["HPCT_GENERATION"] == "3" and exported["GLOO_SOCKET_IFNAME"] == "lo"
+    assert exported["MASTER_PORT"] == str(derived_port(31, 3, 0))
+
+
+def test_cli_json_follows_the_controllers_membership(monkeypatch, capsys):
+    environ = dict(LOCAL_TASK, SLURM_JOB_NODELIST="other,localhost", HPCT_MEMBERS="other,localhost",
+                   HPCT_TASKS_PER_NODE="1", HPCT_SOCKET_IFNAME="eth7",
+                   SLURM_STEP_NODELIST="localhost")
+    # "other" must resolve too: point it at loopback.
+    monkeypatch.setattr("hpct_slurm.rendezvous.derive.resolve_host",
+                        lambda name: "127.0.0.1" if name in ("other", "localhost") else name)
+    rc, out, _ = _cli(monkeypatch, capsys, environ, "--format", "json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["info"]["members"] == ["other", "localhost"]
+    assert (data["env"]["RANK"], data["env"]["WORLD_SIZE"]) == ("1", "2")
+    assert data["env"]["NCCL_SOCKET_IFNAME"] == "eth7"
+
+
+def test_cli_outside_a_step_is_a_clear_error(monkeypatch, capsys):
+    environ = {k: v for k, v in LOCAL_TASK.items() if k != "SLURM_LOCALID"}
+    environ.pop("SLURM_PROCID")
+    rc, _, err = _cli(monkeypatch, capsys, environ)
+    assert rc == 2 and "SLURM_LOCALID is not set" in err
+
+
+def test_bad_knob_is_a_clear_error(monkeypatch, capsys):
+    rc, _, err = _cli(monkeypatch, capsys, dict(LOCAL_TASK, HPCT_PORT_BASE="2o000"))
+    assert rc == 2 and "HPCT_PORT_BASE '2o000' is not a non-negative integer" in err

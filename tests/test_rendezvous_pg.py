@@ -148,3 +148,63 @@ def test_kill_one_rank_and_reform_with_warm_spare(tmp_path):
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
+
+
+def _slurm_task(environ: dict[str, str], conn: Connection) -> None:
+    """One task of a plain `srun -n2` on one node, as the lead's Slurm test runs it."""
+    os.environ.update(environ)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from hpct_slurm.errors import HpctError
+        from hpct_slurm.rendezvous import init_from_slurm, pg
+
+        info = init_from_slurm(generation=0, backend="gloo")
+        t = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(t)
+        guarded = False
+        try:
+            raise RuntimeError("a collective failed")
+        except RuntimeError:
+            try:
+                pg.teardown()
+            except HpctError:
+                guarded = True
+        still_formed = dist.is_initialized()
+        pg.teardown()
+        conn.send((info.rank, info.world_size, os.environ["RANK"], float(t[0]), guarded,
+                   still_formed, dist.is_initialized()))
+    except Exception:
+        conn.send(traceback.format_exc())
+
+
+def test_init_from_slurm_two_tasks_on_one_node(tmp_path):
+    from hpct_slurm.rendezvous.store import write_secret
+
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    base = {"SLURM_JOB_ID": str(random.randrange(1000, 1_000_000)),
+            "SLURM_JOB_NODELIST": "localhost", "SLURMD_NODENAME": "localhost",
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+            "SLURM_TASKS_PER_NODE": "2", "HPCT_SECRET_FILE": str(secret_file)}
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_slurm_task, daemon=True, args=(
+        dict(base, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)), pipes[i][1])) for i in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = []
+        for parent, _ in pipes:
+            assert parent.poll(TIMEOUT_S), "task did not report"
+            results.append(parent.recv())
+        assert all(isinstance(r, tuple) for r in results), results
+        # rank, world, exported RANK, allreduce sum, teardown refused inside except,
+        # group kept by that refusal, group gone after the real teardown
+        assert results == [(i, 2, str(i), 3.0, True, True, False) for i in range(2)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

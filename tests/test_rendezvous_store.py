@@ -238,7 +238,7 @@ def test_load_secret(tmp_path, monkeypatch):
     short = tmp_path / "short"
     short.write_bytes(b"abc")
     os.chmod(short, 0o600)
-    with pytest.raises(HpctError, match="3 bytes"):
+    with pytest.raises(HpctError, match="does not hold a hex secret"):
         load_secret(short)
 
 
@@ -264,3 +264,25 @@ def test_client_waits_for_a_shard_that_starts_late():
         store.close()
         for s in started:
             s.stop()
+
+
+def test_a_shard_that_dies_fails_requests_at_once():
+    """Once reached, a shard that goes away is a dead node: no retrying until the timeout
+    (survivors must get to re-form), even with no timeout at all."""
+    server = ShardServer("127.0.0.1", 0, SECRET, events=EventLog())
+    store = RootlessStore([server.address], SECRET, datetime.timedelta(0))
+    store.set("k", b"v")
+    server.stop()
+    errors: list[BaseException] = []
+
+    def two_requests() -> None:
+        for _ in range(2):  # the first finds the old connection closed, the second is refused
+            try:
+                store.set("k", b"w")
+            except dist.DistNetworkError as exc:
+                errors.append(exc)
+
+    worker = threading.Thread(target=two_requests, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive() and len(errors) == 2, errors

@@ -82,7 +82,7 @@ def test_corrupted_replica_is_detected_and_the_next_source_used(events, verify_o
     replicas = ReplicaStore()
     idx, buf = replicas.begin(0, snap.layout.nbytes)
     buf.numpy()[:snap.layout.nbytes] = memoryview(snap.data)
-    replicas.finish(0, idx, buf, 2, snap.layout, snap.checksum)
+    replicas.finish(0, idx, buf, 2, snap.layout, snap.digest())
     replicas.latest(0).data[snap.layout.nbytes // 2] ^= 0x10  # a bit flips in the holder's memory
 
     with TransferServer(SECRET, JOB, 1, replicas=replicas, events=events.log,
@@ -97,7 +97,7 @@ def test_corrupted_replica_is_detected_and_the_next_source_used(events, verify_o
         assert events.named("transfer.serve_corrupt")[0]["rank"] == 0
         assert replicas.latest(0) is None  # the corrupt copy is never offered again
     else:
-        assert "checksum mismatch" in failed[0]["error"]
+        assert "digest mismatch" in failed[0]["error"]
 
 
 def test_no_source_left_falls_back_to_disk_and_says_so(tmp_path, events):
@@ -149,11 +149,14 @@ def test_disk_falls_back_to_the_previous_file_when_the_newest_is_corrupt(tmp_pat
         load_latest(tmp_path, 3)
 
 
-def _push_raw(addr, msg: P.StateBlob, body: bytes, cut: int | None) -> P.Envelope | None:
+def _push_raw(addr, msg: P.StateBlob, parts: list[bytes], digests: list[bytes],
+              cut: int | None) -> P.Envelope | None:
     """Push a replica by hand; with `cut`, close after `cut` body bytes (a torn transfer)."""
     chan = P.Channel(SECRET, JOB)
+    body = b"".join(parts)
     with socket.create_connection(addr, timeout=5) as sock:
-        writer = P.FrameWriter(sock, msg, SECRET, chan.next_seq(), JOB, len(body), timeout=5)
+        writer = P.FrameWriter(sock, msg, SECRET, chan.next_seq(), JOB, [len(p) for p in parts],
+                               digests, timeout=5)
         if cut is not None:
             writer.write(body[:cut])
             return None
@@ -174,22 +177,25 @@ def test_torn_or_bad_pushes_leave_the_previous_replica_intact(events):
         step()
         newer = store.commit(2)
         layout_json = newer.layout.to_json()
-        body = layout_json + bytes(newer.data)
-        blob = P.StateBlob(0, 2, newer.checksum, newer.layout.nbytes, len(layout_json))
+        parts = [layout_json, bytes(newer.data)]
+        digests = [P.part_digest(layout_json), newer.digest()]
+        blob = P.StateBlob(0, 2, newer.layout.nbytes, len(layout_json))
+        size = len(layout_json) + newer.layout.nbytes
 
-        _push_raw(holder.address, blob, body, cut=len(body) // 2)  # sender dies mid-body
+        _push_raw(holder.address, blob, parts, digests, cut=size // 2)  # sender dies mid-body
 
         def assert_kept() -> bool:
             kept = replicas.latest(0)
             return kept.step == 1 and kept.verify() and bytes(kept.data) == bytes(good.data)
 
         assert assert_kept()
-        bad = P.StateBlob(0, 2, newer.checksum ^ 1, newer.layout.nbytes, len(layout_json))
-        refused = _push_raw(holder.address, bad, body, cut=None)
+        rotten = bytearray(parts[1])
+        rotten[5] ^= 0x40  # the sender's memory changed after its digest was sealed
+        refused = _push_raw(holder.address, blob, [layout_json, bytes(rotten)], digests, cut=None)
         assert isinstance(refused.msg, P.Ack) and not refused.msg.ok
         assert "kept the previous replica" in refused.msg.detail
         assert assert_kept()
-        ok = _push_raw(holder.address, blob, body, cut=None)
+        ok = _push_raw(holder.address, blob, parts, digests, cut=None)
     assert isinstance(ok.msg, P.Ack) and ok.msg.ok
     assert replicas.latest(0).step == 2
     assert len(events.named("replica.rejected")) >= 2

@@ -20,6 +20,17 @@ from ..slurm.env import SlurmEnv
 MAX_ATTEMPTS = 4
 
 
+def batch_script(run_dir: Path) -> Path:
+    """Write the sbatch script that runs this driver for `run_dir`; submit it with the
+    training arguments (`--steps ... --ckpt-every K`) as the script's arguments."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script = run_dir / "baseline.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --exclusive\n#SBATCH --no-kill\n"
+                      f'exec "{sys.executable}" -m hpct_slurm.bench.restart_all '
+                      f'--run-dir "{run_dir}" -- "$@"\n')
+    return script
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)

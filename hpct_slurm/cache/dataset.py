@@ -152,22 +152,25 @@ class PrefetchLoader:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
+        def put(item: object) -> bool:
+            """Enqueue unless the consumer has gone (it stops reading when it stops early)."""
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             try:
                 for lo in range(start, len(indices), self.batch_size):
                     hi = min(lo + self.batch_size, len(indices))
-                    item = (hi, self.dataset.batch(indices[lo:hi]))
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put((hi, self.dataset.batch(indices[lo:hi]))):
                         return
-                q.put(_END)
+                put(_END)
             except BaseException as exc:  # handed to the consumer, raised there
-                q.put(exc)
+                put(exc)
 
         worker = threading.Thread(target=produce, name="hpct-prefetch", daemon=True)
         worker.start()

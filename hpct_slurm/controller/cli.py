@@ -9,6 +9,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "in-memory recovery (inside an sbatch job)")
     p.add_argument("--spares", type=int, default=1, help="nodes of the allocation kept as "
                                                          "warm spares (default 1)")
+    p.add_argument("--active", type=int, default=None,
+                   help="fixed number of active nodes; every other node is a spare (use with "
+                        "sbatch --nodes=A-(A+S) so a requeued job keeps its world size)")
+    p.add_argument("--persist-every", type=int, default=10,
+                   help="steps between asynchronous disk snapshots (the requeue fallback)")
     p.add_argument("--tasks-per-node", type=int, default=1)
     p.add_argument("--run-dir", default=None, help="events, logs, secret, persisted "
                                                    "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
@@ -25,4 +30,5 @@ def run(args: argparse.Namespace) -> int:
 
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     return main_from_env(cmd, args.run_dir, args.spares, args.tasks_per_node, args.store,
-                         args.heartbeat_timeout, args.on_no_spare)
+                         args.heartbeat_timeout, args.on_no_spare, args.active,
+                         args.persist_every)

@@ -37,6 +37,8 @@ class Options:
     nodes: list[str]
     batch_host: str
     spares: int = 1
+    active: int | None = None
+    persist_every: int = 10
     tasks_per_node: int = 1
     heartbeat_timeout_s: float = 3.0
     ready_timeout_s: float = 60.0
@@ -79,7 +81,8 @@ class Controller:
         self.job = str(opts.job_id)
         from .policy import split_allocation
 
-        active, spares = split_allocation(opts.nodes, opts.batch_host, opts.spares)
+        active, spares = split_allocation(opts.nodes, opts.batch_host, opts.spares,
+                                          opts.active)
         self.world = World(active, spares, opts.tasks_per_node)
         self.conns: dict[tuple[str, int], Conn] = {}
         self.steps: dict[str, asyncio.subprocess.Process] = {}
@@ -92,6 +95,9 @@ class Controller:
         self.finished = asyncio.Event()
         self.exit_code = 0
         self.address: tuple[str, int] = ("", 0)
+        # A requeued job (or one restarted by hand on the same run dir) starts from the last
+        # intact persisted snapshot instead of step 0.
+        self.initial_restore = self._persisted_step()
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def run(self) -> int:
@@ -117,6 +123,17 @@ class Controller:
         self.events.emit("controller.exit", code=self.exit_code)
         return self.exit_code
 
+    def _persisted_step(self) -> int:
+        from ..recovery.persist import load_latest
+
+        try:
+            step, _, _ = load_latest(self.run_dir / "persist", 0)
+        except HpctError:
+            return -1
+        self.events.emit("controller.resume_from_disk", step=step,
+                         restart_count=os.environ.get("SLURM_RESTART_COUNT", "0"))
+        return step
+
     def _launch(self, node: str, role: str) -> None:
         env = dict(os.environ)
         env.update({
@@ -126,6 +143,7 @@ class Controller:
             "HPCT_ROLE": role,
             "HPCT_STORE": self.o.store,
             "HPCT_COLLECTIVE_TIMEOUT_S": str(self.o.collective_timeout_s),
+            "HPCT_PERSIST_EVERY": str(self.o.persist_every),
         })
         argv = srun_argv(node, self.o.command, ntasks=self.o.tasks_per_node,
                          job_id=self.o.job_id,
@@ -243,7 +261,7 @@ class Controller:
         if self.world.generation == 0 and self.recovery is None and not self.recovering \
                 and all(self._node_ready(n) for n in self.world.members) \
                 and all(c.rank < 0 for n in self.world.members for c in self._live(n)):
-            asyncio.create_task(self._assign(restore=-1, sources={}))
+            asyncio.create_task(self._assign(restore=self.initial_restore, sources={}))
 
     async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:
         g = self.world.generation
@@ -367,7 +385,14 @@ class Controller:
             c.gone = True
             c.writer.close()
         alive = await asyncio.to_thread(self._slurmd_reachable, node)
+        usable = alive and await asyncio.to_thread(self._usable_in_slurm, node)
         loop = asyncio.get_running_loop()
+        if alive and not usable:
+            # an admin (or Slurm) took the node out: its steps are gone, never reuse it
+            self.dead_nodes.add(node)
+            self.events.emit("fault.fenced", node=node, how="node unavailable in slurm",
+                             reason=reason)
+            return
         if alive and not reason.startswith("srun: node failure"):
             if node in self.steps:
                 self.expected_exits.add(self.steps[node].pid)
@@ -391,6 +416,13 @@ class Controller:
             del self.conns[key]
         self.world.spares.append(node)
         self._launch(node, "spare")
+
+    def _usable_in_slurm(self, node: str) -> bool:
+        try:
+            info = self.slurm.show_node(node)
+        except HpctError:
+            return False
+        return info.state != "DOWN" and not ({"DRAIN", "NOT_RESPONDING"} & set(info.flags))
 
     def _slurmd_reachable(self, node: str) -> bool:
         return slurmd_reachable(self.slurm, node, self.o.slurmd_port)
@@ -477,7 +509,8 @@ def _resolve(host: str) -> str:
 
 
 def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_per_node: int,
-                  store: str, heartbeat_timeout_s: float, on_no_spare: str) -> int:
+                  store: str, heartbeat_timeout_s: float, on_no_spare: str,
+                  active: int | None = None, persist_every: int = 10) -> int:
     from ..slurm.env import SlurmEnv
 
     env = SlurmEnv.from_environ()
@@ -489,7 +522,7 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
     opts = Options(command=command, run_dir=rd, job_id=env.job_id, nodes=env.job_nodelist,
                    batch_host=batch_host, spares=spares, tasks_per_node=tasks_per_node,
                    store=store, heartbeat_timeout_s=heartbeat_timeout_s,
-                   on_no_spare=on_no_spare)
+                   on_no_spare=on_no_spare, active=active, persist_every=persist_every)
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

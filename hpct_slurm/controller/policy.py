@@ -39,9 +39,21 @@ class Replacement:
     taken: dict[str, str]  # lost node -> spare node that takes its position
 
 
-def split_allocation(nodes: list[str], batch_host: str, spares: int) -> tuple[list[str], list[str]]:
+def split_allocation(nodes: list[str], batch_host: str, spares: int,
+                     active: int | None = None) -> tuple[list[str], list[str]]:
     """Active and spare nodes. The batch host is always active: its loss kills the job in
-    Slurm anyway, so keeping it as a spare would waste a node."""
+    Slurm anyway, so keeping it as a spare would waste a node.
+
+    With `active` set, the world size is fixed and every other node is a spare: a job
+    submitted with `--nodes=A-(A+S)` keeps training at the same world size when it is
+    requeued onto fewer nodes after losing some (same world size = bit-identical results)."""
+    if active is not None:
+        if active < 1:
+            raise HpctError(f"--active {active} must be at least 1")
+        if active > len(nodes):
+            raise HpctError(f"--active {active} but the allocation has only {len(nodes)} "
+                            f"node(s): {','.join(nodes)}")
+        spares = len(nodes) - active
     if spares < 0:
         raise HpctError(f"--spares {spares} must not be negative")
     if len(nodes) - spares < 1:

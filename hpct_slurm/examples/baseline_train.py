@@ -24,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--ckpt-every", type=int, default=10)
@@ -36,12 +37,15 @@ def main() -> None:
     rank, world = env.procid, env.ntasks
     run_dir = Path(args.run_dir)
     events = EventLog(run_dir / "events" / f"baseline-{rank}.jsonl", source=f"baseline/{rank}")
+    # process started and torch imported: what a relaunch costs before any rendezvous
+    events.emit("baseline.imported", rank=rank)
     master = (env.step_nodelist or env.job_nodelist)[0]
     store = dist.TCPStore(master, args.port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    model, opt = build(args.hidden)
+    events.emit("baseline.pg_ready", rank=rank)
+    model, opt = build(args.hidden, args.layers)
     ckpt = run_dir / "ckpt.pt"
     start = 0
     if ckpt.exists():

@@ -18,10 +18,15 @@ import torch
 from hpct_slurm.recovery import Job  # hpct
 
 
-def build(hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(hidden: int, layers: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP with `layers` hidden layers of width `hidden`; `layers` > 1 only deepens it
+    (benchmarks use that for a large model state), layers=1 is the demo's model."""
     torch.manual_seed(1234)  # every rank starts from the same weights
-    model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.ReLU(),
-                                torch.nn.Dropout(0.1), torch.nn.Linear(hidden, 1))
+    mods: list[torch.nn.Module] = [torch.nn.Linear(32, hidden), torch.nn.ReLU(),
+                                   torch.nn.Dropout(0.1)]
+    for _ in range(layers - 1):
+        mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*mods, torch.nn.Linear(hidden, 1))
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -29,13 +34,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=1, help="hidden layers of width --hidden")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0,
                     help="pause per step, to stand in for a real model's compute time")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    model, opt = build(args.hidden)
+    model, opt = build(args.hidden, args.layers)
     job = Job(model=model, optimizer=opt, seed=7)  # hpct
 
     def train_step(step: int) -> float:  # hpct: one optimizer step

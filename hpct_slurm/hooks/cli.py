@@ -66,8 +66,15 @@ def _epilog(args: argparse.Namespace) -> int:
 def _task_prolog(args: argparse.Namespace) -> int:
     from .task_prolog import format_exports, rendezvous_env, task_env
 
+    from ..errors import HpctError
+
     env = task_env(os.environ)
-    env.update(rendezvous_env({**os.environ, **env}))
+    try:
+        env.update(rendezvous_env({**os.environ, **env}))
+    except HpctError as exc:
+        # A step the controller did not launch (plain `srun hostname`) has no rendezvous to
+        # join; it must still run.
+        print(f"hpct: no rendezvous env: {exc.message}", file=sys.stderr)
     sys.stdout.write(format_exports(env))
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import HpctError
 from ..events import EventLog
 from .context import HookConfig, JobContext
 from .health import HealthConfig, default_checks, run_checks
@@ -19,6 +20,7 @@ from .node import NodeSlurm
 from .shm import ShmRoot
 
 EVENT_HEALTH_FAILED = "hook_health_failed"
+EVENT_DRAIN_FAILED = "hook_drain_failed"
 EVENT_STALE_REMOVED = "hook_stale_removed"
 EVENT_STALE_SKIPPED = "hook_stale_skipped"
 EVENT_JOB_DIR = "hook_job_dir"
@@ -63,7 +65,12 @@ def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog) ->
     if problems:
         reason = DRAIN_PREFIX + "; ".join(problems)
         log.emit(EVENT_HEALTH_FAILED, node=job.node, job_id=job.job_id, reason=reason)
-        slurm.drain(job.node, reason)
+        try:
+            slurm.drain(job.node, reason)
+        except HpctError as exc:
+            # The failed prolog still makes Slurm drain the node ("Prolog error"); the event
+            # log keeps the real reason.
+            log.emit(EVENT_DRAIN_FAILED, node=job.node, job_id=job.job_id, error=exc.message)
         return PrologResult(healthy=False, problems=problems)
     with ShmRoot(cfg.shm_root, create=True) as root:
         stale = sweep_stale(root, {job.job_id}, slurm, log)

@@ -70,9 +70,11 @@ class CoordinationClient:
                 time.sleep(0.2)
 
     def send(self, msg) -> None:
+        # No socket timeout: the reader thread shares this socket and a timeout set for a
+        # send would also end its (legitimately long) wait for the next message. Sends are
+        # small and go to the kernel buffer; a dead controller shows up as an error instead.
         with self._send_lock:
-            P.send_msg(self._sock, msg, self.secret, self._chan.next_seq(), self.job_id,
-                       timeout=10)
+            P.send_msg(self._sock, msg, self.secret, self._chan.next_seq(), self.job_id)
 
     def register(self, node: str, local_rank: int, role: str, host_addr: str,
                  transfer_port: int) -> None:

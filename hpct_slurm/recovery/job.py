@@ -87,7 +87,8 @@ class Job:
         # Plain data parallelism: every rank holds the whole model and optimizer, so the
         # just-in-time path applies: no steady-state replica traffic, a replacement pulls the
         # shared state from any survivor and derives its per-rank parts from (seed, rank, step).
-        self.snapshots = SnapshotStore(self.state, scopes=("shared",))
+        self.snapshots = SnapshotStore(self.state, scopes=("shared",),
+                                       every=int(env.get("HPCT_SNAPSHOT_EVERY", "1")))
         self.secret = P.load_secret(_require(env, "HPCT_SECRET_FILE"))
         self.job_id = str(self.slurm.job_id)
         node = self.slurm.node_name or socket.gethostname()
@@ -96,7 +97,7 @@ class Job:
         self.host_addr = rdv.resolve_host(node)
         self.transfer = TransferServer(self.secret, self.job_id, rank=-1, own=self.snapshots,
                                        host=self.host_addr, events=self.events)
-        self.persist_every = persist_every
+        self.persist_every = persist_every or int(env.get("HPCT_PERSIST_EVERY", "0"))
         self.persister: DiskPersister | None = None
         self.rank = -1
         self.world_size = 0
@@ -137,9 +138,9 @@ class Job:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if failure is None:
                 self.events.emit("rank.finished", rank=self.rank, step=total_steps - 1)
-                self._teardown()
-                self.client.state = "done"
+                self.client.state = "done"  # report first: tearing down is local work
                 self.client.heartbeat_now()
+                self._teardown()
                 continue  # the controller says goodbye once every rank is done
             # Outside the except block from here on: the failed group can now really close.
             self._recover(failure)
@@ -153,8 +154,7 @@ class Job:
             out = train_step(step)
             if isinstance(out, (int, float)):
                 self.losses[step] = float(out)
-            self.snapshots.commit(step)
-            if self.persister:
+            if self.snapshots.after_step(step) is not None and self.persister:
                 self.persister.after_commit(step)
             self.client.step_done(step)
             self.events.emit("rank.step", rank=self.rank, generation=self.generation,
@@ -203,7 +203,8 @@ class Job:
         source = "fresh"
         if a.restore_step >= 0:
             source = self._restore(a, same_rank=previous_rank == a.rank)
-        if self.persist_every and self.persister is None:
+        # One copy on disk is enough: the shared state is the same on every rank.
+        if self.persist_every and self.persister is None and self.rank == 0:
             self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
                                            self.persist_every, self.events)
         self.events.emit("rank.adopted", rank=a.rank, generation=a.generation,

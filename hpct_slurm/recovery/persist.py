@@ -2,13 +2,15 @@
 
 One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
 
-    u32 big-endian meta length | meta JSON {"step", "checksum", "layout"} | flat data
+    u32 big-endian meta length | meta JSON {"step", "digest", "layout"} | flat data
 
 written to a temp file, fsynced, then renamed, so a crash leaves either the old file or the new
-one. The last two are kept; `load_latest` falls back to the older if the newer fails its checksum.
+one. `digest` is the snapshot's own (hex), so saving hashes nothing new. The last two are kept;
+`load_latest` falls back to the older if the newer fails its digest.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import queue
@@ -19,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+from .. import protocol as P
 from ..errors import HpctError
 from ..events import EventLog
 from .snapshot import SnapshotStore
-from .state import Layout, as_memoryview, checksum
+from .state import Layout, as_memoryview
 
 KEEP = 2
 _LEN = struct.Struct(">I")
@@ -38,13 +41,13 @@ def rank_dir(root: str | os.PathLike, rank: int) -> Path:
 
 
 def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout,
-                   data: memoryview, crc: int) -> Path:
+                   data: memoryview, digest: bytes) -> Path:
     """Durably write one snapshot and prune all but the newest `KEEP`."""
     d = rank_dir(root, rank)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"step{step}.bin"
     tmp = d / f".step{step}.bin.tmp{os.getpid()}"
-    meta = json.dumps({"step": step, "checksum": crc, "layout": json.loads(layout.to_json())},
+    meta = json.dumps({"step": step, "digest": digest.hex(), "layout": json.loads(layout.to_json())},
                       separators=(",", ":")).encode()
     with open(tmp, "wb") as f:
         f.write(_LEN.pack(len(meta)))
@@ -70,23 +73,23 @@ def list_steps(root: str | os.PathLike, rank: int) -> list[int]:
     return sorted(int(m.group(1)) for p in d.iterdir() if (m := _NAME.match(p.name)))
 
 
-def read_snapshot(path: Path) -> tuple[int, Layout, bytearray, int]:
-    """(step, layout, data, checksum) of one file; raises HpctError if damaged."""
+def read_snapshot(path: Path) -> tuple[int, Layout, bytearray, bytes]:
+    """(step, layout, data, digest) of one file; raises HpctError if damaged."""
     try:
         with open(path, "rb") as f:
             (mlen,) = _LEN.unpack(f.read(_LEN.size))
             meta = json.loads(f.read(mlen))
             layout = Layout.from_json(json.dumps(meta["layout"]))
+            digest = bytes.fromhex(meta["digest"])
             data = bytearray(layout.nbytes)
             got = f.readinto(data)
     except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
         raise HpctError(f"snapshot file '{path}' is unreadable: {exc}") from None
     if got != layout.nbytes:
         raise HpctError(f"snapshot file '{path}' is truncated: {got} of {layout.nbytes} data bytes")
-    crc = int(meta["checksum"])
-    if checksum(data) != crc:
-        raise HpctError(f"snapshot file '{path}' fails its checksum")
-    return int(meta["step"]), layout, data, crc
+    if not hmac.compare_digest(P.part_digest(data), digest):
+        raise HpctError(f"snapshot file '{path}' fails its digest")
+    return int(meta["step"]), layout, data, digest
 
 
 def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,
@@ -106,7 +109,11 @@ def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,
 
 
 class DiskPersister:
-    """Writes every `every`-th committed snapshot to disk from a background thread.
+    """Writes a committed snapshot to disk every `every` steps, from a background thread.
+
+    Saved: the first commit at or after each multiple of `every` (the same steps as
+    `step % every == 0` when commits happen every step; with `SnapshotStore(every=K)` commits,
+    as close to that as commits allow).
 
     The thread leases the snapshot only while copying it into its own buffer (memory speed), then
     writes without holding anything, so training is not held up by the disk. A save still running
@@ -121,6 +128,7 @@ class DiskPersister:
         self.store, self.root, self.rank, self.every = store, Path(root), rank, every
         self.events = events
         self.last_saved: int | None = None
+        self._last_commit: int | None = None
         self._buf: torch.Tensor | None = None
         self._due: queue.Queue[int | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._loop, name=f"hpct-persist-r{rank}", daemon=True)
@@ -128,7 +136,10 @@ class DiskPersister:
 
     def after_commit(self, step: int) -> bool:
         """Call after each `store.commit(step)`; returns whether a save was queued."""
-        if step % self.every:
+        prev, self._last_commit = self._last_commit, step
+        if prev is None or prev >= step:
+            prev = step - 1
+        if step // self.every == prev // self.every:  # no multiple of `every` in (prev, step]
             return False
         try:
             self._due.put_nowait(step)
@@ -147,8 +158,8 @@ class DiskPersister:
                         self._buf = torch.empty(n, dtype=torch.uint8)
                     data = as_memoryview(self._buf)[:n]
                     data[:] = snap.data
-                    layout, crc = snap.layout, snap.checksum
-                path = write_snapshot(self.root, self.rank, step, layout, data, crc)
+                    layout, digest = snap.layout, snap.digest()
+                path = write_snapshot(self.root, self.rank, step, layout, data, digest)
                 self.last_saved = step
                 if self.events:
                     self.events.emit(EV_SAVED, rank=self.rank, step=step, path=str(path), nbytes=n)

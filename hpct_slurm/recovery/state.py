@@ -3,17 +3,13 @@
 A snapshot is the registered objects' state dicts, the RNG states and user extras. Tensors are
 copied into one preallocated byte buffer at 64-byte aligned offsets; everything else (the
 structure, hyper-parameters, Python/numpy RNG ints) goes into a small JSON tree in the layout.
-One flat buffer makes a transfer a single send/recv_into and a checksum one pass.
-
-Checksum: `zlib.crc32`. Measured on 100 MB of random bytes on the 2-core dev VM: crc32 2.35 GB/s,
-adler32 1.74, sha256 (SHA-NI) 1.42, blake2b 0.93. It is there to catch accidental damage (a flipped
-bit in a replica, a torn copy); tampering on the wire is the protocol MAC's job.
+One flat buffer makes a transfer a single send/recv_into and its digest one tree of hashes (the
+protocol's `part_digest`, see snapshot.py for when it is computed).
 """
 from __future__ import annotations
 
 import json
 import random
-import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -30,10 +26,6 @@ DEFAULT_SCOPES: dict[str, Scope] = {"model": "shared", "optimizer": "shared",
                                     "lr_scheduler": "shared", "sampler": "rank"}
 RNG_KEY = "rng"
 EXTRAS_KEY = "extras"
-
-
-def checksum(data: memoryview | bytes | bytearray) -> int:
-    return zlib.crc32(data)
 
 
 @dataclass(frozen=True)
@@ -130,7 +122,7 @@ def as_flat_u8(buf: Any) -> torch.Tensor:
 
 
 def as_memoryview(buf: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a flat CPU uint8 tensor (for sockets and checksums)."""
+    """Zero-copy bytes of a flat CPU uint8 tensor (for sockets and digests)."""
     return memoryview(buf.numpy()).cast("B")
 
 

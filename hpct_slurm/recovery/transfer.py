@@ -4,8 +4,14 @@ Every rank runs a `TransferServer` that serves its own latest snapshots and the 
 (`FetchState` -> `StateBlob` whose body is the layout JSON then the flat data, sent straight from
 the snapshot memory) and accepts replicas pushed by its ring neighbour (`StateBlob` -> `Ack`).
 A replacement calls `fetch_state` with the holders the controller named; each source is tried in
-order, the data is received into a preallocated buffer and checksummed, and the first good copy
-wins; disk is the last resort.
+order, the data is received into a preallocated buffer while its digest is computed on the hash
+threads, and the first copy matching the digest in the (MAC-authenticated) frame header wins;
+disk is the last resort.
+
+The sender never hashes the data: the frame carries the snapshot's own digest, sealed once after
+commit (see snapshot.py). The receiver hashes every byte, so a copy that rotted in the holder's
+memory is caught there; `verify_on_serve` additionally re-hashes on the holder while sending (it
+then stops offering a rotten copy) at the price of hashing every byte twice per transfer.
 """
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ import contextlib
 import queue
 import socket
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -55,22 +60,27 @@ def _connect(addr: Address, timeout: float) -> socket.socket:
 
 def _send_blob(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot,
                timeout: float | None, verify: bool) -> bool:
-    """Stream `snap`; with `verify`, check its checksum on the way out and cut the frame short
-    (close the socket, return False) if the memory no longer matches it."""
+    """Stream `snap` under its sealed digest. With `verify`, re-hash the memory on the hash
+    threads while it goes out and hold back the last piece until that is done: on a mismatch
+    close the socket (the receiver sees a truncated frame) and return False."""
     layout_json = snap.layout.to_json()
-    msg = P.StateBlob(rank, snap.step, snap.checksum, snap.layout.nbytes, len(layout_json))
+    msg = P.StateBlob(rank, snap.step, snap.layout.nbytes, len(layout_json))
+    digest = snap.digest()
+    check = None
+    if verify:
+        check = P.PartHasher(len(snap.data))
+        for off in range(0, len(snap.data), P.CHUNK):
+            check.add(snap.data[off:off + P.CHUNK])
     writer = P.FrameWriter(sock, msg, chan.secret, chan.next_seq(), chan.job_id,
-                           len(layout_json) + snap.layout.nbytes, timeout)
+                           [len(layout_json), snap.layout.nbytes],
+                           [P.part_digest(layout_json), digest], timeout)  # type: ignore[list-item]
     writer.write(layout_json)
-    crc = 0
-    for off in range(0, len(snap.data), P.CHUNK):
-        piece = snap.data[off:off + P.CHUNK]
-        if verify:
-            crc = zlib.crc32(piece, crc)
-        writer.write(piece)
-    if verify and crc != snap.checksum:
+    tail = min(len(snap.data), P.CHUNK)
+    writer.write(snap.data[:len(snap.data) - tail])
+    if check is not None and check.digest() != digest:
         sock.close()
         return False
+    writer.write(snap.data[len(snap.data) - tail:])
     writer.finish()
     return True
 
@@ -80,7 +90,7 @@ class TransferServer:
 
     def __init__(self, secret: bytes, job_id: str, rank: int, own: SnapshotStore | None = None,
                  replicas: ReplicaStore | None = None, host: str = "127.0.0.1", port: int = 0,
-                 events: EventLog | None = None, verify_on_serve: bool = True,
+                 events: EventLog | None = None, verify_on_serve: bool = False,
                  max_replica_bytes: int = 1 << 40, io_timeout: float = 60.0):
         self.secret, self.job_id, self.rank = secret, job_id, rank
         self.own, self.replicas = own, replicas
@@ -141,6 +151,10 @@ class TransferServer:
                                                  body_sink=self._replica_sink(pending)))
                 except P.ConnectionClosed:
                     return
+                except P.DigestMismatch as exc:
+                    # The frame was read whole, so the connection is still usable: say why.
+                    self._reject_replica(conn, chan, exc.msg, pending, exc.message)
+                    continue
                 except P.ProtocolError as exc:
                     if "idx" in pending:
                         self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
@@ -152,7 +166,7 @@ class TransferServer:
                     if not self._serve_fetch(conn, chan, msg):
                         return
                 elif isinstance(msg, P.StateBlob):
-                    self._store_replica(conn, chan, msg, pending)
+                    self._store_replica(conn, chan, msg, env.digests[1], pending)
                 elif isinstance(msg, P.Goodbye):
                     return
                 else:
@@ -186,7 +200,7 @@ class TransferServer:
                 return True
             if _send_blob(conn, chan, msg.rank, snap, self.io_timeout, self.verify_on_serve):
                 return True
-        # The memory no longer matches its checksum: never offer this copy again.
+        # The memory no longer matches its digest: never offer this copy again.
         if found and found[1] == "replica" and self.replicas is not None:
             self.replicas.discard(msg.rank, snap)
         self._emit(EV_SERVE_CORRUPT, rank=msg.rank, step=snap.step, slot=found[1] if found else "")
@@ -194,21 +208,30 @@ class TransferServer:
 
     # --- replicas pushed to us -----------------------------------------------------------------
 
+    def _reject_replica(self, conn: socket.socket, chan: P.Channel, msg: Any,
+                        pending: dict[str, Any], why: str) -> None:
+        rank = getattr(msg, "rank", -1)
+        if "idx" in pending:
+            self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
+            why = f"replica of rank {rank} at step {msg.step}: {why}; kept the previous replica"
+        self._emit(EV_REPLICA_REJECTED, rank=rank, error=why)
+        P.send_msg(conn, P.Ack(False, why), self.secret, chan.next_seq(), self.job_id,
+                   timeout=self.io_timeout)
+
     def _replica_sink(self, pending: dict[str, Any]) -> P.BodySink:
-        def sink(msg: Any, n: int) -> list[memoryview]:
+        def sink(msg: Any, sizes: Any) -> list[memoryview]:
             if not isinstance(msg, P.StateBlob):
-                return [memoryview(bytearray(n))]
+                return [memoryview(bytearray(n)) for n in sizes]
             if self.replicas is None:
                 raise P.ProtocolError(f"rank {self.rank} holds no replicas")
-            if msg.layout_nbytes > LAYOUT_MAX or msg.layout_nbytes + msg.nbytes != n:
-                raise P.ProtocolError(f"state_blob sizes {msg.layout_nbytes}+{msg.nbytes} != body {n}")
+            _check_blob_parts(msg, sizes)
             idx, buf = self.replicas.begin(msg.rank, msg.nbytes)
             pending.update(rank=msg.rank, idx=idx, buf=buf, layout=bytearray(msg.layout_nbytes))
             return [memoryview(pending["layout"]), as_memoryview(buf)[:msg.nbytes]]
         return sink
 
     def _store_replica(self, conn: socket.socket, chan: P.Channel, msg: P.StateBlob,
-                       pending: dict[str, Any]) -> None:
+                       digest: bytes, pending: dict[str, Any]) -> None:
         assert self.replicas is not None
         try:
             try:
@@ -219,7 +242,7 @@ class TransferServer:
                 self.replicas.abandon(msg.rank, pending["idx"])
                 raise
             self.replicas.finish(msg.rank, pending["idx"], pending["buf"], msg.step, layout,
-                                 msg.checksum)
+                                 digest, checked=True)
         except HpctError as exc:
             self._emit(EV_REPLICA_REJECTED, rank=msg.rank, step=msg.step, error=exc.message)
             P.send_msg(conn, P.Ack(False, exc.message), self.secret, chan.next_seq(), self.job_id,
@@ -241,32 +264,35 @@ class FetchResult:
     source: str        # "host:port" or "disk:<dir>"
 
 
+def _check_blob_parts(msg: P.StateBlob, sizes: Any) -> None:
+    if msg.layout_nbytes > LAYOUT_MAX or list(sizes) != [msg.layout_nbytes, msg.nbytes]:
+        raise P.ProtocolError(f"state_blob parts {list(sizes)} are not "
+                              f"[{msg.layout_nbytes} layout, {msg.nbytes} data] bytes")
+
+
 def _fetch_one(addr: Address, rank: int, secret: bytes, job_id: str, step: int,
                into: Any, timeout: float) -> FetchResult:
     holder: dict[str, Any] = {}
 
-    def sink(msg: Any, n: int) -> list[memoryview]:
+    def sink(msg: Any, sizes: Any) -> list[memoryview]:
         if not isinstance(msg, P.StateBlob):
-            return [memoryview(bytearray(n))]
-        if msg.layout_nbytes > LAYOUT_MAX or msg.layout_nbytes + msg.nbytes != n:
-            raise P.ProtocolError(f"state_blob sizes {msg.layout_nbytes}+{msg.nbytes} != body {n}")
+            return [memoryview(bytearray(n)) for n in sizes]
+        _check_blob_parts(msg, sizes)
         buf = into
         if buf is None or as_flat_u8(buf).numel() < msg.nbytes:
             buf = torch.empty(msg.nbytes, dtype=torch.uint8)
-        holder.update(buf=buf, layout=bytearray(msg.layout_nbytes), crc=0)
+        holder.update(buf=buf, layout=bytearray(msg.layout_nbytes))
         return [memoryview(holder["layout"]), as_memoryview(as_flat_u8(buf))[:msg.nbytes]]
-
-    def on_piece(i: int, piece: memoryview) -> None:
-        if i == 1:
-            holder["crc"] = zlib.crc32(piece, holder["crc"])
 
     chan = P.Channel(secret, job_id)
     with _connect(addr, timeout) as sock:
         P.send_msg(sock, P.FetchState(rank, step, "any"), secret, chan.next_seq(), job_id,
                    timeout=timeout)
-        env = chan.accept(P.recv_msg(sock, secret, job_id, timeout=timeout,
-                                     max_body=(1 << 40) + LAYOUT_MAX, body_sink=sink,
-                                     on_piece=on_piece))
+        try:
+            env = chan.accept(P.recv_msg(sock, secret, job_id, timeout=timeout,
+                                         max_body=(1 << 40) + LAYOUT_MAX, body_sink=sink))
+        except P.DigestMismatch as exc:
+            raise HpctError(f"digest mismatch: {exc.message}") from None
         with contextlib.suppress(P.ProtocolError):
             P.send_msg(sock, P.Goodbye("done"), secret, chan.next_seq(), job_id, timeout=timeout)
     msg = env.msg
@@ -276,8 +302,6 @@ def _fetch_one(addr: Address, rank: int, secret: bytes, job_id: str, step: int,
         raise HpctError(f"source answered {msg.TYPE} instead of state_blob")
     if msg.rank != rank or (step != LATEST and msg.step != step):
         raise HpctError(f"source sent rank {msg.rank} step {msg.step}, asked for rank {rank} step {step}")
-    if holder["crc"] != msg.checksum:
-        raise HpctError(f"checksum mismatch: got {holder['crc']:#010x}, expected {msg.checksum:#010x}")
     layout = Layout.from_json(bytes(holder["layout"]))
     if layout.nbytes != msg.nbytes:
         raise HpctError(f"layout says {layout.nbytes} bytes, the frame {msg.nbytes}")

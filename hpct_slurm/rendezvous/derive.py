@@ -236,8 +236,8 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
            nodes_per_host: int | None = None,
            init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
            collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-           resolve: Callable[[str], str] = resolve_host,
-           find_ifname: Callable[[str], str | None] = ifname_for_address) -> RendezvousInfo:
+           resolve: Callable[[str], str] | None = None,
+           find_ifname: Callable[[str], str | None] | None = None) -> RendezvousInfo:
     """Derive this process's RendezvousInfo for `generation`.
 
     `members`/`tasks_per_node`: the controller's ordered member nodes and tasks on each; None
@@ -245,6 +245,8 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
     Ports come from SLURM_STEP_RESV_PORTS in that plain case (one step, one reserved range on
     all its nodes); with controller membership every node runs its own step with its own
     reservation, so ports are derived from (job, generation, host slot) instead.
+    `resolve`/`find_ifname`: node name -> address, address -> local interface (default: the
+    system's resolver and interfaces).
     `nodes_per_host`: ports set aside per (job, generation) on one host; None takes the most
     members found sharing one address (1 on a real cluster).
     """
@@ -280,7 +282,7 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
     if strangers:
         raise HpctError(f"member node(s) {strangers} are not in SLURM_JOB_NODELIST {job_nodes}")
 
-    addresses = tuple(resolve(m) for m in members)
+    addresses = tuple((resolve or resolve_host)(m) for m in members)
     slots = host_slots(addresses)
     if nodes_per_host is None:
         nodes_per_host = max(slots) + 1
@@ -298,7 +300,7 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
                                    port_span=port_span, nodes_per_host=nodes_per_host)
                       for slot in slots)
     if ifname is None:
-        ifname = find_ifname(addresses[node_rank])
+        ifname = (find_ifname or ifname_for_address)(addresses[node_rank])
         if ifname is None:
             raise HpctError(
                 f"node '{env.node_name}' resolves to {addresses[node_rank]}, which no local "

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
+from .. import protocol
 from ..errors import HpctError
 from ..events import EventLog, stderr_log
 
@@ -68,33 +69,16 @@ _U64 = struct.Struct("!Q")
 
 
 def load_secret(path: str | os.PathLike | None = None) -> bytes:
-    """The per-job secret: from `path`, else from the file named by $HPCT_SECRET_FILE."""
+    """The per-job secret: from `path`, else from the file named by $HPCT_SECRET_FILE. The
+    file format and its checks are the control protocol's: one secret per job for both."""
     if path is None:
         path = os.environ.get(SECRET_ENV)
         if not path:
             raise HpctError(f"{SECRET_ENV} is not set: the store needs the per-job secret file")
-    p = Path(path)
-    try:
-        st = p.stat()
-        data = p.read_bytes()
-    except OSError as exc:
-        raise HpctError(f"secret file '{p}' cannot be read: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise HpctError(f"secret file '{p}' is open to group/others (mode "
-                        f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it")
-    if len(data) < MIN_SECRET_BYTES:
-        raise HpctError(f"secret file '{p}' holds {len(data)} bytes, fewer than "
-                        f"{MIN_SECRET_BYTES}")
-    return data
+    return protocol.load_secret(path)
 
 
-def write_secret(path: str | os.PathLike) -> bytes:
-    """Create a fresh random secret file readable by its owner only."""
-    data = secrets.token_bytes(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return data
+write_secret = protocol.new_secret_file
 
 
 # ---------------------------------------------------------------- framing

@@ -1,0 +1,371 @@
+"""Goodput of checkpoint-restart vs hpct-slurm as a job grows from 16 to 100k GPUs. Pure.
+
+Goodput is the fraction of wall time the job's GPUs spend on useful training: not stalled
+writing checkpoints, not recovering, not recomputing steps lost since the last checkpoint,
+and (for hpct-slurm) not paying the per-step replication cost.
+
+The model is first order (Young/Daly style): failures are a Poisson process, recoveries do not
+overlap, and a failure during a recovery is not modelled (it matters only where the expected
+loss per hour approaches one hour, and there goodput is near zero anyway). With
+
+    W       useful compute time, wall the job's wall time,
+    lam     job failure rate per hour,
+    L_fail  wall time lost per failure (recovery + recompute),
+    c/tau   checkpoint stall per unit of compute,
+    r       replication overhead per unit of compute (hpct-slurm only),
+
+wall = W (1 + c/tau)(1 + r) + lam * wall * L_fail, hence
+
+    goodput = W / wall = (1 - lam * L_fail) / ((1 + c/tau)(1 + r)).
+
+Every constant comes from `defaults.json` (each with its source) or from measured results
+passed with `--phases`; nothing here is a hidden number.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..errors import HpctError
+
+CURVE_KINDS = ("linear", "log")
+# The sweep the plot and the table use: 16 GPUs (two 8-GPU nodes) to 100k.
+SWEEP_GPUS = (16, 32, 64, 128, 256, 512, 1024, 2304, 4096, 8192, 16384, 32768, 65536, 100_000)
+# hpct-slurm's fallback checkpoints are written at most this rarely (Young/Daly may ask for
+# weeks when spares almost never run out; nobody runs a month without a durable copy).
+MAX_FALLBACK_CKPT_INTERVAL_MIN = 24 * 60
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds as a function of ranks: a + b*n (linear) or a + b*log2(n) (log)."""
+
+    kind: str
+    a: float
+    b: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in CURVE_KINDS:
+            raise HpctError(f"curve kind {self.kind!r} is not one of {', '.join(CURVE_KINDS)}")
+
+    def __call__(self, ranks: float) -> float:
+        x = ranks if self.kind == "linear" else math.log2(max(ranks, 1))
+        # A fitted intercept can be negative; a phase never takes negative time.
+        return max(0.0, self.a + self.b * x)
+
+
+def fit_curve(points: Sequence[tuple[float, float]], kind: str = "auto") -> Curve:
+    """Least-squares fit of (ranks, seconds) points; `auto` keeps the kind with less error.
+
+    Two kinds only, because they are the two hypotheses that matter: a rooted rendezvous
+    serialises every rank through one server (linear), a rootless one spreads the work so a
+    rank's cost grows with the depth of the exchange (log)."""
+    pts = [(float(n), float(s)) for n, s in points]
+    if len({n for n, _ in pts}) < 2:
+        raise HpctError(f"curve points {list(points)!r} need at least two distinct rank counts")
+    if any(n < 1 or s < 0 for n, s in pts):
+        raise HpctError(f"curve points {list(points)!r} need ranks >= 1 and seconds >= 0")
+    kinds = CURVE_KINDS if kind == "auto" else (kind,)
+    best: tuple[float, Curve] | None = None
+    for k in kinds:
+        xs = [n if k == "linear" else math.log2(n) for n, _ in pts]
+        ys = [s for _, s in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        curve = Curve(k, my - b * mx, b)
+        sse = sum((curve(n) - s) ** 2 for n, s in pts)
+        if best is None or sse < best[0]:
+            best = (sse, curve)
+    assert best is not None
+    return best[1]
+
+
+@dataclass(frozen=True)
+class CkptRestartCosts:
+    """Per-failure phases of the restart-all baseline, seconds (see defaults.json)."""
+
+    detect_s: float
+    requeue_s: float
+    process_restart_s: float
+    ckpt_load_s: float
+    data_loader_s: float
+    first_step_s: float
+    rendezvous: Curve
+
+    def recovery_s(self, ranks: int) -> float:
+        return (self.detect_s + self.requeue_s + self.process_restart_s
+                + self.rendezvous(ranks) + self.ckpt_load_s + self.data_loader_s
+                + self.first_step_s)
+
+
+@dataclass(frozen=True)
+class HpctCosts:
+    """Per-failure phases of hpct-slurm's checkpointless recovery, seconds."""
+
+    detect_s: float
+    stop_s: float
+    reform: Curve
+    state_gb_per_gpu: float
+    transfer_gb_per_s: float
+    data_reattach_s: float
+    first_step_s: float
+
+    def transfer_s(self) -> float:
+        # The replacement pulls only its own ranks' shards, from peers in parallel: the time
+        # is one GPU's state over one GPU's share of the fabric, independent of world size.
+        return self.state_gb_per_gpu / self.transfer_gb_per_s
+
+    def recovery_s(self, ranks: int) -> float:
+        return (self.detect_s + self.stop_s + self.reform(ranks) + self.transfer_s()
+                + self.data_reattach_s + self.first_step_s)
+
+
+@dataclass(frozen=True)
+class Params:
+    """Everything the model needs besides the GPU count."""
+
+    gpus_per_node: int
+    node_fail_per_hour: float
+    ckpt_interval_min: float
+    ckpt_stall_s: float
+    ckpt_restart: CkptRestartCosts
+    hpct: HpctCosts
+    replication_overhead: float
+    spare_fraction: float
+    min_spares: int
+    spare_refill_hours: float
+    spares: int | None = None
+    hpct_ckpt_interval_min: float | None = None
+    provenance: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        checks = [("gpus_per_node", self.gpus_per_node >= 1),
+                  ("node_fail_per_hour", 0 <= self.node_fail_per_hour < 1),
+                  ("ckpt_interval_min", self.ckpt_interval_min > 0),
+                  ("ckpt_stall_s", self.ckpt_stall_s >= 0),
+                  ("replication_overhead", self.replication_overhead >= 0),
+                  ("spare_fraction", self.spare_fraction >= 0),
+                  ("min_spares", self.min_spares >= 0),
+                  ("spare_refill_hours", self.spare_refill_hours > 0),
+                  ("spares", self.spares is None or self.spares >= 0),
+                  ("hpct_ckpt_interval_min",
+                   self.hpct_ckpt_interval_min is None or self.hpct_ckpt_interval_min > 0)]
+        for name, ok in checks:
+            if not ok:
+                raise HpctError(f"goodput parameter {name} = {getattr(self, name)!r} is out of "
+                                f"range")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One point of the comparison. Times in seconds, rates per hour, goodputs fractions."""
+
+    gpus: int
+    nodes: int
+    failures_per_hour: float
+    ckpt_restart_recovery_s: float
+    ckpt_restart_lost_per_failure_s: float
+    ckpt_restart_goodput: float
+    hpct_recovery_s: float
+    hpct_spares: int
+    hpct_fallback_fraction: float
+    hpct_ckpt_interval_min: float
+    hpct_lost_per_failure_s: float
+    hpct_goodput: float
+    hpct_goodput_incl_spares: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def job_failure_rate(nodes: int, node_fail_per_hour: float) -> float:
+    """Failures per hour of a job on `nodes` nodes. A per-node probability p of failing within
+    an hour is a rate of -ln(1-p) per node (exact for a Poisson process, ~p for small p); the
+    job stops when any node fails, so rates add."""
+    return -nodes * math.log1p(-node_fail_per_hour)
+
+
+def spares_for(nodes: int, p: Params) -> int:
+    """Spare nodes a job keeps: the explicit count, else a fraction of its nodes (at least
+    `min_spares`)."""
+    if p.spares is not None:
+        return p.spares
+    return max(p.min_spares, math.ceil(nodes * p.spare_fraction))
+
+
+def spare_exhaustion_probability(rate_per_hour: float, refill_hours: float,
+                                 spares: int) -> float:
+    """Probability that a failure finds no spare left.
+
+    Failed nodes are away for `refill_hours` (drained, repaired or replaced from the pool,
+    then back as spares): an M/G/inf queue, whose occupancy is Poisson with mean
+    rate * refill_hours whatever the repair-time distribution. A failure arriving sees that
+    occupancy (PASTA) and falls back when all `spares` are already used: P(K >= spares)."""
+    mean = rate_per_hour * refill_hours
+    if mean <= 0:
+        return 1.0 if spares == 0 else 0.0
+    # Terms in log space: a 100k-GPU job has means in the tens and spares in the hundreds.
+    below = sum(math.exp(k * math.log(mean) - mean - math.lgamma(k + 1)) for k in range(spares))
+    return min(1.0, max(0.0, 1.0 - below))
+
+
+def young_daly_interval_min(stall_s: float, rate_per_hour: float) -> float:
+    """Checkpoint interval that minimises stall + expected recompute: sqrt(2 c MTBF)."""
+    if rate_per_hour <= 0 or stall_s <= 0:
+        return math.inf
+    return math.sqrt(2 * (stall_s / 60) * (60 / rate_per_hour))
+
+
+def _goodput(rate_per_hour: float, lost_per_failure_s: float, stall_fraction: float,
+             replication_overhead: float) -> float:
+    useful = 1.0 - rate_per_hour * lost_per_failure_s / 3600
+    return max(0.0, useful) / ((1 + stall_fraction) * (1 + replication_overhead))
+
+
+def evaluate(gpus: int, p: Params) -> Result:
+    """Goodput of both recovery schemes for one job of `gpus` GPUs (one rank per GPU)."""
+    if gpus < 1:
+        raise HpctError(f"gpus {gpus!r} is not a positive number")
+    nodes = math.ceil(gpus / p.gpus_per_node)
+    rate = job_failure_rate(nodes, p.node_fail_per_hour)
+    tau_s = p.ckpt_interval_min * 60
+
+    # Checkpoint-restart: every failure costs the whole restart cascade plus, on average,
+    # half an interval of steps recomputed (the failure lands uniformly between checkpoints).
+    cr_recovery = p.ckpt_restart.recovery_s(gpus)
+    cr_lost = cr_recovery + tau_s / 2
+    cr = _goodput(rate, cr_lost, p.ckpt_stall_s / tau_s, 0.0)
+
+    # hpct-slurm: a failure that finds a spare costs only the checkpointless recovery, nothing
+    # recomputed; one that finds none escalates to the same restart cascade from the last
+    # durable snapshot. Those snapshots back only the fallback, so they are written at the
+    # Young/Daly optimum for the fallback rate (never more often than the baseline's).
+    spares = spares_for(nodes, p)
+    q = spare_exhaustion_probability(rate, p.spare_refill_hours, spares)
+    if p.hpct_ckpt_interval_min is not None:
+        h_tau_min = p.hpct_ckpt_interval_min
+    else:
+        h_tau_min = min(MAX_FALLBACK_CKPT_INTERVAL_MIN,
+                        max(p.ckpt_interval_min,
+                            young_daly_interval_min(p.ckpt_stall_s, rate * q)))
+    h_tau_s = h_tau_min * 60
+    h_recovery = p.hpct.recovery_s(gpus)
+    h_lost = (1 - q) * h_recovery + q * (cr_recovery + h_tau_s / 2)
+    h = _goodput(rate, h_lost, p.ckpt_stall_s / h_tau_s, p.replication_overhead)
+    return Result(
+        gpus=gpus, nodes=nodes, failures_per_hour=rate,
+        ckpt_restart_recovery_s=cr_recovery, ckpt_restart_lost_per_failure_s=cr_lost,
+        ckpt_restart_goodput=cr, hpct_recovery_s=h_recovery, hpct_spares=spares,
+        hpct_fallback_fraction=q, hpct_ckpt_interval_min=h_tau_min,
+        hpct_lost_per_failure_s=h_lost, hpct_goodput=h,
+        # The spares are GPUs paid for but idle: charge them for a cluster-level view.
+        hpct_goodput_incl_spares=h * nodes / (nodes + spares))
+
+
+def sweep(p: Params, gpus: Sequence[int] = SWEEP_GPUS) -> list[Result]:
+    return [evaluate(g, p) for g in gpus]
+
+
+# ---- parameters: defaults.json, measured overlays ----------------------------------------
+
+def _curve(spec: Mapping[str, Any], what: str) -> Curve:
+    """A curve given as {"kind", "a", "b"} or as measured {"points": [[ranks, s]...],
+    "fit": "log"|"linear"|"auto"}."""
+    if "points" in spec:
+        return fit_curve([tuple(pt) for pt in spec["points"]], spec.get("fit", "auto"))
+    try:
+        return Curve(spec["kind"], float(spec["a"]), float(spec["b"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HpctError(f"{what} {dict(spec)!r} needs kind/a/b or points ({exc})") from None
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def default_doc() -> dict[str, Any]:
+    text = resources.files(__package__).joinpath("defaults.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """What a file passed with --phases contributes. Recognised by shape:
+    * this model's own schema (keys of defaults.json), taken as is;
+    * `hpct-slurm bench rendezvous` output (`sizes`): the rootless init times, rescaled to one
+      core per rank, become the hpct re-form curve's points (the baseline's TCPStore curve
+      stays calibrated to the
+      published anchors: loopback processes on a few cores do not show a real cluster's
+      rooted rendezvous);
+    * `hpct-slurm bench replication` output (`overhead_pct`): the replication overhead."""
+    if "sizes" in doc:
+        # The benchmark runs every rank as a process on one machine; past `cores` ranks they
+        # queue for the same CPUs, so wall time grows with ranks/cores even where each rank's
+        # work is constant. Rescale to one core per rank, the case of a real cluster.
+        cores = int((doc.get("machine") or {}).get("cpu_affinity") or 1)
+        try:
+            rootless = [[s["ranks"],
+                         s["rootless"]["init_s_median"] * min(cores, s["ranks"]) / s["ranks"]]
+                        for s in doc["sizes"]]
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            raise HpctError(f"rendezvous result lacks ranks/init_s_median ({exc})") from None
+        return {"hpct": {"reform": {"points": rootless, "fit": "auto"}}}
+    if "overhead_pct" in doc:
+        return {"replication_overhead": float(doc["overhead_pct"]) / 100}
+    return {k: v for k, v in doc.items() if k != "provenance"}
+
+
+def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
+    """Build Params from a defaults-shaped document; `overrides` (CLI flags) win."""
+    try:
+        cr, h, sp = doc["ckpt_restart"], doc["hpct"], doc["spares"]
+        p = Params(
+            gpus_per_node=int(doc["gpus_per_node"]),
+            node_fail_per_hour=float(doc["node_fail_per_hour"]),
+            ckpt_interval_min=float(doc["ckpt_interval_min"]),
+            ckpt_stall_s=float(doc["ckpt_stall_s"]),
+            ckpt_restart=CkptRestartCosts(
+                detect_s=float(cr["detect_s"]), requeue_s=float(cr["requeue_s"]),
+                process_restart_s=float(cr["process_restart_s"]),
+                ckpt_load_s=float(cr["ckpt_load_s"]), data_loader_s=float(cr["data_loader_s"]),
+                first_step_s=float(cr["first_step_s"]),
+                rendezvous=_curve(cr["rendezvous"], "ckpt_restart.rendezvous")),
+            hpct=HpctCosts(
+                detect_s=float(h["detect_s"]), stop_s=float(h["stop_s"]),
+                reform=_curve(h["reform"], "hpct.reform"),
+                state_gb_per_gpu=float(h["state_gb_per_gpu"]),
+                transfer_gb_per_s=float(h["transfer_gb_per_s"]),
+                data_reattach_s=float(h["data_reattach_s"]),
+                first_step_s=float(h["first_step_s"])),
+            replication_overhead=float(doc["replication_overhead"]),
+            spare_fraction=float(sp["fraction"]), min_spares=int(sp["min"]),
+            spare_refill_hours=float(sp["refill_hours"]),
+            provenance=dict(doc.get("provenance", {})))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HpctError(f"goodput parameters lack or mistype {exc}: compare with "
+                        f"hpct_slurm/goodput/defaults.json") from None
+    return replace(p, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_params(phase_files: Sequence[str | Path] = (), **overrides: Any) -> Params:
+    """defaults.json, then each measured file in order, then CLI overrides."""
+    doc = default_doc()
+    for path in phase_files:
+        try:
+            extra = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise HpctError(f"phases file {str(path)!r} is unreadable ({exc})") from None
+        if not isinstance(extra, dict):
+            raise HpctError(f"phases file {str(path)!r} is not a JSON object")
+        doc = _merge(doc, overlay_from_result(extra))
+    return params_from_doc(doc, **overrides)

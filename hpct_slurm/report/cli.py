@@ -1,0 +1,198 @@
+"""`hpct-slurm status [--json] [RUN_DIR|JOBID]` and `hpct-slurm report RUN_DIR|JOBID [--json]
+[--png FILE]`: read a job's event logs (the I/O edge of `report.model`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import HpctError
+from .model import PHASES, Report, RunEvents, Status, build_report, build_status, parse_jsonl
+
+if TYPE_CHECKING:
+    from ..slurm.client import SlurmClient
+
+CONTROLLER_LOG = "controller.jsonl"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="where a running job stands: generation, members, "
+                                      "spares, latest step per rank, faults so far")
+    p.add_argument("target", nargs="?", default=None, metavar="RUN_DIR|JOBID",
+                   help="the job's run dir or its Slurm job id (default: $HPCT_RUN_DIR, else "
+                        "the newest ./hpct-*/)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=status_main)
+
+    p = sub.add_parser("report", help="what a job did and what its faults cost: goodput, "
+                                      "per-phase recovery times, PNG timeline")
+    p.add_argument("target", metavar="RUN_DIR|JOBID")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--steps", action="store_true", help="with --json: every step completion")
+    p.add_argument("--png", default=None, metavar="FILE", help="write a timeline plot")
+    p.set_defaults(func=report_main)
+
+
+# ---- finding and reading a run dir -------------------------------------------------------
+
+def resolve_run_dir(target: str | None, client: SlurmClient | None = None,
+                    cwd: Path | None = None, environ: dict[str, str] | None = None) -> Path:
+    """A run dir path as given, or a job id's run dir: `./hpct-<id>`, then Slurm's WorkDir of
+    the job (`<WorkDir>/hpct-<id>`, or WorkDir itself when the job ran with --chdir into its
+    run dir). With no target: $HPCT_RUN_DIR, else the newest `./hpct-*/`."""
+    cwd = cwd or Path.cwd()
+    env = os.environ if environ is None else environ
+    if target is None:
+        if env.get("HPCT_RUN_DIR"):
+            return _checked(Path(env["HPCT_RUN_DIR"]), "$HPCT_RUN_DIR")
+        found = sorted(cwd.glob(f"hpct-*/{CONTROLLER_LOG}"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise HpctError(f"no RUN_DIR or JOBID given, HPCT_RUN_DIR is not set and no "
+                            f"hpct-*/{CONTROLLER_LOG} is under {str(cwd)!r}")
+        return found[-1].parent
+    path = Path(target)
+    if path.is_dir():
+        return _checked(path, "run dir")
+    if not target.isdecimal():
+        raise HpctError(f"{target!r} is neither an existing run dir nor a Slurm job id")
+    tried = [cwd / f"hpct-{target}"]
+    if (tried[0] / CONTROLLER_LOG).is_file():
+        return tried[0]
+    from ..slurm.client import SlurmClient, parse_scontrol_record
+
+    client = client or SlurmClient()
+    try:
+        out = client.run(["scontrol", "show", "job", "-o", target]).stdout
+        workdir = parse_scontrol_record(out.strip().splitlines()[0]).get("WorkDir", "") \
+            if out.strip() else ""
+    except HpctError as exc:
+        raise HpctError(f"job {target}: no run dir at {str(tried[0])!r} and Slurm does not "
+                        f"know the job ({exc.message})") from None
+    if workdir:
+        candidates = [Path(workdir) / f"hpct-{target}", Path(workdir)]
+        for c in candidates:
+            tried.append(c)
+            if (c / CONTROLLER_LOG).is_file() and _job_id_of(c) in (None, int(target)):
+                return c
+    raise HpctError(f"job {target}: no {CONTROLLER_LOG} in any of "
+                    f"{', '.join(repr(str(p)) for p in tried)} (a job run with --run-dir "
+                    f"elsewhere: pass that directory)")
+
+
+def _checked(path: Path, what: str) -> Path:
+    if not path.is_dir():
+        raise HpctError(f"{what} {str(path)!r} does not exist")
+    if not (path / CONTROLLER_LOG).is_file():
+        raise HpctError(f"{what} {str(path)!r} has no {CONTROLLER_LOG}: not an hpct-slurm run "
+                        f"dir, or the controller has not started yet")
+    return path
+
+
+def _job_id_of(run_dir: Path) -> int | None:
+    with open(run_dir / CONTROLLER_LOG, encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        return int(json.loads(first).get("job_id"))
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def load_run(run_dir: Path) -> RunEvents:
+    """Every record under a run dir; a torn last line becomes a warning."""
+    run_dir = _checked(Path(run_dir), "run dir")
+    warnings: list[str] = []
+
+    def read(path: Path) -> list[dict]:
+        records, warning = parse_jsonl(path.read_text(encoding="utf-8", errors="replace"),
+                                       str(path))
+        if warning:
+            warnings.append(warning)
+        return records
+
+    controller = read(run_dir / CONTROLLER_LOG)
+    events_dir = run_dir / "events"
+    ranks = {p.stem: read(p) for p in sorted(events_dir.glob("*.jsonl"))} \
+        if events_dir.is_dir() else {}
+    return RunEvents(str(run_dir), controller, ranks, warnings)
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+def status_main(args: argparse.Namespace) -> int:
+    run = load_run(resolve_run_dir(args.target))
+    st = build_status(run, time.time())
+    for w in run.warnings:
+        print(f"HPCT warning: {w}", file=sys.stderr)
+    print(json.dumps(st.to_dict()) if args.json else format_status(st))
+    return 0
+
+
+def report_main(args: argparse.Namespace) -> int:
+    run = load_run(resolve_run_dir(args.target))
+    rep = build_report(run)
+    for w in rep.warnings:
+        print(f"HPCT warning: {w}", file=sys.stderr)
+    d = rep.to_dict(with_steps=args.steps)
+    if args.png:
+        from .plot import plot_timeline
+
+        d["png"] = str(plot_timeline(rep, Path(args.png)))
+    print(json.dumps(d) if args.json else format_report(rep, d.get("png")))
+    return 0
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def format_report(rep: Report, png: str | None = None) -> str:
+    lines = [f"job {rep.job_id}  {rep.run_dir}  outcome: {rep.outcome}"
+             f"{f'  attempts: {rep.attempts}' if rep.attempts > 1 else ''}",
+             f"wall {rep.wall_s:.2f} s (startup before it {_s(rep.startup_s)} s)  productive "
+             f"{rep.productive_s:.2f} s  goodput "
+             f"{'-' if rep.goodput is None else f'{100 * rep.goodput:.1f}%'}",
+             f"steps: {rep.steps_completed} completed, {rep.steps_recomputed} recomputed "
+             f"({rep.step_runs} completions)", "generations:"]
+    for g in rep.generations:
+        lines.append(f"  {g.attempt}/{g.generation:<3} {g.start_s:8.2f} .. {g.end_s:8.2f} s  "
+                     f"steps {g.first_step}..{g.last_step} ({g.steps})  restore "
+                     f"{g.restore_step}  {','.join(g.members)}")
+    if rep.faults:
+        lines.append("faults:")
+        for f in rep.faults:
+            lines.append(f"  {f.t_s:8.2f} s  {f.node} ({f.role}, gen {f.generation}): "
+                         f"{f.reason}; fenced: {f.fenced or '-'}"
+                         f"{'  [during recovery]' if f.during_recovery else ''}")
+    if rep.recoveries:
+        lines.append("recoveries (s): " + "  ".join(PHASES) + "  teardown reform restore")
+        for r in rep.recoveries:
+            phases = "  ".join(_s(r.phases.get(k)) for k in PHASES)
+            sources = sorted(set(r.restore_sources.values()))
+            lines.append(f"  gen {r.generation}: {_s(r.recovery_s)} total  {phases}  "
+                         f"{_s(r.max_teardown_s)} {_s(r.max_reform_s)} {_s(r.max_restore_s)}"
+                         f"  restore step {r.restore_step} from {', '.join(sources) or '-'}"
+                         f"  {', '.join(f'{a}->{b}' for a, b in r.taken.items())}")
+    for e in rep.escalations:
+        lines.append(f"  {e.t_s:8.2f} s  {e.event}: {e.reason}")
+    if png:
+        lines.append(f"timeline: {png}")
+    return "\n".join(lines)
+
+
+def format_status(st: Status) -> str:
+    lines = [f"job {st.job_id}  {st.run_dir}  {st.state}  generation {st.generation}"
+             f"{f' (attempt {st.attempt})' if st.attempt else ''}  step {st.step}",
+             f"members: {','.join(st.members) or '-'}  spares: {','.join(st.spares) or '-'}",
+             f"controller: {st.last_controller_event} {st.last_controller_event_s:.1f} s ago"]
+    for r in st.ranks:
+        lines.append(f"  {r.process:12} rank {'-' if r.rank is None else r.rank:>3}  "
+                     f"gen {'-' if r.generation is None else r.generation:>2}  step "
+                     f"{'-' if r.step is None else r.step:>6}  {r.last_event} "
+                     f"{r.last_seen_s:.1f} s ago")
+    for f in st.faults:
+        lines.append(f"  fault {f.t_s:8.2f} s  {f.node}: {f.reason}")
+    return "\n".join(lines)

@@ -1,0 +1,494 @@
+"""Pure: a job's event logs -> what happened and what it cost. No file or Slurm access here.
+
+Inputs are the records of `<run dir>/controller.jsonl` and `<run dir>/events/<node>-<lr>.jsonl`
+(docs/troubleshooting.md lists the names). Two habits of those logs shape this module:
+* A rank file is named after the process (node, local rank), not after the rank: a warm spare
+  takes over a rank in a later generation, so ranks come from the `rank` field of the events.
+* `rank.adopted` carries the restore source in a field named `source`, which overwrites the
+  record's own `source` (the emitter); the emitter is therefore taken from the file name.
+
+A requeued job appends to the same run dir and starts again at generation 0: every
+`controller.start` opens a new attempt, and rank events belong to the attempt whose
+controller started last before them.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import HpctError
+
+# Controller recovery phases, in the order they happen (the keys of recovery.done's `phases`).
+PHASES = ("detect_to_stop", "fence", "survivors_ready", "reform_restore_first_step")
+
+
+@dataclass(frozen=True)
+class RunEvents:
+    """All records of one run dir. `ranks` maps a rank file's stem (`n1-0`) to its records."""
+
+    run_dir: str
+    controller: list[dict]
+    ranks: dict[str, list[dict]]
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Generation:
+    attempt: int
+    generation: int
+    start_s: float            # generation.start, seconds since the first controller.start
+    end_s: float              # the next generation.start, or the end of the run
+    members: list[str]
+    restore_step: int         # -1: fresh start
+    first_step: int | None    # steps completed in this generation (None: none)
+    last_step: int | None
+    steps: int
+
+
+@dataclass(frozen=True)
+class Fault:
+    attempt: int
+    t_s: float
+    node: str
+    reason: str
+    generation: int
+    role: str                 # "active" or "spare"
+    fenced: str | None        # how the controller fenced it (`node down`, `step cancelled`, ...)
+    during_recovery: bool     # a second fault folded into a recovery already running
+
+
+@dataclass(frozen=True)
+class Recovery:
+    attempt: int
+    generation: int           # the generation this recovery formed
+    detect_s: float           # when the controller started acting on the fault
+    done_s: float | None      # every rank completed the first step after the restore
+    lost: list[str]
+    taken: dict[str, str]     # lost node -> the spare that took its place
+    reasons: dict[str, str]
+    restore_step: int
+    recovery_s: float | None
+    phases: dict[str, float]  # controller phases (PHASES), empty when it never finished
+    max_teardown_s: float | None   # survivors: abort + tear the old group down + health check
+    max_reform_s: float | None     # every rank: form the new process group
+    max_restore_s: float | None    # every rank: load the restore step (own memory, peer, disk)
+    restore_sources: dict[int, str]  # rank -> `own`, `host:port` of a peer, `disk:...`
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """One completion of a training step by the group of one generation."""
+
+    attempt: int
+    generation: int
+    step: int
+    t_s: float                # the last rank that logged it
+    duration_s: float         # since the group's previous completed step (or its start)
+    ranks: tuple[int, ...]
+    recomputed: bool          # a later generation completed this step again
+
+
+@dataclass(frozen=True)
+class Escalation:
+    attempt: int
+    t_s: float
+    event: str                # recovery.failed, escalate.requeue, escalate.fail
+    reason: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a job did and what its faults cost.
+
+    Goodput: productive_s / wall_s, where
+    * wall_s runs from the first `generation.start` (training begins; launch and imports are
+      reported apart as `startup_s`) to the last `job.done`, or to the last record of any log
+      while the job has not finished;
+    * productive_s sums, over every distinct step, the duration of the one completion that
+      counted: the last one. A completion's duration is the time from the group's previous
+      completed step in the same generation (or, for a generation's first step, from the last
+      `rank.adopted` of that generation, when the group was formed and restored) to the last
+      rank logging this step. Completions that a later generation redid, the recovery gaps,
+      steps cut short by a fault and the shutdown after the last step are not productive.
+    """
+
+    run_dir: str
+    job_id: int | None
+    outcome: str              # done, requeued, failed, running, ended (exit without job.done)
+    start_unix: float         # the first controller.start: the origin of every `*_s` time
+    startup_s: float | None   # first controller.start -> first generation.start
+    wall_s: float
+    productive_s: float
+    goodput: float | None
+    attempts: int
+    steps_completed: int      # distinct steps completed
+    step_runs: int            # completions, redone ones included
+    steps_recomputed: int     # step_runs - steps_completed: completions that were redone
+    generations: list[Generation]
+    faults: list[Fault]
+    recoveries: list[Recovery]
+    escalations: list[Escalation]
+    steps: list[StepRun]
+    warnings: list[str]
+
+    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_steps:
+            del d["steps"]
+        return d
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    process: str              # the rank file's stem: node-localrank
+    node: str
+    rank: int | None          # the rank this process held last (None: a spare never used)
+    generation: int | None
+    step: int | None          # its latest completed step
+    last_event: str
+    last_seen_s: float        # seconds before `now`
+
+
+@dataclass(frozen=True)
+class Status:
+    run_dir: str
+    job_id: int | None
+    state: str                # starting, running, recovering, or the outcome once it ended
+    attempt: int
+    generation: int | None
+    members: list[str]
+    spares: list[str]
+    step: int | None          # the newest step every current member has completed
+    ranks: list[RankStatus]
+    faults: list[Fault]
+    recoveries_done: int
+    last_controller_event: str
+    last_controller_event_s: float  # seconds before `now`
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- parsing -----------------------------------------------------------------------------
+
+def parse_jsonl(text: str, where: str) -> tuple[list[dict], str | None]:
+    """Records of one JSON-lines file, and a warning when its last line is torn.
+
+    A writer killed mid-line (a crashed node) leaves a torn last line: that record is dropped
+    and named in the warning. A bad line anywhere else means the file is not an event log."""
+    lines = [(i, ln) for i, ln in enumerate(text.split("\n"), 1) if ln.strip()]
+    records: list[dict] = []
+    warning = None
+    for pos, (lineno, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not isinstance(rec, dict) or "event" not in rec \
+                or not isinstance(rec.get("t"), (int, float)):
+            if pos == len(lines) - 1 and rec is None:
+                warning = f"{where}: last line {lineno} is torn, ignored: {line[:60]!r}"
+                continue
+            raise HpctError(f"{where} line {lineno} is not an event (JSON object with 't' and "
+                            f"'event'): {line[:60]!r}")
+        records.append(rec)
+    return records, warning
+
+
+# The fields this module reads, per event: a record without them is not from this version of
+# the controller or the recovery wrapper.
+REQUIRED_FIELDS = {
+    "generation.start": ("generation", "members", "restore_step"),
+    "fault.detected": ("node",),
+    "fault.fenced": ("node",),
+    "step.launch": ("node",),
+    "recovery.assign": ("generation", "restore_step"),
+    "recovery.done": ("generation", "recovery_s", "lost", "reasons", "phases"),
+    "rank.step": ("rank", "generation", "step"),
+    "rank.adopted": ("rank", "generation", "reform_s", "restore_s"),
+    "rank.fault": ("generation",),
+}
+
+
+def check_run(run: RunEvents) -> None:
+    """Raise a clear error unless the logs are those of an `hpct-slurm controller` run."""
+    if not any(e["event"] == "controller.start" for e in run.controller):
+        raise HpctError(f"run dir {run.run_dir!r}: controller.jsonl has no controller.start: "
+                        f"not a run of `hpct-slurm controller` (or it has not started yet)")
+    logs = [("controller.jsonl", run.controller)] + \
+        [(f"events/{name}.jsonl", evs) for name, evs in sorted(run.ranks.items())]
+    for where, evs in logs:
+        for e in evs:
+            missing = [k for k in REQUIRED_FIELDS.get(e["event"], ()) if k not in e]
+            if missing:
+                raise HpctError(f"run dir {run.run_dir!r}: {where} has a {e['event']} event "
+                                f"without {', '.join(missing)} (t={e['t']}): written by "
+                                f"another version of hpct-slurm?")
+
+
+# ---- the report --------------------------------------------------------------------------
+
+class _Attempts:
+    """Which attempt (controller run) a timestamp belongs to."""
+
+    def __init__(self, controller: list[dict]):
+        self.starts = sorted(e["t"] for e in controller if e["event"] == "controller.start")
+
+    def of(self, t: float) -> int:
+        return max(0, bisect.bisect_right(self.starts, t) - 1)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+def _origin(run: RunEvents) -> float:
+    return min(e["t"] for e in run.controller if e["event"] == "controller.start")
+
+
+def _rank_records(run: RunEvents, event: str) -> list[tuple[str, dict]]:
+    return sorted(((name, e) for name, evs in run.ranks.items() for e in evs
+                   if e["event"] == event), key=lambda x: x[1]["t"])
+
+
+def _job_id(run: RunEvents) -> int | None:
+    ids = [e.get("job_id") for e in run.controller if e["event"] == "controller.start"]
+    return ids[-1] if ids else None
+
+
+def build_report(run: RunEvents) -> Report:
+    check_run(run)
+    t0 = _origin(run)
+    att = _Attempts(run.controller)
+    ctl = sorted(run.controller, key=lambda e: e["t"])
+    last_t = max([e["t"] for e in ctl] + [e["t"] for evs in run.ranks.values() for e in evs])
+
+    # generations
+    gen_events = [e for e in ctl if e["event"] == "generation.start"]
+    done_events = [e for e in ctl if e["event"] == "job.done"]
+    end_t = done_events[-1]["t"] if done_events else last_t
+    first_gen_t = gen_events[0]["t"] if gen_events else None
+
+    # step completions: (attempt, generation, step) -> ranks and the last rank's time
+    runs: dict[tuple[int, int, int], list[tuple[float, int]]] = {}
+    for _, e in _rank_records(run, "rank.step"):
+        key = (att.of(e["t"]), int(e["generation"]), int(e["step"]))
+        runs.setdefault(key, []).append((e["t"], int(e["rank"])))
+    adopted_t: dict[tuple[int, int], float] = {}
+    for _, e in _rank_records(run, "rank.adopted"):
+        key = (att.of(e["t"]), int(e["generation"]))
+        adopted_t[key] = max(adopted_t.get(key, e["t"]), e["t"])
+    gen_start_t = {(att.of(e["t"]), int(e["generation"])): e["t"] for e in gen_events}
+
+    last_run_of: dict[int, tuple[int, int]] = {}
+    for a, g, s in sorted(runs):
+        last_run_of[s] = (a, g)
+    steps: list[StepRun] = []
+    prev: tuple[int, int] | None = None
+    prev_t = 0.0
+    for a, g, s in sorted(runs):
+        t = max(tt for tt, _ in runs[(a, g, s)])
+        if prev != (a, g):
+            prev_t = adopted_t.get((a, g), gen_start_t.get((a, g), t))
+            prev = (a, g)
+        steps.append(StepRun(a, g, s, t - t0, max(0.0, t - prev_t),
+                             tuple(sorted({r for _, r in runs[(a, g, s)]})),
+                             last_run_of[s] != (a, g)))
+        prev_t = t
+    productive = sum(r.duration_s for r in steps if not r.recomputed)
+    wall = end_t - first_gen_t if first_gen_t is not None else 0.0
+
+    generations = []
+    for i, e in enumerate(gen_events):
+        a, g = att.of(e["t"]), int(e["generation"])
+        nxt = gen_events[i + 1]["t"] if i + 1 < len(gen_events) else end_t
+        mine = [r.step for r in steps if (r.attempt, r.generation) == (a, g)]
+        generations.append(Generation(a, g, e["t"] - t0, nxt - t0, list(e["members"]),
+                                      int(e["restore_step"]), min(mine, default=None),
+                                      max(mine, default=None), len(mine)))
+
+    faults, recoveries, escalations = _faults_and_recoveries(run, ctl, att, t0)
+    warnings = list(run.warnings)
+    if not run.ranks:
+        warnings.append(f"run dir {run.run_dir!r} has no rank events (events/*.jsonl): "
+                        f"steps and goodput are unknown")
+    return Report(
+        run_dir=run.run_dir, job_id=_job_id(run), outcome=_outcome(ctl, att),
+        start_unix=t0, startup_s=(first_gen_t - t0) if first_gen_t is not None else None,
+        wall_s=wall, productive_s=productive,
+        goodput=productive / wall if wall > 0 and run.ranks else None,
+        attempts=len(att), steps_completed=len(last_run_of),
+        step_runs=len(steps), steps_recomputed=len(steps) - len(last_run_of),
+        generations=generations, faults=faults, recoveries=recoveries,
+        escalations=escalations, steps=steps, warnings=warnings)
+
+
+def _outcome(ctl: list[dict], att: _Attempts) -> str:
+    last = [e for e in ctl if att.of(e["t"]) == len(att) - 1]
+    names = [e["event"] for e in last]
+    if "job.done" in names:
+        return "done"
+    if "escalate.requeue" in names:
+        return "requeued"
+    exits = [e for e in last if e["event"] == "controller.exit"]
+    if "escalate.fail" in names or (exits and exits[-1].get("code", 0) != 0):
+        return "failed"
+    return "ended" if exits else "running"
+
+
+def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: float
+                           ) -> tuple[list[Fault], list[Recovery], list[Escalation]]:
+    fenced: dict[tuple[int, str], list[str]] = {}
+    for e in ctl:
+        if e["event"] == "fault.fenced":
+            fenced.setdefault((att.of(e["t"]), e["node"]), []).append(e.get("how", ""))
+    faults: list[Fault] = []
+    escalations: list[Escalation] = []
+    pending: list[dict] = []       # faults detected since the last recovery.assign
+    assigns: list[tuple[dict, list[dict]]] = []
+    in_recovery, stopped_gen = False, -1
+    seen_fenced: dict[tuple[int, str], int] = {}
+    for e in ctl:
+        ev, a = e["event"], att.of(e["t"])
+        if ev == "controller.start":
+            pending, in_recovery = [], False
+        elif ev == "fault.detected":
+            key = (a, e["node"])
+            hows = fenced.get(key, [])
+            n = seen_fenced.get(key, 0)
+            seen_fenced[key] = n + 1
+            faults.append(Fault(a, e["t"] - t0, e["node"], e.get("reason", ""),
+                                int(e.get("generation", -1)), e.get("role", "active"),
+                                hows[n] if n < len(hows) else None, in_recovery))
+            pending.append(e)
+        elif ev == "fault.stop_sent":
+            in_recovery, stopped_gen = True, int(e.get("generation", -1))
+        elif ev == "fault.second":
+            # survivors that failed their health check or never answered get no
+            # fault.detected of their own: this event is their only record
+            known = {f["node"] for f in pending}
+            for node in e.get("nodes", []):
+                if node not in known:
+                    faults.append(Fault(a, e["t"] - t0, node, "not ready after fault",
+                                        stopped_gen, "active", None, True))
+                    pending.append({"t": e["t"], "node": node,
+                                    "reason": "not ready after fault"})
+        elif ev == "recovery.assign":
+            assigns.append((e, pending))
+            pending, in_recovery = [], False
+        elif ev in ("recovery.failed", "escalate.requeue", "escalate.fail"):
+            escalations.append(Escalation(a, e["t"] - t0, ev,
+                                          e.get("reason") or e.get("error") or ""))
+            in_recovery = False
+
+    done = {(att.of(e["t"]), int(e["generation"])): e for e in ctl
+            if e["event"] == "recovery.done"}
+    teardown: dict[tuple[int, int], list[float]] = {}
+    for name, evs in run.ranks.items():
+        fault_gen = None
+        for e in sorted(evs, key=lambda x: x["t"]):
+            if e["event"] == "rank.fault":
+                fault_gen = (att.of(e["t"]), int(e["generation"]))
+            elif e["event"] == "rank.ready" and fault_gen is not None \
+                    and "teardown_s" in e:
+                teardown.setdefault(fault_gen, []).append(float(e["teardown_s"]))
+    adopted: dict[tuple[int, int], list[dict]] = {}
+    for _, e in _rank_records(run, "rank.adopted"):
+        adopted.setdefault((att.of(e["t"]), int(e["generation"])), []).append(e)
+
+    recoveries = []
+    for e, detected in assigns:
+        a, g = att.of(e["t"]), int(e["generation"])
+        d = done.get((a, g))
+        taken = dict(e.get("taken") or {})
+        if d is not None:
+            detect_t = d["t"] - float(d["recovery_s"])
+            lost, reasons = list(d["lost"]), dict(d["reasons"])
+        else:
+            detect_t = min((f["t"] for f in detected), default=e["t"])
+            lost = list(taken)
+            reasons = {f["node"]: f.get("reason", "") for f in detected if f["node"] in taken}
+        ranks = adopted.get((a, g), [])
+        tear = teardown.get((a, g - 1), [])
+        recoveries.append(Recovery(
+            attempt=a, generation=g, detect_s=detect_t - t0,
+            done_s=d["t"] - t0 if d is not None else None, lost=lost, taken=taken,
+            reasons=reasons, restore_step=int(e["restore_step"]),
+            recovery_s=float(d["recovery_s"]) if d is not None else None,
+            phases={k: float(d["phases"][k]) for k in PHASES if k in d["phases"]}
+            if d is not None else {},
+            max_teardown_s=max(tear, default=None),
+            max_reform_s=max((float(r["reform_s"]) for r in ranks), default=None),
+            max_restore_s=max((float(r["restore_s"]) for r in ranks), default=None),
+            restore_sources={int(r["rank"]): str(r.get("source", "")) for r in ranks}))
+    return faults, recoveries, escalations
+
+
+# ---- status of a running job -------------------------------------------------------------
+
+def build_status(run: RunEvents, now: float) -> Status:
+    """Where a (possibly running) job stands at unix time `now`."""
+    check_run(run)
+    att = _Attempts(run.controller)
+    t0 = _origin(run)
+    ctl = sorted(run.controller, key=lambda e: e["t"])
+    current = len(att) - 1
+    mine = [e for e in ctl if att.of(e["t"]) == current]
+    members: list[str] = []
+    spares: list[str] = []
+    generation = None
+    recovering = False
+    for e in mine:
+        ev = e["event"]
+        if ev == "controller.start":
+            members, spares = list(e.get("active", [])), list(e.get("spares", []))
+        elif ev == "step.launch" and e.get("role") == "spare" and e["node"] not in spares:
+            spares.append(e["node"])
+        elif ev == "fault.detected":
+            if e["node"] in spares:
+                spares.remove(e["node"])
+            else:
+                recovering = True
+        elif ev == "recovery.assign":
+            spares = [s for s in spares if s not in (e.get("taken") or {}).values()]
+        elif ev == "generation.start":
+            generation, members = int(e["generation"]), list(e["members"])
+        elif ev == "recovery.done":
+            recovering = False
+    names = [e["event"] for e in mine]
+    outcome = _outcome(ctl, att)
+    if outcome != "running":
+        state = outcome
+    elif recovering:
+        state = "recovering"
+    elif generation is None:
+        state = "starting"
+    else:
+        state = "running"
+
+    ranks = []
+    for name in sorted(run.ranks):
+        evs = sorted(run.ranks[name], key=lambda x: x["t"])
+        if not evs:
+            continue
+        node, _, _ = name.rpartition("-")
+        with_rank = [e for e in evs if "rank" in e and e["event"] != "transfer.fetched"]
+        last_step = [e for e in evs if e["event"] == "rank.step"]
+        rank = int(with_rank[-1]["rank"]) if with_rank and with_rank[-1]["rank"] >= 0 else None
+        ranks.append(RankStatus(
+            process=name, node=node or name, rank=rank,
+            generation=int(last_step[-1]["generation"]) if last_step else None,
+            step=int(last_step[-1]["step"]) if last_step else None,
+            last_event=evs[-1]["event"], last_seen_s=now - evs[-1]["t"]))
+    in_gen = [r for r in ranks
+              if r.node in members and r.generation == generation and r.step is not None]
+    every_member = set(members) <= {r.node for r in in_gen}
+    report_faults, _, _ = _faults_and_recoveries(run, ctl, att, t0)
+    return Status(
+        run_dir=run.run_dir, job_id=_job_id(run), state=state, attempt=current,
+        generation=generation, members=members, spares=spares,
+        step=min(r.step for r in in_gen) if in_gen and every_member else None,
+        ranks=ranks, faults=report_faults,
+        recoveries_done=names.count("recovery.done"),
+        last_controller_event=mine[-1]["event"], last_controller_event_s=now - mine[-1]["t"])

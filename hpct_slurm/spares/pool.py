@@ -1,0 +1,330 @@
+"""The cluster-level pool of hot-spare nodes, kept in Slurm itself.
+
+How the pool lives in Slurm
+---------------------------
+The pool *is* the Slurm reservation `hpct_spares` (`scontrol show reservation hpct_spares`):
+its node list is the membership. A reservation is what Slurm offers to keep nodes free for
+someone: jobs that do not ask for `--reservation=hpct_spares` never land on those nodes, while
+a job that does ask (the controller's companion spare job, or an admin's probe) starts on them
+at once. It is kept in slurmctld's state, so it survives `scontrol reconfigure` and a
+slurmctld restart.
+
+Every member also carries the node feature `hpct_spare` (AvailableFeatures/ActiveFeatures), so
+`sinfo -o "%N %f"` and `scontrol show node` show the pool at a glance and a job can add
+`--constraint=hpct_spare`. The feature is only a label derived from the reservation: Slurm
+22.05 resets scontrol-set features to slurm.conf's on `scontrol reconfigure` (measured), so
+the feature alone would silently empty the pool. Every changing `spares` command puts the
+labels back in line with the reservation; `spares list` shows where they drifted.
+
+Every action writes a one-line record into the node's `Comment` (shown by
+`scontrol show node`), e.g. `hpct: spare pool add by root at 2026-01-01T00:00:00Z`; Slurm
+shows `Reason` only on drained or down nodes, where ours always starts with `hpct:`.
+
+Health check of a drained node: slurmctld must still hear its slurmd (state not DOWN, no
+NOT_RESPONDING flag), then the node is fenced into a reservation of its own (`hpct_check`),
+resumed, and must run `srun -N1 -w NODE true` inside that reservation. Fencing first means no
+user job can land on a node we have not yet proven healthy; a failed probe drains it again
+with the reason `hpct: health check failed ...`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Callable, Iterable, Sequence
+
+from ..errors import HpctError
+from ..slurm.client import (JobInfo, NodeInfo, SlurmClient, SlurmCommandError,
+                            parse_scontrol_record, parse_sinfo_json)
+from ..slurm.hostlist import compress, expand
+
+POOL_RESERVATION = "hpct_spares"
+CHECK_RESERVATION = "hpct_check"
+FEATURE = "hpct_spare"
+REASON_PREFIX = "hpct:"
+# A healthy node runs `true` in well under a second; the slack covers a busy slurmctld.
+PROBE_TIMEOUT_S = 60.0
+PROBE_IMMEDIATE_S = 10
+
+
+@dataclass(frozen=True)
+class PoolNode:
+    """One pool member as `spares list` shows it."""
+
+    name: str
+    state: str
+    flags: list[str]
+    reason: str | None
+    comment: str | None
+    labelled: bool  # carries the hpct_spare feature
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one command did to one node. `changed` is False for an idempotent no-op."""
+
+    node: str
+    action: str
+    changed: bool
+    detail: str = ""
+
+
+# ---- pure decisions ----------------------------------------------------------------------
+
+def record(action: str, by: str, at: datetime, detail: str = "") -> str:
+    """The line Slurm keeps (Comment or Reason): `hpct: <action> by <user> at <UTC time>`."""
+    text = f"{REASON_PREFIX} {action} by {by} at {at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+    text = f"{text}: {detail}" if detail else text
+    # scontrol takes the value as one argv word; a newline would end Slurm's record early.
+    return " ".join(text.split())
+
+
+def with_feature(features: Sequence[str], present: bool) -> tuple[str, ...]:
+    """The node's features with the pool label added or taken away, the others kept."""
+    kept = tuple(f for f in features if f != FEATURE)
+    return (*kept, FEATURE) if present else kept
+
+
+def blocking_jobs(node: str, jobs: Iterable[JobInfo]) -> list[JobInfo]:
+    """Unfinished jobs placed on `node`: taking it into the pool would take it from them."""
+    return [j for j in jobs if not j.finished and node in j.nodelist]
+
+
+def refusal(node: str, jobs: Sequence[JobInfo]) -> str:
+    running = ", ".join(f"{j.job_id} ({j.user or '?'})" for j in jobs)
+    return (f"node {node!r} runs job(s) {running}: refusing to pull it into the spare pool; "
+            f"wait for them to end, or drain it first "
+            f"(scontrol update NodeName={node} State=DRAIN Reason=...)")
+
+
+def drained_by_hpct(node: NodeInfo) -> bool:
+    """Drained or down with a reason hpct-slurm wrote: what `spares check` looks at."""
+    taken_out = "DRAIN" in node.flags or node.state == "DOWN" or "FAIL" in node.flags
+    return taken_out and (node.reason or "").startswith(REASON_PREFIX)
+
+
+def passive_health(node: NodeInfo) -> str | None:
+    """Why slurmctld's own view rules the node out, or None if it may be probed."""
+    if node.lost:
+        return (f"slurmd not responding (state {node.state}"
+                f"{'+' + '+'.join(sorted(node.flags)) if node.flags else ''})")
+    return None
+
+
+def pool_nodes(nodes: Sequence[NodeInfo], members: Sequence[str],
+               comments: dict[str, str | None]) -> list[PoolNode]:
+    by_name = {n.name: n for n in nodes}
+    return [PoolNode(name=m, state=by_name[m].summary if m in by_name else "UNKNOWN",
+                     flags=sorted(by_name[m].flags) if m in by_name else [],
+                     reason=by_name[m].reason if m in by_name else None,
+                     comment=comments.get(m),
+                     labelled=m in by_name and FEATURE in by_name[m].features)
+            for m in members]
+
+
+def parse_reservation_nodes(text: str) -> list[str]:
+    """Node names of one `scontrol show reservation -o NAME` line."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if len(lines) != 1:
+        raise HpctError(f"scontrol show reservation printed {len(lines)} records, not 1")
+    nodes = parse_scontrol_record(lines[0]).get("Nodes", "")
+    return [] if nodes in ("", "(null)") else expand(nodes)
+
+
+def invoking_user() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# ---- the pool, through scontrol ----------------------------------------------------------
+
+class SparePool:
+    """Add, remove, list and health-check spare nodes. `users` may use the pool reservation
+    (the job owners whose controllers draw spares from it); it is set when the reservation is
+    created."""
+
+    def __init__(self, client: SlurmClient, users: str = "root",
+                 by: Callable[[], str] = invoking_user, clock: Callable[[], datetime] = utc_now):
+        self.client = client
+        self.users = users
+        self._by = by
+        self._clock = clock
+
+    # -- reading --
+    def snapshot(self) -> tuple[list[NodeInfo], dict[str, str | None]]:
+        """Every node and its Comment, from one `sinfo --json`."""
+        text = self.client.run(["sinfo", "--json"]).stdout
+        comments = {n["name"]: (n.get("comment") or None)
+                    for n in json.loads(text).get("nodes", [])}
+        return parse_sinfo_json(text), comments
+
+    def members(self) -> list[str]:
+        return self._reservation_nodes(POOL_RESERVATION) or []
+
+    def list(self) -> list[PoolNode]:
+        nodes, comments = self.snapshot()
+        return pool_nodes(nodes, self.members(), comments)
+
+    # -- changing --
+    def add(self, names: Sequence[str]) -> list[Outcome]:
+        nodes, _ = self.snapshot()
+        infos = self._known(nodes, names)
+        members = self.members()
+        new = [n for n in names if n not in members]
+        jobs = self.client.jobs()
+        for n in new:  # refuse all or nothing, before touching anything
+            busy = blocking_jobs(n, jobs)
+            if busy:
+                raise HpctError(refusal(n, busy))
+        if new:
+            self._set_reservation(POOL_RESERVATION, members + new)
+            # A job may have started between our look and the fence: look again.
+            late = [(n, blocking_jobs(n, self.client.jobs())) for n in new]
+            late = [(n, b) for n, b in late if b]
+            if late:
+                self._set_reservation(POOL_RESERVATION, members)
+                raise HpctError(refusal(*late[0]))
+        out = []
+        for n in names:
+            if n in new:
+                self._label(infos[n], True, record("spare pool add", self._by(), self._clock()))
+                out.append(Outcome(n, "added", True))
+            else:
+                out.append(Outcome(n, "already in pool", False))
+        self._sync_labels(nodes, members + new, skip=new)
+        return out
+
+    def remove(self, names: Sequence[str]) -> list[Outcome]:
+        nodes, _ = self.snapshot()
+        infos = self._known(nodes, names)
+        members = self.members()
+        gone = [n for n in names if n in members]
+        if gone:
+            self._set_reservation(POOL_RESERVATION, [m for m in members if m not in gone])
+        out = []
+        for n in names:
+            if n in gone:
+                self._label(infos[n], False,
+                            record("spare pool remove", self._by(), self._clock()))
+                out.append(Outcome(n, "removed", True))
+            else:
+                out.append(Outcome(n, "not in pool", False))
+        self._sync_labels(nodes, [m for m in members if m not in gone], skip=gone)
+        return out
+
+    def check(self, to_pool: bool = False) -> list[Outcome]:
+        """Probe every node drained by hpct-slurm; return the healthy ones to service (pool
+        members, and all of them with `to_pool`, to the pool)."""
+        nodes, _ = self.snapshot()
+        self._sync_labels(nodes, self.members())
+        return [self._check_one(n, to_pool) for n in nodes if drained_by_hpct(n)]
+
+    def return_node(self, name: str, to_pool: bool = False) -> Outcome:
+        """Probe one drained or down node, whatever wrote its reason, and return it."""
+        nodes, _ = self.snapshot()
+        node = self._known(nodes, [name])[name]
+        if "DRAIN" not in node.flags and node.state != "DOWN" and "FAIL" not in node.flags:
+            return Outcome(name, "in service", False, f"state {node.summary}: nothing to return")
+        return self._check_one(node, to_pool)
+
+    # -- internals --
+    def _check_one(self, node: NodeInfo, to_pool: bool) -> Outcome:
+        name, by, now = node.name, self._by(), self._clock()
+        why = passive_health(node)
+        if node.state in ("ALLOCATED", "MIXED"):
+            return Outcome(name, "still draining", False, "jobs still run on it")
+        if why is None:
+            why = self._probe(node)
+        members = self.members()
+        if why is not None:
+            self.client.update_node(name, "DRAIN",
+                                    reason=record("health check failed", by, now, why))
+            return Outcome(name, "unhealthy", True, why)
+        if to_pool and name not in members:
+            self._set_reservation(POOL_RESERVATION, members + [name])
+            members = members + [name]
+        into = "pool" if name in members else "service"
+        self._label(node, name in members, record(f"returned to {into}", by, now,
+                                                  f"was {node.reason or node.summary}"))
+        return Outcome(name, f"returned to {into}", True, node.reason or "")
+
+    def _probe(self, node: NodeInfo) -> str | None:
+        """Fence, resume, run `true` there. None when healthy, else why not."""
+        name = node.name
+        in_pool = name in self.members()
+        fence = POOL_RESERVATION if in_pool else CHECK_RESERVATION
+        if not in_pool:
+            self._set_reservation(CHECK_RESERVATION, [])  # a leftover of an interrupted check
+            self._set_reservation(CHECK_RESERVATION, [name])
+        try:
+            if "DRAIN" in node.flags or node.state == "DOWN" or "FAIL" in node.flags:
+                self.client.update_node(name, "RESUME")
+            self.client.run(["srun", f"--reservation={fence}", "-N1", "-n1", "-w", name,
+                             f"--immediate={PROBE_IMMEDIATE_S}", "--job-name=hpct-health",
+                             "true"], timeout=PROBE_TIMEOUT_S)
+            return None
+        except SlurmCommandError as exc:
+            lines = [ln.strip() for ln in exc.stderr.splitlines() if ln.strip()]
+            return f"probe srun -w {name} true failed: {lines[-1] if lines else exc.message}"
+        finally:
+            if not in_pool:
+                self._set_reservation(CHECK_RESERVATION, [])
+
+    def _known(self, nodes: Sequence[NodeInfo], names: Sequence[str]) -> dict[str, NodeInfo]:
+        by_name = {n.name: n for n in nodes}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise HpctError(f"node(s) {compress(unknown)!r} are not in this cluster "
+                            f"({compress(sorted(by_name)) or 'no nodes'})")
+        return {n: by_name[n] for n in names}
+
+    def _label(self, node: NodeInfo, present: bool, comment: str) -> None:
+        feats = ",".join(with_feature(node.features, present))
+        self.client.run(["scontrol", "update", f"NodeName={node.name}",
+                         f"AvailableFeatures={feats}", f"ActiveFeatures={feats}",
+                         f"Comment={comment}"])
+
+    def _sync_labels(self, nodes: Sequence[NodeInfo], members: Sequence[str],
+                     skip: Sequence[str] = ()) -> None:
+        """Put the feature back where `scontrol reconfigure` dropped it, and off non-members."""
+        for n in nodes:
+            if n.name in skip or (FEATURE in n.features) == (n.name in members):
+                continue
+            feats = ",".join(with_feature(n.features, n.name in members))
+            self.client.run(["scontrol", "update", f"NodeName={n.name}",
+                             f"AvailableFeatures={feats}", f"ActiveFeatures={feats}"])
+
+    def _reservation_nodes(self, name: str) -> list[str] | None:
+        try:
+            out = self.client.run(["scontrol", "show", "reservation", "-o", name]).stdout
+        except SlurmCommandError as exc:
+            if "not found" in exc.stderr:
+                return None
+            raise
+        return parse_reservation_nodes(out)
+
+    def _set_reservation(self, name: str, nodes: Sequence[str]) -> None:
+        """Make reservation `name` hold exactly `nodes` (none: delete it; Slurm has no empty
+        reservation)."""
+        current = self._reservation_nodes(name)
+        if not nodes:
+            if current is not None:
+                self.client.run(["scontrol", "delete", f"ReservationName={name}"])
+            return
+        hostlist = compress(list(dict.fromkeys(nodes)))
+        if current is None:
+            self.client.run(["scontrol", "create", "reservation", f"ReservationName={name}",
+                             "StartTime=now", "Duration=infinite", f"Users={self.users}",
+                             f"Nodes={hostlist}"])
+        elif sorted(current) != sorted(set(nodes)):
+            self.client.run(["scontrol", "update", f"ReservationName={name}",
+                             f"Nodes={hostlist}"])
+
+
+def outcomes_json(outcomes: Sequence[Outcome]) -> list[dict]:
+    return [asdict(o) for o in outcomes]

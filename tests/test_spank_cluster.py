@@ -1,0 +1,214 @@
+"""The SPANK plugin and the hooks under the real slurmctld/slurmd: options in sbatch and srun,
+strict refusal of bad values, the env tasks see, the job's shm dir (owner, mode, removal, stale
+sweep), health-check drains, and 4 ranks on one node sharing one cache copy."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpct_slurm.hooks.install import build_plugin, install_hooks, plugstack_line
+from hpct_slurm.hooks.prolog import DRAIN_PREFIX
+from hpct_slurm.localcluster.layout import Hooks
+
+pytestmark = pytest.mark.cluster
+
+HPCT = str(Path(sys.executable).parent / "hpct-slurm")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, _session_cluster):
+    d = tmp_path_factory.mktemp("hpct-spank")
+    conf = str(_session_cluster.conf_path)
+    log = d / "hooks.jsonl"
+    healthy = install_hooks(d / "hooks", sys.executable,
+                            {"SLURM_CONF": conf, "HPCT_HOOKS_LOG": str(log)})
+    sick = install_hooks(d / "sick", sys.executable,
+                         {"SLURM_CONF": conf, "HPCT_HEALTH_MIN_SHM_MB": str(1 << 40)})
+    return {"plugin": build_plugin(d / "hpct_spank.so"), "hooks": healthy, "sick": sick,
+            "log": log}
+
+
+@pytest.fixture
+def hpct(cluster, artifacts):
+    """Plugin (with hpct= task env) + Prolog/Epilog; restored to nothing afterwards."""
+    h = artifacts["hooks"]
+    cluster.set_plugstack([plugstack_line(artifacts["plugin"], hpct=HPCT, max_cache_mb=512)])
+    cluster.set_hooks(Hooks(prolog=str(h["prolog"]), epilog=str(h["epilog"])))
+    try:
+        yield cluster
+    finally:
+        cluster.set_plugstack([])
+        cluster.set_hooks(Hooks())
+
+
+def _env_lines(text: str) -> list[dict[str, str]]:
+    """Blocks of `env` output separated by '---'."""
+    blocks = []
+    for block in text.split("---"):
+        env = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if env:
+            blocks.append(env)
+    return blocks
+
+
+def _job_id(text: str) -> int:
+    return int(text.strip().split(";")[0])
+
+
+def _hook_events(log: Path, job_id: int) -> list[dict]:
+    if not log.exists():
+        return []
+    return [e for e in map(json.loads, log.read_text().splitlines())
+            if e.get("job_id") == job_id]
+
+
+def _wait(pred, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached in {timeout} s")
+
+
+def test_srun_options_reach_every_task_with_the_derived_env(hpct):
+    p = hpct.run(["srun", "-N1", "-n2", "-w", "n1", "--hpct-spares=1", "--hpct-cache-mb=64",
+                  "--hpct-rendezvous=tcpstore", "sh", "-c",
+                  "env; echo ---; stat -c 'DIR=%u:%a' $HPCT_SHM_DIR; echo ---"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    envs = [e for e in _env_lines(p.stdout) if "SLURM_PROCID" in e]
+    assert sorted(e["SLURM_PROCID"] for e in envs) == ["0", "1"]
+    for env in envs:
+        job = env["SLURM_JOB_ID"]
+        assert env["HPCT_SPARES"] == "1" and env["HPCT_RENDEZVOUS"] == "tcpstore"
+        assert env["HPCT_CACHE_MB"] == "64"  # the prolog's grant, set by `hpct-slurm task-prolog`
+        assert env["HPCT_SHM_DIR"] == f"/dev/shm/hpct/{job}"
+    assert "0:700" in p.stdout  # the prolog made it before the tasks ran
+
+
+def test_sbatch_options_reach_prolog_batch_script_and_steps(hpct, artifacts, tmp_path):
+    out = tmp_path / "out.txt"
+    p = hpct.run(["sbatch", "--parsable", "--wait", "-N1", "-w", "n2", "--hpct-spares=2",
+                  "--hpct-cache-mb=32", "-o", str(out), "--wrap",
+                  "env; echo ---; srun -n1 env; echo ---"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    job = _job_id(p.stdout)
+    batch, step = _env_lines(out.read_text())
+    for env in (batch, step):
+        assert env["HPCT_SPARES"] == "2" and env["HPCT_CACHE_MB"] == "32"
+        assert env["HPCT_SHM_DIR"] == f"/dev/shm/hpct/{job}"
+    [made] = [e for e in _hook_events(artifacts["log"], job) if e["event"] == "hook_job_dir"]
+    assert (made["node"], made["requested_mb"], made["granted_mb"]) == ("n2", 32, 32)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["srun", "--hpct-cache-mb=abc", "true"], "--hpct-cache-mb 'abc' is not an integer in 0..512"),
+    (["srun", "--hpct-cache-mb=513", "true"], "--hpct-cache-mb '513' is not an integer in 0..512"),
+    (["sbatch", "--hpct-spares=-1", "--wrap", "true"], "--hpct-spares '-1' is not an integer"),
+    (["sbatch", "--hpct-rendezvous=etcd", "--wrap", "true"],
+     "--hpct-rendezvous 'etcd' is not rootless or tcpstore"),
+])
+def test_bad_values_are_refused_before_a_job_exists(hpct, argv, message):
+    p = hpct.run(argv, timeout=30)
+    assert p.returncode != 0 and f"hpct: {message}" in p.stderr
+    assert hpct.run(["squeue", "-h", "-t", "PD,R"]).stdout.strip() == ""
+
+
+def test_unknown_plugstack_key_is_an_error(hpct, artifacts):
+    hpct.set_plugstack([plugstack_line(artifacts["plugin"], max_cache_mb=64, cachemb=5)])
+    p = hpct.run(["srun", "-N1", "true"], timeout=30)
+    assert p.returncode != 0 and "unknown key 'cachemb'" in p.stderr
+
+
+def test_job_dir_owner_mode_removal_and_stale_sweep(hpct, artifacts, tmp_path):
+    # nobody cannot read this machine's python, so this job runs without the task env
+    hpct.set_plugstack([plugstack_line(artifacts["plugin"])])
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").touch()
+    # a crashed job's dir (with a link out of it) and a planted link, both without epilog
+    plant = ('mkdir -p /dev/shm/hpct/999999/sub && ln -sfn "$1" /dev/shm/hpct/999999/sub/link '
+             '&& ln -sfn "$1" /dev/shm/hpct/888888')
+    assert hpct.run(["sh", "-c", plant, "plant", str(victim)], node="n3").returncode == 0
+    p = hpct.run(["srun", "-N1", "-w", "n3", "--uid=nobody", "--gid=nogroup", "--chdir=/tmp",
+                  "sh", "-c", "id -u; stat -c '%u %g %a' /dev/shm/hpct/$SLURM_JOB_ID; "
+                  "ls /dev/shm/hpct"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    uid, owner, listing = p.stdout.split("\n", 2)
+    assert uid == "65534" and owner == "65534 65534 700"
+    assert "999999" not in listing and "888888" not in listing
+    job = int(listing.split()[0])
+    assert [p.name for p in victim.iterdir()] == ["keep"]
+    # the epilog runs after the job ends
+    _wait(lambda: hpct.run(["ls", "/dev/shm/hpct"], node="n3").stdout.split() == [],
+          what="epilog removing the job dir")
+    events = [e["event"] for e in _hook_events(artifacts["log"], job)]
+    assert events == ["hook_job_dir", "hook_job_dir_removed"]
+
+
+def test_failed_health_check_drains_the_node_with_a_reason(hpct, artifacts):
+    hpct.set_hooks(Hooks(prolog=str(artifacts["sick"]["prolog"])))
+    p = hpct.run(["sbatch", "--parsable", "-N1", "-w", "n4", "-o", "/dev/null", "--wrap",
+                  "true"], timeout=30)
+    assert p.returncode == 0, p.stderr
+    job = _job_id(p.stdout)
+    try:
+        def reason():
+            out = hpct.run(["sinfo", "-h", "-n", "n4", "-o", "%T|%E"]).stdout.strip()
+            return out if out.startswith("drain") else None
+        state, why = _wait(reason, what=f"n4 drained by job {job}'s prolog").split("|", 1)
+        assert why.startswith(DRAIN_PREFIX) and "HPCT_HEALTH_MIN_SHM_MB" in why
+        # the job never ran there: once the failed prolog is reported, Slurm requeues it held
+        held = _wait(lambda: hpct.run(["squeue", "-h", "-j", str(job), "-o", "%T|%r"])
+                     .stdout.strip().startswith("PENDING") and
+                     hpct.run(["squeue", "-h", "-j", str(job), "-o", "%r"]).stdout.strip(),
+                     what="job requeued")
+        assert "held" in held
+    finally:
+        hpct.run(["scancel", str(job)])
+        hpct.run(["scontrol", "update", "NodeName=n4", "State=RESUME"])
+
+
+RANK_SCRIPT = r"""
+import json, os, pathlib, time
+import numpy as np
+from hpct_slurm.cache import SharedCache
+cache = SharedCache.from_env()
+entry = cache.get("train", lambda: {"x": np.ones((4096, 1024), np.float32)})  # 16 MiB
+entry.arrays["x"].sum()
+d = pathlib.Path(os.environ["HPCT_SHM_DIR"])
+(d / f"ready.{os.environ['SLURM_PROCID']}").touch()
+while len(list(d.glob("ready.*"))) < 4:
+    time.sleep(0.01)
+st = os.statvfs("/dev/shm")
+shmem = [l for l in open("/proc/self/status") if l.startswith("RssShmem")][0].split()[1]
+print(json.dumps({"rank": os.environ["SLURM_PROCID"], "built": entry.built,
+                  "used": (st.f_blocks - st.f_bfree) * st.f_frsize, "shmem_kb": int(shmem),
+                  "budget_mb": cache.budget_mb, "host": os.uname().nodename}), flush=True)
+(d / f"done.{os.environ['SLURM_PROCID']}").touch()
+while len(list(d.glob("done.*"))) < 4:
+    time.sleep(0.01)
+"""
+
+
+def test_four_ranks_on_a_node_share_one_cache_copy(hpct):
+    used_before = int(hpct.run([sys.executable, "-c", "import os; s=os.statvfs('/dev/shm'); "
+                                "print((s.f_blocks - s.f_bfree) * s.f_frsize)"],
+                               node="n5", check=True).stdout)
+    p = hpct.run(["srun", "-N1", "-n4", "-w", "n5", "--hpct-cache-mb=64", sys.executable, "-c",
+                  RANK_SCRIPT], timeout=120)
+    assert p.returncode == 0, p.stderr
+    ranks = [json.loads(line) for line in p.stdout.splitlines()]
+    nbytes = 4096 * 1024 * 4
+    assert sorted(r["rank"] for r in ranks) == ["0", "1", "2", "3"]
+    assert {r["host"] for r in ranks} == {"n5"} and {r["budget_mb"] for r in ranks} == {64}
+    assert sum(r["built"] for r in ranks) == 1
+    # every rank measured while all four held the mapping: the node's shm grew by one copy
+    for r in ranks:
+        assert nbytes <= r["used"] - used_before < nbytes * 1.1
+        assert r["shmem_kb"] * 1024 >= nbytes

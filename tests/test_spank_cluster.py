@@ -22,27 +22,44 @@ HPCT = str(Path(sys.executable).parent / "hpct-slurm")
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, _session_cluster):
     d = tmp_path_factory.mktemp("hpct-spank")
-    conf = str(_session_cluster.conf_path)
     log = d / "hooks.jsonl"
-    healthy = install_hooks(d / "hooks", sys.executable,
-                            {"SLURM_CONF": conf, "HPCT_HOOKS_LOG": str(log)})
-    sick = install_hooks(d / "sick", sys.executable,
-                         {"SLURM_CONF": conf, "HPCT_HEALTH_MIN_SHM_MB": str(1 << 40)})
-    return {"plugin": build_plugin(d / "hpct_spank.so"), "hooks": healthy, "sick": sick,
-            "log": log}
+    hooks = install_hooks(d / "hooks", sys.executable,
+                          {"SLURM_CONF": str(_session_cluster.conf_path),
+                           "HPCT_HOOKS_LOG": str(log)})
+    _session_cluster.heal()
+    _session_cluster.set_hooks(Hooks(prolog=str(hooks["prolog"]), epilog=str(hooks["epilog"])))
+    try:
+        _wait_hooks_active(_session_cluster, log)
+        yield {"plugin": build_plugin(d / "hpct_spank.so"), "log": log}
+    finally:
+        _session_cluster.set_hooks(Hooks())
+
+
+def _wait_hooks_active(cluster, log: Path) -> None:
+    """`scontrol reconfigure` reaches each slurmd in its own time: a job started too early
+    runs without the Prolog. Probe every node until its prolog has run."""
+    nodes = len(cluster.nodes)
+    for _ in range(30):
+        p = cluster.run(["sbatch", "--parsable", "--wait", f"-N{nodes}", "-o", "/dev/null",
+                         "--wrap", "true"], timeout=60)
+        assert p.returncode == 0, p.stderr
+        ran = {e["node"] for e in _hook_events(log, _job_id(p.stdout))
+               if e["event"] == "hook_job_dir"}
+        if len(ran) == nodes:
+            return
+        time.sleep(0.3)
+    raise AssertionError("the Prolog never ran on every node after scontrol reconfigure")
 
 
 @pytest.fixture
 def hpct(cluster, artifacts):
-    """Plugin (with hpct= task env) + Prolog/Epilog; restored to nothing afterwards."""
-    h = artifacts["hooks"]
+    """Plugin (with hpct= task env) on top of the module's Prolog/Epilog; plugstack.conf is
+    read at each srun/sbatch, so it takes effect at once. Restored to empty afterwards."""
     cluster.set_plugstack([plugstack_line(artifacts["plugin"], hpct=HPCT, max_cache_mb=512)])
-    cluster.set_hooks(Hooks(prolog=str(h["prolog"]), epilog=str(h["epilog"])))
     try:
         yield cluster
     finally:
         cluster.set_plugstack([])
-        cluster.set_hooks(Hooks())
 
 
 def _env_lines(text: str) -> list[dict[str, str]]:
@@ -76,19 +93,30 @@ def _wait(pred, timeout: float = 60.0, what: str = "condition"):
     raise AssertionError(f"{what} not reached in {timeout} s")
 
 
-def test_srun_options_reach_every_task_with_the_derived_env(hpct):
-    p = hpct.run(["srun", "-N1", "-n2", "-w", "n1", "--hpct-spares=1", "--hpct-cache-mb=64",
-                  "--hpct-rendezvous=tcpstore", "sh", "-c",
-                  "env; echo ---; stat -c 'DIR=%u:%a' $HPCT_SHM_DIR; echo ---"], timeout=60)
+def test_srun_options_reach_every_task_with_the_derived_env(hpct, artifacts):
+    p = hpct.run(["srun", "-l", "-N2", "-n2", "-w", "n1,n2", "--hpct-spares=1",
+                  "--hpct-cache-mb=64", "--hpct-rendezvous=tcpstore", "sh", "-c",
+                  "env; stat -c 'HPCT_TEST_DIR=%u:%a' $HPCT_SHM_DIR"], timeout=60)
     assert p.returncode == 0, p.stderr
-    envs = [e for e in _env_lines(p.stdout) if "SLURM_PROCID" in e]
+    by_task: dict[str, dict[str, str]] = {}
+    for line in p.stdout.splitlines():  # `-l`: every line is "<task>: <text>"
+        task, _, text = line.partition(": ")
+        if "=" in text:
+            by_task.setdefault(task.strip(), {}).__setitem__(*text.split("=", 1))
+    envs = list(by_task.values())
     assert sorted(e["SLURM_PROCID"] for e in envs) == ["0", "1"]
+    # each node's prolog made the dir before the tasks ran
+    assert [e["HPCT_TEST_DIR"] for e in envs] == ["0:700", "0:700"]
+    job = int(envs[0]["SLURM_JOB_ID"])
     for env in envs:
-        job = env["SLURM_JOB_ID"]
         assert env["HPCT_SPARES"] == "1" and env["HPCT_RENDEZVOUS"] == "tcpstore"
-        assert env["HPCT_CACHE_MB"] == "64"  # the prolog's grant, set by `hpct-slurm task-prolog`
-        assert env["HPCT_SHM_DIR"] == f"/dev/shm/hpct/{job}"
-    assert "0:700" in p.stdout  # the prolog made it before the tasks ran
+        assert env["HPCT_SHM_DIR"] == f"/dev/shm/hpct/{job}" and env["HPCT_CACHE_MB"] == "64"
+        # the rendezvous env, derived once in Python (`hpct-slurm task-prolog`)
+        assert env["RANK"] == env["SLURM_PROCID"] and env["WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == hpct.node_addr("n1") and env["HPCT_GENERATION"] == "0"
+    made = {e["node"]: e["granted_mb"] for e in _hook_events(artifacts["log"], job)
+            if e["event"] == "hook_job_dir"}
+    assert made == {"n1": 64, "n2": 64}
 
 
 def test_sbatch_options_reach_prolog_batch_script_and_steps(hpct, artifacts, tmp_path):
@@ -151,8 +179,9 @@ def test_job_dir_owner_mode_removal_and_stale_sweep(hpct, artifacts, tmp_path):
     assert events == ["hook_job_dir", "hook_job_dir_removed"]
 
 
-def test_failed_health_check_drains_the_node_with_a_reason(hpct, artifacts):
-    hpct.set_hooks(Hooks(prolog=str(artifacts["sick"]["prolog"])))
+def test_failed_health_check_drains_the_node_with_a_reason(hpct):
+    # an shm root others could write into is unsafe: the health check must catch it
+    assert hpct.run(["chmod", "0777", "/dev/shm/hpct"], node="n4").returncode == 0
     p = hpct.run(["sbatch", "--parsable", "-N1", "-w", "n4", "-o", "/dev/null", "--wrap",
                   "true"], timeout=30)
     assert p.returncode == 0, p.stderr
@@ -162,7 +191,7 @@ def test_failed_health_check_drains_the_node_with_a_reason(hpct, artifacts):
             out = hpct.run(["sinfo", "-h", "-n", "n4", "-o", "%T|%E"]).stdout.strip()
             return out if out.startswith("drain") else None
         state, why = _wait(reason, what=f"n4 drained by job {job}'s prolog").split("|", 1)
-        assert why.startswith(DRAIN_PREFIX) and "HPCT_HEALTH_MIN_SHM_MB" in why
+        assert why.startswith(DRAIN_PREFIX) and "/dev/shm/hpct" in why and "mode 777" in why
         # the job never ran there: once the failed prolog is reported, Slurm requeues it held
         held = _wait(lambda: hpct.run(["squeue", "-h", "-j", str(job), "-o", "%T|%r"])
                      .stdout.strip().startswith("PENDING") and
@@ -170,6 +199,7 @@ def test_failed_health_check_drains_the_node_with_a_reason(hpct, artifacts):
                      what="job requeued")
         assert "held" in held
     finally:
+        hpct.run(["chmod", "0755", "/dev/shm/hpct"], node="n4")
         hpct.run(["scancel", str(job)])
         hpct.run(["scontrol", "update", "NodeName=n4", "State=RESUME"])
 

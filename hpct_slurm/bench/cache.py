@@ -10,7 +10,6 @@ rank's private growth), while all of them hold their data.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import shutil
 import statistics
 import tempfile
@@ -100,7 +99,8 @@ def _cold(ctx: Any, raw_path: str, cache_dir: Path) -> float:
     p.start()
     report = out.get(timeout=600)
     p.join(60)
-    assert report["built"]
+    if not report["built"]:
+        raise RuntimeError(f"cold run attached to an existing cache in {cache_dir}")
     return report["get_s"]
 
 

@@ -342,6 +342,8 @@ class LocalCluster:
         st = self._require_state()
         if cancel_jobs:
             self.run(["scancel", "--full", "--user", "root"], timeout=20)
+        for resv in ("hpct_spares", "hpct_check"):  # spare-pool tests' reservations
+            self.run(["scontrol", "delete", f"ReservationName={resv}"], timeout=20)
         for node in self.nodes:
             if not _alive(st.slurmd_pids.get(node, 0)):
                 self.revive_node(node)

@@ -48,6 +48,7 @@ from .state import TrainState
 from .transfer import TransferServer, fetch_state
 
 STEP_SEED_DOMAIN = b"hpct-step-seed"
+LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
 
 
 class _Stopped(Exception):
@@ -127,6 +128,8 @@ class Job:
         while True:
             msg = self.client.next_assignment()
             if isinstance(msg, P.Goodbye):
+                if msg.reason == LOST:
+                    self._requeue_without_controller()
                 self._shutdown(msg.reason)
                 return trained
             trained = True
@@ -150,6 +153,8 @@ class Job:
         for step in range(start, total):
             if self.client.stop_event.is_set():
                 raise _Stopped(self.client.stop_reason)
+            if self.client.closed.is_set():
+                raise _Stopped(LOST)
             seed_everything(step_seed(self.seed, self.rank, step))
             out = train_step(step)
             if isinstance(out, (int, float)):
@@ -234,6 +239,24 @@ class Job:
                             f"{a.restore_step}: the job must restart from disk")
         self.state.restore_from(got.layout, got.data)
         return got.source
+
+    def _requeue_without_controller(self) -> None:
+        """The controller is gone: its node (the batch host) died, and with it the job's batch
+        script. Slurm keeps such a --no-kill job RUNNING on the other nodes, so the ranks
+        requeue it themselves; the restarted job resumes from the last persisted snapshot.
+        Lowest rank first; the others find the job already requeued and leave it alone."""
+        from ..slurm.client import SlurmClient
+
+        time.sleep(0.5 * max(self.rank, 0))
+        slurm = SlurmClient()
+        try:
+            job = slurm.show_job(self.slurm.job_id)
+            if job.state == "RUNNING" and job.restart_count == self.slurm.restart_count:
+                slurm.requeue(self.slurm.job_id)
+                self.events.emit("rank.requeued_job", rank=self.rank, job_id=self.job_id,
+                                 reason="controller lost")
+        except HpctError as exc:
+            self.events.emit("rank.requeue_failed", rank=self.rank, error=exc.message)
 
     def _teardown(self) -> None:
         gc.collect()

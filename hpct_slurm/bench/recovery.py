@@ -1,0 +1,355 @@
+"""Node failure recovered two ways, side by side, on the real local Slurm cluster.
+
+The same training job (4 active nodes + 1 spare, an MLP whose parameters + Adam moments are
+>= 100 MB), the same crash (`kill_node n3`: slurmd, slurmstepd and the rank SIGKILLed) at the
+same step, recovered by
+  hpct      — the shipped sbatch template: survivors stay resident, a warm spare takes n3's
+              rank and pulls the state from a survivor's memory;
+  baseline  — restart-all (bench/restart_all.py): one srun step over all nodes dies, every rank
+              is relaunched, re-forms through a TCPStore, loads the disk checkpoint written
+              every K steps and recomputes the steps since;
+and both compared bit for bit with one uninterrupted reference run. Repeated; medians reported.
+
+Yardstick for both (the demo's, made robust): seconds from the crash (the first SIGKILL) until
+every rank of the recovered job has completed the step after the highest step reached before
+the crash. Each method's phases are cut from its event logs so that they add up to exactly
+that time:
+  hpct      detect (crash → fault.detected), stop (→ STOP sent), fence (→ node fenced),
+            survivors_ready (→ ranks torn down, health-checked, ready: recovery.assign),
+            reform (→ slowest rank's group formed), state_transfer (→ slowest rank restored),
+            first_step (→ every rank completed the step);
+  baseline  detect (crash → the srun step died), relaunch (→ dead node found, DOWN, spare
+            swapped in, new srun), process_start (→ every rank started and imported torch),
+            rendezvous (→ TCPStore + gloo group formed), init_and_load (→ model built and the
+            checkpoint loaded), recompute (→ every rank redid the last step before the crash),
+            first_step (→ every rank completed the step after it).
+The training data is synthetic (derived from seed, rank and step), so there is no data
+re-attach phase to measure here; `bench cache` measures that cost on its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..demo import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, collect, step_events,
+                    submit, wait_job)
+from ..errors import HpctError
+from ..localcluster import LocalCluster
+from .common import write_result
+from .restart_all import batch_script
+
+NAME = "recovery"
+BENCH_ROOT = Path("/tmp/hpct-bench-cluster")
+WORLD = NODES - 1
+ANY_STATE = {"idle", "mixed", "allocated", "completing", "drained", "draining", "down",
+             "down*", "idle*", "drained*"}
+HPCT_PHASES = ("detect", "stop", "fence", "survivors_ready", "reform", "state_transfer",
+               "first_step")
+BASELINE_PHASES = ("detect", "relaunch", "process_start", "rendezvous", "init_and_load",
+                   "recompute", "first_step")
+
+
+@dataclass(frozen=True)
+class Config:
+    steps: int
+    kill_at: int
+    ckpt_every: int
+    hidden: int
+    layers: int
+    repeats: int
+    step_sleep: float = 0.0
+    timeout_s: float = 300.0
+
+    def train_args(self) -> list[str]:
+        return ["--steps", str(self.steps), "--hidden", str(self.hidden),
+                "--layers", str(self.layers), "--step-sleep", str(self.step_sleep)]
+
+
+# 2048 wide, 3 hidden layers: 8.46 M parameters, 101.5 MB with Adam's two moments; one step
+# takes about 0.8 s on the 2-core VM. The crash lands K/2 steps after a checkpoint on average
+# for a uniformly random failure; step 14 with K=10 is close to that (4-5 recomputed steps).
+FULL = Config(steps=20, kill_at=14, ckpt_every=10, hidden=2048, layers=3, repeats=3)
+QUICK = Config(steps=30, kill_at=15, ckpt_every=10, hidden=256, layers=1, repeats=1,
+               step_sleep=0.1)
+
+
+def state_bytes(hidden: int, layers: int) -> int:
+    """Bytes of the training state a replacement must get back: parameters + every optimizer
+    state tensor, counted on the real model and optimizer after one step."""
+    import torch
+
+    from ..examples.train import build
+
+    model, opt = build(hidden, layers)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # Adam allocates its moments on the first step
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values()
+                  for t in s.values() if torch.is_tensor(t))
+    return params + moments
+
+
+def _first(events: Sequence[dict], name: str, after: float) -> dict:
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e["event"] == name and e["t"] >= after:
+            return e
+    raise HpctError(f"no {name!r} event after t={after:.3f}: the run did not get that far")
+
+
+def back_to_speed(steps: Sequence[dict], new: Callable[[dict], bool]) -> tuple[float, int]:
+    """When the recovered job is back to speed, and the last step reached before the crash:
+    every rank of the new incarnation (`new(event)`) has completed the step after the highest
+    step any rank of the old one completed. Deciding old/new by incarnation instead of by the
+    crash's timestamp keeps a step that a dying rank finished a millisecond after the kill
+    signal from counting as progress."""
+    old = [e["step"] for e in steps if e["event"] == "rank.step" and not new(e)]
+    k_last = max(old, default=-1)
+    firsts: dict[int, float] = {}
+    for e in steps:
+        if e["event"] == "rank.step" and e["step"] == k_last + 1 and new(e):
+            firsts[e["rank"]] = min(firsts.get(e["rank"], e["t"]), e["t"])
+    if len(firsts) < WORLD:
+        raise HpctError(f"only ranks {sorted(firsts)} completed step {k_last + 1} after the "
+                        f"recovery")
+    return max(firsts.values()), k_last
+
+
+def _cut(marks: Sequence[tuple[str, float]], start: float) -> dict[str, float]:
+    """Consecutive durations between time marks; each mark is held at least at the previous
+    one, so the phases are never negative and always add up to the last mark − start."""
+    out, prev = {}, start
+    for name, t in marks:
+        t = max(t, prev)
+        out[name] = t - prev
+        prev = t
+    return out
+
+
+def hpct_phases(controller: Sequence[dict], ranks: Sequence[dict],
+                t_crash: float) -> tuple[dict[str, float], dict]:
+    """Phases of one hpct recovery from the controller's and the ranks' events, and the
+    recovery's outline (end time, last step before the crash, restore step)."""
+    detected = _first(controller, "fault.detected", t_crash)
+    stop = _first(controller, "fault.stop_sent", detected["t"])
+    assign = _first(controller, "recovery.assign", stop["t"])
+    fenced = [e["t"] for e in controller if e["event"] == "fault.fenced"
+              and stop["t"] <= e["t"] <= assign["t"]]
+    adopted = [e for e in ranks if e["event"] == "rank.adopted"
+               and e["generation"] == assign["generation"]]
+    if not adopted:
+        raise HpctError(f"no rank adopted generation {assign['generation']}")
+    t_end, k_last = back_to_speed(ranks, lambda e: e["generation"] >= assign["generation"])
+    formed = max(e["t"] - e["restore_s"] for e in adopted)
+    restored = max(e["t"] for e in adopted)
+    phases = _cut([("detect", detected["t"]), ("stop", stop["t"]),
+                   ("fence", max(fenced, default=stop["t"])), ("survivors_ready", assign["t"]),
+                   ("reform", formed), ("state_transfer", restored), ("first_step", t_end)],
+                  t_crash)
+    return phases, {"t_end": t_end, "k_last": k_last, "restore_step": assign["restore_step"],
+                    "generation": assign["generation"], "taken": assign["taken"],
+                    "restore_sources": sorted({e["source"] for e in adopted})}
+
+
+def baseline_phases(controller: Sequence[dict], ranks: Sequence[dict],
+                    t_crash: float) -> tuple[dict[str, float], dict]:
+    """Phases of one restart-all recovery from its driver's and its ranks' events, and the
+    recovery's outline (end time, last step before the crash, checkpoint step resumed)."""
+    died = _first(controller, "baseline.step_exit", t_crash)
+    relaunch = _first(controller, "baseline.launch", died["t"])
+    after = [e for e in ranks if e["t"] >= relaunch["t"]]
+    t_end, k_last = back_to_speed(ranks, lambda e: e["t"] >= relaunch["t"])
+
+    def slowest(name: str) -> float:
+        ts = [e["t"] for e in after if e["event"] == name]
+        if len(ts) < WORLD:
+            raise HpctError(f"only {len(ts)} of {WORLD} relaunched ranks emitted {name!r}")
+        return max(ts)
+
+    started = slowest("baseline.start")
+    resumed_at = min(e["start_step"] for e in after if e["event"] == "baseline.start")
+    recomputed = max(e["t"] for e in after if e["event"] == "rank.step"
+                     and e["step"] == k_last) if resumed_at <= k_last else started
+    phases = _cut([("detect", died["t"]), ("relaunch", relaunch["t"]),
+                   ("process_start", slowest("baseline.imported")),
+                   ("rendezvous", slowest("baseline.pg_ready")), ("init_and_load", started),
+                   ("recompute", recomputed), ("first_step", t_end)], t_crash)
+    return phases, {"t_end": t_end, "k_last": k_last, "resumed_at": resumed_at,
+                    "recomputed_steps": max(0, k_last + 1 - resumed_at)}
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median and range of repeated measurements (3 repeats: the range is the honest spread)."""
+    if not values:
+        raise HpctError("no measurements to summarise")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(repeats: Sequence[dict], state_mb: float) -> dict:
+    """The one-line summary: medians over repeats; lost steps is the worst repeat and
+    bit-equality must hold in every repeat."""
+    hpct = [r["hpct"]["recovery_s"] for r in repeats]
+    base = [r["baseline"]["recovery_s"] for r in repeats]
+    h, b = statistics.median(hpct), statistics.median(base)
+    return {
+        "bench": NAME,
+        "hpct_recovery_s": round(h, 3),
+        "baseline_recovery_s": round(b, 3),
+        "ratio": round(h / b, 4) if b > 0 else None,
+        "lost_steps": max(r["hpct"]["lost_steps"] for r in repeats),
+        "baseline_recomputed_steps": statistics.median(r["baseline"]["recomputed_steps"]
+                                                       for r in repeats),
+        "bitwise_equal": all(r["hpct"]["bitwise_equal"] for r in repeats),
+        "baseline_bitwise_equal": all(r["baseline"]["bitwise_equal"] for r in repeats),
+        "state_mb": round(state_mb, 1),
+        "repeats": len(repeats),
+        "spread_s": {"hpct": [round(min(hpct), 3), round(max(hpct), 3)],
+                     "baseline": [round(min(base), 3), round(max(base), 3)]},
+        "phases": {m: {p: round(statistics.median(r[m]["phases"][p] for r in repeats), 4)
+                       for p in phases}
+                   for m, phases in (("hpct", HPCT_PHASES), ("baseline", BASELINE_PHASES))},
+    }
+
+
+def ready_cluster(root: Path, nodes: int) -> LocalCluster:
+    """The cluster under `root` up, every node idle and no job left, whatever a previous run
+    (maybe killed half way, with a node crashed) left behind."""
+    cluster = LocalCluster(root, nodes=nodes)
+    if cluster.state():
+        if len(cluster.nodes) != nodes:
+            raise HpctError(f"a cluster of {len(cluster.nodes)} nodes is up under {root}; "
+                            f"this benchmark needs {nodes}: `hpct-slurm localcluster down` it")
+        with contextlib.suppress(HpctError):
+            cluster.heal()  # a crashed node revived now keeps `up` from rebuilding it all
+    # slurmctld keeps a node DOWN across a rebuild, so `up` must not wait for idle: heal does
+    cluster.up(wait=False)
+    cluster.wait_nodes(ANY_STATE, timeout=60)
+    cluster.heal()
+    return cluster
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _crash_at(cluster: LocalCluster, run_dir: Path, step: int, timeout: float) -> float:
+    """Hard-crash VICTIM once any rank completed `step`; returns when the first SIGKILL went
+    out (the demo's wait_job stamps the crash after every process died instead)."""
+    deadline = time.monotonic() + timeout
+    while max((e["step"] for e in step_events(run_dir)), default=-1) < step:
+        if time.monotonic() > deadline:
+            raise HpctError(f"training never reached step {step} within {timeout:.0f} s; see "
+                            f"{run_dir}")
+        time.sleep(0.05)
+    t = time.time()
+    cluster.kill_node(VICTIM)
+    return t
+
+
+def _run_one(cluster: LocalCluster, d: Path, cfg: Config, ref: dict[int, dict],
+             method: str) -> dict:
+    if method == "hpct":
+        jid = submit(cluster, d, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
+                                            *cfg.train_args()])
+    else:
+        jid = submit(cluster, d, batch_script(d), [*cfg.train_args(), "--ckpt-every",
+                                                   str(cfg.ckpt_every)])
+    t_crash = _crash_at(cluster, d, cfg.kill_at, cfg.timeout_s)
+    wait_job(cluster, jid, d, cfg.timeout_s, label=method)
+    run = RunResult(method, d, jid, t_crash, collect(d, WORLD))
+    ctl, ranks = run.controller_events(), run.events()
+    if method == "hpct":
+        phases, outline = hpct_phases(ctl, ranks, t_crash)
+        done = _first(ctl, "recovery.done", t_crash)
+        outline["lost_steps"] = max(0, outline["k_last"] - outline["restore_step"])
+        outline["controller_recovery_s"] = done["recovery_s"]
+    else:
+        phases, outline = baseline_phases(ctl, ranks, t_crash)
+    return {"run_dir": str(d), "job_id": jid, "recovery_s": outline.pop("t_end") - t_crash,
+            "bitwise_equal": bitwise_equal(ref, run.results), "phases": phases, **outline}
+
+
+def _drop_bulk(d: Path) -> None:
+    """Persisted snapshots and checkpoints are 100 MB each: keep events and logs only."""
+    shutil.rmtree(d / "persist", ignore_errors=True)
+    for f in d.glob("ckpt.*"):
+        f.unlink()
+
+
+def _plot(path: Path, summary: dict, repeats: Sequence[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, method, phases, color in ((axes[0], "hpct", HPCT_PHASES, "#4c72b0"),
+                                      (axes[1], "baseline", BASELINE_PHASES, "#dd8452")):
+        vals = [[r[method]["phases"][p] for r in repeats] for p in phases]
+        med = [statistics.median(v) for v in vals]
+        err = [[m - min(v) for m, v in zip(med, vals)], [max(v) - m for m, v in zip(med, vals)]]
+        bars = ax.barh(list(phases), med, xerr=err, capsize=3, color=color)
+        ax.bar_label(bars, fmt="%.3g", padding=3)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds (median, range over repeats)")
+        total = summary[f"{method}_recovery_s"]
+        ax.set_title(f"{'hpct-slurm' if method == 'hpct' else 'restart-all'}: {total:.3g} s "
+                     f"to back-to-speed")
+    fig.suptitle(f"node crash, {summary['state_mb']} MB state, {summary['repeats']} repeat(s): "
+                 f"ratio {summary['ratio']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
+        down: bool = False) -> dict:
+    """Run the benchmark on the cluster under `root` (brought up if needed, left up unless
+    `down`); writes recovery.json and recovery.png to `out_dir`; returns the summary."""
+    cfg = QUICK if quick else FULL
+    out_dir = Path(out_dir)
+    t_start = time.monotonic()
+    nbytes = state_bytes(cfg.hidden, cfg.layers)
+    _say(f"[recovery] local cluster: {NODES} nodes under {root}; state {nbytes / 1e6:.1f} MB; "
+         f"{cfg.repeats} repeat(s) of hpct vs restart-all, crash at step {cfg.kill_at}")
+    cluster = ready_cluster(root, NODES)
+    work = root / "bench-recovery" / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        d = work / "reference"
+        jid = submit(cluster, d, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
+                                            *cfg.train_args()])
+        wait_job(cluster, jid, d, cfg.timeout_s, label="reference")
+        ref = collect(d, WORLD)
+        _drop_bulk(d)
+        repeats = []
+        for i in range(cfg.repeats):
+            rep = {}
+            for method in ("hpct", "baseline"):
+                d = work / f"{method}{i}"
+                rep[method] = _run_one(cluster, d, cfg, ref, method)
+                _drop_bulk(d)
+                cluster.heal()
+                _say(f"[recovery] repeat {i + 1}/{cfg.repeats} {method}: "
+                     f"{rep[method]['recovery_s']:.3f} s")
+            repeats.append(rep)
+    finally:
+        if down:
+            cluster.down()
+    summary = summarize(repeats, nbytes / 1e6)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _plot(out_dir / f"{NAME}.png", summary, repeats)
+    write_result(out_dir, NAME, {
+        "summary": summary, "quick": quick, "config": asdict(cfg), "state_bytes": nbytes,
+        "world": WORLD, "victim": VICTIM, "repeat_details": repeats,
+        "spread": {"hpct": spread([r["hpct"]["recovery_s"] for r in repeats]),
+                   "baseline": spread([r["baseline"]["recovery_s"] for r in repeats])},
+        "wall_s": time.monotonic() - t_start, "work_dir": str(work), "method": __doc__,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    })
+    return summary

@@ -199,3 +199,14 @@ def test_stress_outcome_matches_faults_to_their_recovery():
     assert out[0]["fault_to_recovered_s"] == pytest.approx(1.0)
     assert out[1]["fault_to_recovered_s"] == pytest.approx(0.3)
     assert out[2]["detected"] is None
+
+
+def test_all_table_shows_numbers_and_failures():
+    from hpct_slurm.bench.all import table
+
+    out = table({"transfer": {"summary": {"bench": "transfer", "gbps": 1.5, "sizes": [1]},
+                              "wall_s": 12.0},
+                 "recovery": {"error": "HpctError: nodes not idle", "wall_s": 3.0}})
+    lines = out.splitlines()
+    assert lines[1].startswith("transfer") and "gbps=1.5" in lines[1] and "sizes" not in lines[1]
+    assert lines[2].startswith("recovery") and "FAILED: HpctError: nodes not idle" in lines[2]

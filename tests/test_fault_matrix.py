@@ -35,7 +35,8 @@ def reference(cluster, tmp_path_factory):
 
 
 def _events(run_dir: Path) -> list[dict]:
-    return list(read_events(run_dir / "controller.jsonl"))
+    path = run_dir / "controller.jsonl"
+    return list(read_events(path)) if path.exists() else []
 
 
 def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
@@ -167,3 +168,35 @@ def test_batch_host_loss_requeues_and_resumes(cluster, reference, tmp_path):
     resumed = [e for e in _events(tmp_path) if e["event"] == "controller.resume_from_disk"]
     assert resumed and resumed[0]["step"] >= 9
     assert "n1" not in {r["node"] for r in got.values()}
+
+
+def test_spare_borrowed_from_the_cluster_pool(cluster, reference, tmp_path):
+    """More faults than the job reserved spares for: its spare comes from the cluster pool,
+    through a companion job in the pool reservation (the pool template)."""
+    from hpct_slurm.spares.pool import SparePool
+    from hpct_slurm.templates.cli import TEMPLATES
+
+    ref = reference(4)
+    pool = SparePool(cluster.client())
+    pool.add(["n5"])
+    try:
+        jid = submit(cluster, tmp_path, TEMPLATES / "pool.sbatch", TRAIN, nodes=4,
+                     env={"HPCT_POOL_SPARES": "1"})
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "pool.spare_joined" for e in _events(tmp_path)):
+            assert time.monotonic() < deadline, "the pool spare never joined"
+            time.sleep(0.2)
+        _wait_step(tmp_path, 12)
+        cluster.kill_node("n3")
+        wait_job(cluster, jid, tmp_path, 240, label="pool-spare")
+    finally:
+        pool.remove(["n5"])
+    got = collect(tmp_path, 4)
+    assert bitwise_equal(ref, got)
+    assert got[2]["node"] == "n5"
+    evs = _events(tmp_path)
+    borrowed = [e for e in evs if e["event"] == "pool.borrow"]
+    assert len(borrowed) == 1
+    # the companion job ended with the training job
+    state = cluster.run(["squeue", "-h", "-j", str(borrowed[0]["companion_job"])]).stdout
+    assert state.strip() == ""

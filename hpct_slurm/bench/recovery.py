@@ -308,18 +308,8 @@ def _plot(path: Path, summary: dict, repeats: Sequence[dict]) -> None:
     plt.close(fig)
 
 
-def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
-        down: bool = False) -> dict:
-    """Run the benchmark on the cluster under `root` (brought up if needed, left up unless
-    `down`); writes recovery.json and recovery.png to `out_dir`; returns the summary."""
-    cfg = QUICK if quick else FULL
-    out_dir = Path(out_dir)
-    t_start = time.monotonic()
-    nbytes = state_bytes(cfg.hidden, cfg.layers)
-    _say(f"[recovery] local cluster: {NODES} nodes under {root}; state {nbytes / 1e6:.1f} MB; "
-         f"{cfg.repeats} repeat(s) of hpct vs restart-all, crash at step {cfg.kill_at}")
-    cluster = ready_cluster(root, NODES)
-    work = root / "bench-recovery" / time.strftime("%Y%m%d-%H%M%S")
+def _measure(cluster: LocalCluster, work: Path, cfg: Config, down: bool) -> list[dict]:
+    """One reference run, then `repeats` x (hpct, baseline), healing the cluster after each."""
     try:
         d = work / "reference"
         jid = submit(cluster, d, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
@@ -341,6 +331,24 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
     finally:
         if down:
             cluster.down()
+    return repeats
+
+
+def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
+        down: bool = False) -> dict:
+    """Run the benchmark on the cluster under `root` (brought up if needed, left up unless
+    `down`); writes recovery.json and recovery.png to `out_dir`; returns the summary."""
+    cfg = QUICK if quick else FULL
+    out_dir = Path(out_dir)
+    t_start = time.monotonic()
+    nbytes = state_bytes(cfg.hidden, cfg.layers)
+    _say(f"[recovery] local cluster: {NODES} nodes under {root}; state {nbytes / 1e6:.1f} MB; "
+         f"{cfg.repeats} repeat(s) of hpct vs restart-all, crash at step {cfg.kill_at}")
+    cluster = ready_cluster(root, NODES)
+    work = root / "bench-recovery" / time.strftime("%Y%m%d-%H%M%S")
+    # progress to stderr: stdout's last line is the summary
+    with contextlib.redirect_stdout(sys.stderr):
+        repeats = _measure(cluster, work, cfg, down)
     summary = summarize(repeats, nbytes / 1e6)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(out_dir / f"{NAME}.png", summary, repeats)

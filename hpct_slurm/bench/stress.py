@@ -17,6 +17,7 @@ are bit-identical to an uninterrupted run, and no process of the job is left on 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
@@ -58,7 +59,7 @@ class Config:
     job_timeout_s: float = 900.0
 
 
-FULL = Config(faults=22, steps=1600, step_sleep=0.1, back_to_back=2, node_crashes=1,
+FULL = Config(faults=22, steps=1200, step_sleep=0.1, back_to_back=2, node_crashes=1,
               kill_spares=2, hangs=5)
 QUICK = Config(faults=5, steps=400, step_sleep=0.1, back_to_back=1, node_crashes=0,
                kill_spares=1, hangs=1)
@@ -161,16 +162,25 @@ class _Injector:
                  rng: random.Random):
         self.cluster, self.run_dir, self.batch_host, self.rng = cluster, run_dir, batch_host, rng
         self.crashed: set[str] = set()
+        self.job_id = 0
+
+    def job_queued(self) -> bool:
+        out = self.cluster.run(["squeue", "-h", "-j", str(self.job_id), "-o", "%T"]).stdout
+        return out.strip() not in ("", "COMPLETED", "FAILED", "CANCELLED")
 
     def wait_quiet(self, need_spares: int, gap_steps: int, steps: int) -> JobView | None:
         """Wait until the last recovery is done, `need_spares` spares are warm and `gap_steps`
-        more steps have run; None when the job is about to end first."""
+        more steps have run; None when the job ends (or is about to) first."""
         deadline = time.monotonic() + FAULT_TIMEOUT_S
         start_step = None
+        polls = 0
         while time.monotonic() < deadline:
             v = view(_controller_events(self.run_dir))
             step = _step(self.run_dir)
             if step >= steps - 2 * gap_steps - 5:
+                return None
+            polls += 1
+            if polls % 10 == 0 and not self.job_queued():
                 return None
             quiet = v.last_done_t >= v.last_fault_t and len(v.active_pids) == len(v.members) \
                 and len(v.spare_pids) >= need_spares
@@ -229,6 +239,60 @@ def outcome(controller: Sequence[dict], injected: Sequence[dict]) -> list[dict]:
     return out
 
 
+def _stress(cluster: LocalCluster, work: Path, cfg: Config, faults: list[Fault]) -> dict:
+    """The reference run, then the stress job with `faults` injected; what happened."""
+    train = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(cfg.steps),
+             "--step-sleep", str(cfg.step_sleep)]
+    env = {"HPCT_ACTIVE_NODES": str(ACTIVE)}
+    d = work / "reference"
+    jid = submit(cluster, d, TEMPLATE, train, nodes=ACTIVE, env=env)
+    wait_job(cluster, jid, d, cfg.job_timeout_s, label="reference")
+    ref = collect(d, ACTIVE)
+
+    d = work / "stress"
+    injector = _Injector(cluster, d, "n1", random.Random(cfg.seed + 1))
+    injector.job_id = submit(cluster, d, TEMPLATE, train, nodes=NODES, env=env)
+    t_job = time.monotonic()
+    injected: list[dict] = []
+    error = None
+    for i, fault in enumerate(faults):
+        try:
+            v = injector.wait_quiet(max(1, fault.size), fault.gap_steps, cfg.steps)
+        except HpctError as exc:
+            error = exc.message
+            break
+        if v is None:
+            _say(f"[stress] the job ended or is about to: {len(faults) - i} injection(s) "
+                 f"not done")
+            break
+        done = injector.inject(fault, v)
+        injected += done
+        _say(f"[stress] {len(injected):2d} faults: {fault.kind} "
+             f"{' '.join(f['node'] for f in done)} at step {_step(d)}")
+    hung = False
+    try:
+        wait_job(cluster, injector.job_id, d,
+                 max(cfg.job_timeout_s - (time.monotonic() - t_job), 1.0), label="stress")
+    except HpctError as exc:
+        hung, error = True, error or exc.message
+    job_s = time.monotonic() - t_job
+    # The job left the queue; Slurm may still be reaping its last processes.
+    deadline = time.monotonic() + 20
+    while True:
+        leaked = _job_pids(cluster, [n for n in cluster.nodes if n not in injector.crashed])
+        if not any(leaked.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    ctl = _controller_events(d)
+    try:
+        equal = bitwise_equal(ref, collect(d, ACTIVE))
+        completed = any(e["event"] == "job.done" for e in ctl)
+    except HpctError as exc:
+        equal, completed, error = False, False, error or exc.message
+    return {"ctl": ctl, "injected": injected, "leaked": leaked, "equal": equal,
+            "completed": completed, "hung": hung, "job_s": job_s, "error": error}
+
+
 def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
         down: bool = False) -> dict:
     """Run the stress job on the cluster under `root` (brought up if needed, left up unless
@@ -238,70 +302,32 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
     t_start = time.monotonic()
     cluster = ready_cluster(root, NODES)
     work = root / "bench-stress" / time.strftime("%Y%m%d-%H%M%S")
-    train = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(cfg.steps),
-             "--step-sleep", str(cfg.step_sleep)]
-    env = {"HPCT_ACTIVE_NODES": str(ACTIVE)}
     _say(f"[stress] {len(faults)} fault injections ({sum(f.size for f in faults)} faults) into "
          f"one job of {ACTIVE} active + {NODES - ACTIVE} spare nodes under {root}")
-    try:
-        d = work / "reference"
-        jid = submit(cluster, d, TEMPLATE, train, nodes=ACTIVE, env=env)
-        wait_job(cluster, jid, d, cfg.job_timeout_s, label="reference")
-        ref = collect(d, ACTIVE)
-
-        d = work / "stress"
-        jid = submit(cluster, d, TEMPLATE, train, nodes=NODES, env=env)
-        t_job = time.monotonic()
-        injector = _Injector(cluster, d, "n1", random.Random(cfg.seed + 1))
-        injected: list[dict] = []
-        for i, fault in enumerate(faults):
-            v = injector.wait_quiet(max(1, fault.size), fault.gap_steps, cfg.steps)
-            if v is None:
-                _say(f"[stress] the job is about to finish: {len(faults) - i} injection(s) "
-                     f"not done")
-                break
-            done = injector.inject(fault, v)
-            injected += done
-            _say(f"[stress] {len(injected):2d} faults: {fault.kind} "
-                 f"{' '.join(f['node'] for f in done)} at step {_step(d)}")
-        left = cfg.job_timeout_s - (time.monotonic() - t_job)
-        hung = False
+    # progress to stderr: stdout's last line is the summary
+    with contextlib.redirect_stdout(sys.stderr):
         try:
-            wait_job(cluster, jid, d, max(left, 1.0), label="stress")
-        except HpctError:
-            hung = True
-        job_s = time.monotonic() - t_job
-        ctl = _controller_events(d)
-        # The job left the queue; Slurm may still be reaping its last processes.
-        deadline = time.monotonic() + 20
-        while True:
-            leaked = _job_pids(cluster, [n for n in cluster.nodes if n not in injector.crashed])
-            if not any(leaked.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        try:
-            got = collect(d, ACTIVE)
-            equal = bitwise_equal(ref, got)
-        except HpctError:
-            got, equal = {}, False
-    finally:
-        cluster.heal()
-        if down:
-            cluster.down()
-    results = outcome(ctl, injected)
-    v = view(ctl)
+            got = _stress(cluster, work, cfg, faults)
+        finally:
+            cluster.heal()
+            if down:
+                cluster.down()
+    results = outcome(got["ctl"], got["injected"])
+    v = view(got["ctl"])
+    leaked, equal = got["leaked"], got["equal"]
     summary = {
         "bench": NAME,
-        "faults": len(injected),
+        "faults": len(got["injected"]),
         "recovered": sum(r["recovered"] for r in results),
-        "completed": bool(got) and any(e["event"] == "job.done" for e in ctl) and not hung,
+        "completed": got["completed"] and not got["hung"],
         "bitwise_equal": equal,
         "leaked_processes": sum(len(p) for p in leaked.values()),
         "median_recovery_s": round(statistics.median(v.recovery_s), 3) if v.recovery_s
         else None,
         "recovery_rounds": len(v.recovery_s),
-        "job_s": round(job_s, 1),
-        "hung": hung,
+        "job_s": round(got["job_s"], 1),
+        "hung": got["hung"],
+        "error": got["error"],
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "sbatch --nodes=A-(A+S) so a requeued job keeps its world size)")
     p.add_argument("--persist-every", type=int, default=10,
                    help="steps between asynchronous disk snapshots (the requeue fallback)")
+    p.add_argument("--pool-spares", type=int, default=0,
+                   help="warm spares the job may borrow from the cluster spare pool (a "
+                        "companion job in the pool reservation) once its own are used up")
+    p.add_argument("--pool-reservation", default="hpct_spares")
     p.add_argument("--tasks-per-node", type=int, default=1)
     p.add_argument("--run-dir", default=None, help="events, logs, secret, persisted "
                                                    "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
@@ -31,4 +35,4 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     return main_from_env(cmd, args.run_dir, args.spares, args.tasks_per_node, args.store,
                          args.heartbeat_timeout, args.on_no_spare, args.active,
-                         args.persist_every)
+                         args.persist_every, args.pool_spares, args.pool_reservation)

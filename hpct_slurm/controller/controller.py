@@ -45,6 +45,8 @@ class Options:
     store: str = "rootless"
     collective_timeout_s: float = 10.0
     on_no_spare: str = "requeue"  # or "fail"
+    pool_spares: int = 0  # spares the job may borrow from the cluster pool over its life
+    pool_reservation: str = "hpct_spares"
     slurmd_port: int = 6818
 
 
@@ -88,6 +90,8 @@ class Controller:
         self.steps: dict[str, asyncio.subprocess.Process] = {}
         self.dead_nodes: set[str] = set()
         self.expected_exits: set[int] = set()  # pids of steps we cancelled ourselves
+        self.borrowed: list[int] = []  # companion jobs submitted into the spare pool
+        self.pool_nodes: set[str] = set()
         self.pending_faults: dict[str, str] = {}
         self.fault_event = asyncio.Event()
         self.recovering = False
@@ -112,6 +116,7 @@ class Controller:
             self._launch(node, "active")
         for node in self.world.spares:
             self._launch(node, "spare")
+        self._maybe_borrow()
         tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._faults())]
         try:
             await self.finished.wait()
@@ -120,6 +125,7 @@ class Controller:
                 t.cancel()
             server.close()
             await self._stop_steps()
+            await self._release_borrowed()
         self.events.emit("controller.exit", code=self.exit_code)
         return self.exit_code
 
@@ -134,7 +140,7 @@ class Controller:
                          restart_count=os.environ.get("SLURM_RESTART_COUNT", "0"))
         return step
 
-    def _launch(self, node: str, role: str) -> None:
+    def _step_env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
             "HPCT_CONTROLLER": f"{self.address[0]}:{self.address[1]}",
@@ -145,6 +151,10 @@ class Controller:
             "HPCT_COLLECTIVE_TIMEOUT_S": str(self.o.collective_timeout_s),
             "HPCT_PERSIST_EVERY": str(self.o.persist_every),
         })
+        return env
+
+    def _launch(self, node: str, role: str) -> None:
+        env = self._step_env(role)
         argv = srun_argv(node, self.o.command, ntasks=self.o.tasks_per_node,
                          job_id=self.o.job_id,
                          extra_opts=["--overlap", "--kill-on-bad-exit=0", "-u",
@@ -201,6 +211,12 @@ class Controller:
             old = self.conns.get((r.node, r.local_rank))
             if old and not old.gone:
                 raise P.ProtocolError(f"{r.node}/{r.local_rank} is already registered")
+            if r.node not in self.world.members and r.node not in self.world.spares:
+                if r.role != "spare" or not self.borrowed or r.node in self.dead_nodes:
+                    raise P.ProtocolError(f"node {r.node} is not part of this job")
+                self.pool_nodes.add(r.node)
+                self.world.spares.append(r.node)
+                self.events.emit("pool.spare_joined", node=r.node)
             self.conns[(r.node, r.local_rank)] = conn
             self.events.emit("rank.register", node=r.node, local_rank=r.local_rank,
                              role=r.role, pid=r.pid)
@@ -367,6 +383,7 @@ class Controller:
         self.events.emit("recovery.assign", generation=rep.generation, restore_step=restore,
                          taken=rep.taken, members=rep.members)
         await self._assign(restore, sources)
+        self._maybe_borrow()
 
     async def _wait_ready(self, survivors: list[Conn]) -> dict[int, int]:
         deadline = time.monotonic() + self.o.ready_timeout_s
@@ -417,6 +434,40 @@ class Controller:
         self.world.spares.append(node)
         self._launch(node, "spare")
 
+    def _maybe_borrow(self) -> None:
+        """Keep one warm spare from the cluster pool once the allocation's own are used up:
+        a companion job in the pool reservation whose processes register as spares here."""
+        if self.finished.is_set() or self.world.spares or \
+                len(self.borrowed) >= self.o.pool_spares:
+            return
+        script = self.run_dir / "companion.sbatch"
+        if not script.exists():
+            script.write_text('#!/bin/bash\n# a warm spare lent by the hpct spare pool\n'
+                              'exec srun -N1 -n"$HPCT_TASKS_PER_NODE" --kill-on-bad-exit=0 '
+                              '-u "$@"\n')
+        env = self._step_env("spare")
+        env.update({"HPCT_JOB_ID": str(self.o.job_id),
+                    "HPCT_TASKS_PER_NODE": str(self.o.tasks_per_node)})
+        argv = ["sbatch", "--parsable", f"--reservation={self.o.pool_reservation}", "-N1",
+                "--exclusive", f"--ntasks-per-node={self.o.tasks_per_node}",
+                f"--job-name=hpct-spare-{self.o.job_id}",
+                f"--output={self.run_dir / 'logs' / 'companion-%j.out'}",
+                str(script), *self.o.command]
+        try:
+            out = SlurmClient(env=env).run(argv).stdout
+            job = int(out.strip().split(";")[0])
+        except (SlurmCommandError, ValueError) as exc:
+            self.events.emit("pool.borrow_failed", error=str(exc))
+            return
+        self.borrowed.append(job)
+        self.events.emit("pool.borrow", companion_job=job,
+                         reservation=self.o.pool_reservation)
+
+    async def _release_borrowed(self) -> None:
+        for job in self.borrowed:
+            with contextlib.suppress(SlurmCommandError):
+                await asyncio.to_thread(self.slurm.cancel, job)
+
     def _usable_in_slurm(self, node: str) -> bool:
         try:
             info = self.slurm.show_node(node)
@@ -428,6 +479,13 @@ class Controller:
         return slurmd_reachable(self.slurm, node, self.o.slurmd_port)
 
     def _cancel_steps_on(self, node: str) -> None:
+        if node in self.pool_nodes:
+            for job in self.borrowed:
+                with contextlib.suppress(SlurmCommandError):
+                    info = self.slurm.show_job(job)
+                    if node in info.nodelist:
+                        self.slurm.cancel(job, signal="KILL")
+            return
         try:
             out = self.slurm.run(["squeue", "-h", "-s", "-j", str(self.o.job_id),
                                   "-o", "%i %N"]).stdout
@@ -510,7 +568,8 @@ def _resolve(host: str) -> str:
 
 def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_per_node: int,
                   store: str, heartbeat_timeout_s: float, on_no_spare: str,
-                  active: int | None = None, persist_every: int = 10) -> int:
+                  active: int | None = None, persist_every: int = 10,
+                  pool_spares: int = 0, pool_reservation: str = "hpct_spares") -> int:
     from ..slurm.env import SlurmEnv
 
     env = SlurmEnv.from_environ()
@@ -522,7 +581,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
     opts = Options(command=command, run_dir=rd, job_id=env.job_id, nodes=env.job_nodelist,
                    batch_host=batch_host, spares=spares, tasks_per_node=tasks_per_node,
                    store=store, heartbeat_timeout_s=heartbeat_timeout_s,
-                   on_no_spare=on_no_spare, active=active, persist_every=persist_every)
+                   on_no_spare=on_no_spare, active=active, persist_every=persist_every,
+                   pool_spares=pool_spares, pool_reservation=pool_reservation)
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from a fault is bit-identical to one that never saw it.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import hashlib
@@ -76,6 +77,13 @@ class Job:
                  environ: dict[str, str] | None = None, **extra_state: Any):
         env = dict(os.environ if environ is None else environ)
         self.slurm = SlurmEnv.from_environ(env)
+        # A spare borrowed from the cluster pool runs in a companion job but serves the main
+        # job: its ports, messages and secret are the main job's.
+        served = env.get("HPCT_JOB_ID")
+        if served is not None:
+            if not served.isdigit():
+                raise HpctError(f"HPCT_JOB_ID {served!r} is not a job id")
+            self.slurm = dataclasses.replace(self.slurm, job_id=int(served))
         self.seed = seed
         self.role = env.get("HPCT_ROLE", "active")
         self.run_dir = Path(_require(env, "HPCT_RUN_DIR"))
@@ -193,7 +201,8 @@ class Job:
         self.transfer.rank = a.rank
         info = rdv.derive(self.slurm, a.generation, members=a.members,
                           tasks_per_node=a.tasks_per_node,
-                          collective_timeout_s=self.collective_timeout_s)
+                          collective_timeout_s=self.collective_timeout_s,
+                          allowed_nodes=a.members)  # the controller vouches for its members
         if info.rank != a.rank:
             raise HpctError(f"controller assigned rank {a.rank} but the derived layout puts "
                             f"{self.slurm.node_name}/{self.slurm.localid} at rank {info.rank}")

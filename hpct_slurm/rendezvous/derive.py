@@ -237,7 +237,8 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
            init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
            collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
            resolve: Callable[[str], str] | None = None,
-           find_ifname: Callable[[str], str | None] | None = None) -> RendezvousInfo:
+           find_ifname: Callable[[str], str | None] | None = None,
+           allowed_nodes: Sequence[str] | None = None) -> RendezvousInfo:
     """Derive this process's RendezvousInfo for `generation`.
 
     `members`/`tasks_per_node`: the controller's ordered member nodes and tasks on each; None
@@ -278,7 +279,10 @@ def derive(env: "SlurmEnv", generation: int, members: Sequence[str] | None = Non
             raise HpctError(f"tasks_per_node {tasks_per_node!r} must be at least 1")
         per_node = [tasks_per_node] * len(members)
         rank, world, node_rank = layout(members, per_node, env.node_name, env.localid)
-    strangers = [m for m in members if m not in job_nodes]
+    # A controller that borrows spares from the cluster pool runs them in a companion job, so
+    # its members may lie outside this job's nodes: it then says which nodes it vouches for.
+    allowed = job_nodes if allowed_nodes is None else list(allowed_nodes)
+    strangers = [m for m in members if m not in allowed]
     if strangers:
         raise HpctError(f"member node(s) {strangers} are not in SLURM_JOB_NODELIST {job_nodes}")
 

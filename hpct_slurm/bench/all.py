@@ -1,0 +1,63 @@
+"""`hpct-slurm bench all`: every benchmark of issue 8 in one go, then a table.
+
+Each benchmark writes its own `<out>/<name>.json` (with the machine it ran on) and PNG; this
+one adds `<out>/all.json` with every summary and how long each took. One benchmark failing
+does not stop the others: its error is recorded and the table shows it.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import time
+import traceback
+from pathlib import Path
+
+from .common import write_result
+from .recovery import BENCH_ROOT
+
+NAME = "all"
+# (benchmark, quick even in a full `bench all`): the rendezvous sweep's full mode goes to 64
+# ranks, which on a small machine measures memory pressure more than rendezvous.
+SUITE = (("rendezvous", True), ("replication", False), ("transfer", False), ("cache", False),
+         ("recovery", False))
+CLUSTER = {"recovery"}
+
+
+def table(results: dict[str, dict]) -> str:
+    """One line per benchmark: its summary's numbers (or its error) and how long it took."""
+    lines = [f"{'benchmark':12} {'wall s':>7}  summary"]
+    for name, r in results.items():
+        if "error" in r:
+            body = f"FAILED: {r['error']}"
+        else:
+            body = "  ".join(f"{k}={v}" for k, v in r["summary"].items()
+                             if k != "bench" and not isinstance(v, (dict, list)))
+        lines.append(f"{name:12} {r['wall_s']:7.1f}  {body}")
+    return "\n".join(lines)
+
+
+def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
+        down: bool = False) -> dict:
+    """Run the suite into `out_dir`; `root`/`down` go to the cluster benchmarks (the cluster is
+    taken down after the last of them when `down`). Prints the table; returns every summary."""
+    out_dir = Path(out_dir)
+    results: dict[str, dict] = {}
+    for name, always_quick in SUITE:
+        module = importlib.import_module(f"hpct_slurm.bench.{name}")
+        kwargs = {"root": root, "down": down} if name in CLUSTER else {}
+        t0 = time.monotonic()
+        try:
+            summary = module.run(out_dir, quick=quick or always_quick, **kwargs)
+            results[name] = {"summary": summary, "quick": quick or always_quick}
+        except Exception as exc:  # noqa: BLE001 — one failure must not hide the other results
+            results[name] = {"error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()}
+        results[name]["wall_s"] = time.monotonic() - t0
+    print(table(results), flush=True)
+    write_result(out_dir, NAME, {
+        "results": results, "quick": quick,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+    return {"bench": NAME,
+            "ok": [n for n, r in results.items() if "error" not in r],
+            "failed": [n for n, r in results.items() if "error" in r],
+            "summaries": {n: r["summary"] for n, r in results.items() if "summary" in r}}

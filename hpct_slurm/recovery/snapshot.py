@@ -13,9 +13,8 @@ push, a disk save, `verify`), optionally by a background sealer thread right aft
 Nothing is sent, stored or restored without a digest, and a receiver checks every byte against it.
 
 Why not always in the background: on a CPU-bound step the sealer takes the step's own cores
-(hashing 100 MB costs ~4x copying it), and an idle-priority thread is worse still: it holds the
-GIL between leaves and, preempted there, stalls the training thread (measured: +400% at one
-commit per 8 steps). Where host cores idle (GPU training), `background_seal=True` shortens the
+(hashing the state costs several times copying it; `hpct-slurm bench replication` measures both
+side by side). Where host cores idle (GPU training), `background_seal=True` shortens the
 fault-time serve by one hash of the state and narrows the window in which a memory error in the
 slot would be sealed into the digest rather than caught.
 """

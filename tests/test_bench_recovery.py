@@ -120,6 +120,12 @@ def test_summary_reports_medians_worst_lost_steps_and_every_phase():
     assert s["phases"]["hpct"]["detect"] == pytest.approx(2.0 / len(R.HPCT_PHASES), abs=1e-4)
 
 
+def test_summary_counts_failed_runs_per_method():
+    s = R.summarize([_repeat(1.0, 30.0)], 101.5,
+                    [{"repeat": 1, "method": "hpct", "error": "escalated"}])
+    assert s["repeats"] == 1 and s["failed_runs"] == {"hpct": 1, "baseline": 0}
+
+
 def test_spread_of_nothing_is_an_error():
     with pytest.raises(HpctError):
         R.spread([])

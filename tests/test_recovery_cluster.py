@@ -66,3 +66,14 @@ def test_rank_process_kill_recovers_in_process(cluster, reference, tmp_path):
     # the healthy node came back as a warm spare
     assert any(e["event"] == "step.launch" and e["node"] == "n2" and e["role"] == "spare"
                for e in evs)
+
+
+def test_plain_ddp_module_recovers_bit_identical(cluster, reference, tmp_path):
+    """The same job through torch's DistributedDataParallel (job.ddp, re-created per
+    generation with a per-parameter comm hook): identical to the reference, fault and all."""
+    jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--ddp"])
+    wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="ddp-node-crash")
+    assert bitwise_equal(reference, collect(tmp_path, 4))
+    done = [e for e in read_events(tmp_path / "controller.jsonl")
+            if e["event"] == "recovery.done"]
+    assert len(done) == 1

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 from ..demo import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, collect, step_events,
                     submit, wait_job)
 from ..errors import HpctError
+from ..events import read_events
 from ..localcluster import LocalCluster
 from .common import write_result
 from .restart_all import batch_script
@@ -192,9 +193,10 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(repeats: Sequence[dict], state_mb: float) -> dict:
-    """The one-line summary: medians over repeats; lost steps is the worst repeat and
-    bit-equality must hold in every repeat."""
+def summarize(repeats: Sequence[dict], state_mb: float,
+              failed: Sequence[dict] = ()) -> dict:
+    """The one-line summary: medians over the repeats where both methods recovered; lost steps
+    is the worst repeat, bit-equality must hold in every repeat, failed runs are counted."""
     hpct = [r["hpct"]["recovery_s"] for r in repeats]
     base = [r["baseline"]["recovery_s"] for r in repeats]
     h, b = statistics.median(hpct), statistics.median(base)
@@ -210,6 +212,7 @@ def summarize(repeats: Sequence[dict], state_mb: float) -> dict:
         "baseline_bitwise_equal": all(r["baseline"]["bitwise_equal"] for r in repeats),
         "state_mb": round(state_mb, 1),
         "repeats": len(repeats),
+        "failed_runs": {m: sum(f["method"] == m for f in failed) for m in ("hpct", "baseline")},
         "spread_s": {"hpct": [round(min(hpct), 3), round(max(hpct), 3)],
                      "baseline": [round(min(base), 3), round(max(base), 3)]},
         "phases": {m: {p: round(statistics.median(r[m]["phases"][p] for r in repeats), 4)
@@ -253,6 +256,27 @@ def _crash_at(cluster: LocalCluster, run_dir: Path, step: int, timeout: float) -
     return t
 
 
+def _wait_unless_escalated(cluster: LocalCluster, job_id: int, run_dir: Path,
+                           timeout: float) -> None:
+    """Wait for the job to leave the queue. A recovery that escalated (requeue or fail) is a
+    failed repeat: cancel the job instead of timing a restart from disk."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "controller.jsonl"
+        bad = [e for e in (read_events(path) if path.exists() else [])
+               if e["event"] in ("recovery.failed", "escalate.requeue", "escalate.fail")]
+        state = cluster.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"]).stdout.strip()
+        if bad or state in ("", "COMPLETED", "FAILED", "CANCELLED"):
+            if bad:
+                cluster.run(["scancel", str(job_id)])
+                raise HpctError(f"job {job_id} escalated instead of recovering in place: "
+                                f"{bad[0].get('error') or bad[0].get('reason')}; see {run_dir}")
+            return
+        time.sleep(0.5)
+    cluster.run(["scancel", str(job_id)])
+    raise HpctError(f"job {job_id} did not finish within {timeout:.0f} s; see {run_dir}")
+
+
 def _run_one(cluster: LocalCluster, d: Path, cfg: Config, ref: dict[int, dict],
              method: str) -> dict:
     if method == "hpct":
@@ -262,7 +286,7 @@ def _run_one(cluster: LocalCluster, d: Path, cfg: Config, ref: dict[int, dict],
         jid = submit(cluster, d, batch_script(d), [*cfg.train_args(), "--ckpt-every",
                                                    str(cfg.ckpt_every)])
     t_crash = _crash_at(cluster, d, cfg.kill_at, cfg.timeout_s)
-    wait_job(cluster, jid, d, cfg.timeout_s, label=method)
+    _wait_unless_escalated(cluster, jid, d, cfg.timeout_s)
     run = RunResult(method, d, jid, t_crash, collect(d, WORLD))
     ctl, ranks = run.controller_events(), run.events()
     if method == "hpct":
@@ -308,8 +332,10 @@ def _plot(path: Path, summary: dict, repeats: Sequence[dict]) -> None:
     plt.close(fig)
 
 
-def _measure(cluster: LocalCluster, work: Path, cfg: Config, down: bool) -> list[dict]:
-    """One reference run, then `repeats` x (hpct, baseline), healing the cluster after each."""
+def _measure(cluster: LocalCluster, work: Path, cfg: Config,
+             down: bool) -> tuple[list[dict], list[dict]]:
+    """One reference run, then `repeats` x (hpct, baseline), healing the cluster after each;
+    the repeats where both recovered, and the failures."""
     try:
         d = work / "reference"
         jid = submit(cluster, d, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
@@ -317,21 +343,28 @@ def _measure(cluster: LocalCluster, work: Path, cfg: Config, down: bool) -> list
         wait_job(cluster, jid, d, cfg.timeout_s, label="reference")
         ref = collect(d, WORLD)
         _drop_bulk(d)
-        repeats = []
+        repeats, failed = [], []
         for i in range(cfg.repeats):
             rep = {}
             for method in ("hpct", "baseline"):
                 d = work / f"{method}{i}"
-                rep[method] = _run_one(cluster, d, cfg, ref, method)
+                try:
+                    rep[method] = _run_one(cluster, d, cfg, ref, method)
+                    _say(f"[recovery] repeat {i + 1}/{cfg.repeats} {method}: "
+                         f"{rep[method]['recovery_s']:.3f} s")
+                except HpctError as exc:
+                    # reported, never dropped silently: the summary counts failed repeats
+                    failed.append({"repeat": i, "method": method, "error": exc.message})
+                    _say(f"[recovery] repeat {i + 1}/{cfg.repeats} {method} FAILED: "
+                         f"{exc.message}")
                 _drop_bulk(d)
                 cluster.heal()
-                _say(f"[recovery] repeat {i + 1}/{cfg.repeats} {method}: "
-                     f"{rep[method]['recovery_s']:.3f} s")
-            repeats.append(rep)
+            if len(rep) == 2:
+                repeats.append(rep)
     finally:
         if down:
             cluster.down()
-    return repeats
+    return repeats, failed
 
 
 def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
@@ -348,13 +381,15 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
     work = root / "bench-recovery" / time.strftime("%Y%m%d-%H%M%S")
     # progress to stderr: stdout's last line is the summary
     with contextlib.redirect_stdout(sys.stderr):
-        repeats = _measure(cluster, work, cfg, down)
-    summary = summarize(repeats, nbytes / 1e6)
+        repeats, failed = _measure(cluster, work, cfg, down)
+    if not repeats:
+        raise HpctError(f"every repeat failed: {failed}")
+    summary = summarize(repeats, nbytes / 1e6, failed)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(out_dir / f"{NAME}.png", summary, repeats)
     write_result(out_dir, NAME, {
         "summary": summary, "quick": quick, "config": asdict(cfg), "state_bytes": nbytes,
-        "world": WORLD, "victim": VICTIM, "repeat_details": repeats,
+        "world": WORLD, "victim": VICTIM, "repeat_details": repeats, "failed": failed,
         "spread": {"hpct": spread([r["hpct"]["recovery_s"] for r in repeats]),
                    "baseline": spread([r["baseline"]["recovery_s"] for r in repeats])},
         "wall_s": time.monotonic() - t_start, "work_dir": str(work), "method": __doc__,

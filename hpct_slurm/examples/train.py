@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0,
                     help="pause per step, to stand in for a real model's compute time")
+    ap.add_argument("--ddp", action="store_true",
+                    help="train through torch DistributedDataParallel (job.ddp)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -45,6 +47,8 @@ def main() -> None:
     job = Job(model=model, optimizer=opt, seed=7)  # hpct
 
     def train_step(step: int) -> float:  # hpct: one optimizer step
+        if args.ddp:  # plain DDP: the wrapper re-creates it for every generation
+            return one_step(job.ddp, opt, args.batch, lambda: None, args.step_sleep)
         return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)
 
     if job.run(train_step, args.steps):  # hpct

@@ -39,9 +39,9 @@ class ClusterState:
     munged_pid: int = 0
     slurmctld_pid: int = 0
     slurmd_pids: dict[str, int] = field(default_factory=dict)
-    # mount-namespace inode of each node: identifies the node's processes even after its
-    # slurmd died (a killed node's orphans are still found by `down`).
-    node_mntns: dict[str, list[int]] = field(default_factory=dict)
+    # mount-namespace inode of each node's current boot. Only the current one: once a
+    # namespace is gone the kernel reuses its inode number, possibly for another cluster's node.
+    node_mntns: dict[str, int] = field(default_factory=dict)
     hooks: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -287,7 +287,7 @@ class LocalCluster:
         lay = self.layout
         killed = 0
         if st is not None:
-            inodes = {i for ids in st.node_mntns.values() for i in ids}
+            inodes = {self._node_inode(st, n) for n in self.nodes} - {None}
             net_inodes = set()
             if lay.mode == "netns":
                 for node in [None, *self.nodes]:
@@ -313,7 +313,7 @@ class LocalCluster:
         """Hard crash: SIGKILL the node's slurmd, slurmstepds and tasks, by PID."""
         st = self._require_state()
         self._check_node(node)
-        pids = _pids_in_ns("mnt", set(st.node_mntns.get(node, [])))
+        pids = self.node_pids(node)
         _kill_pids(pids)
         return pids
 
@@ -358,7 +358,8 @@ class LocalCluster:
 
     def node_pids(self, node: str) -> list[int]:
         st = self._require_state()
-        return _pids_in_ns("mnt", set(st.node_mntns.get(node, [])))
+        inode = self._node_inode(st, node)
+        return _pids_in_ns("mnt", {inode}) if inode is not None else []
 
     def set_hooks(self, hooks: Hooks) -> None:
         """Point slurm.conf at prolog/epilog/task-prolog scripts and reconfigure."""
@@ -373,6 +374,23 @@ class LocalCluster:
         self.layout.plugstack.write_text("".join(line + "\n" for line in lines))
 
     # ---- internals ---------------------------------------------------------------------
+    def _node_inode(self, st: ClusterState, node: str) -> int | None:
+        """The node's mount namespace, if it still exists: its slurmd is alive in it, or (netns
+        mode) some process in the node's network namespace still holds it."""
+        inode = st.node_mntns.get(node)
+        pid = st.slurmd_pids.get(node, 0)
+        if inode is None:
+            return None
+        if _alive(pid) and _ns_inode(pid, "mnt") == inode:
+            return inode
+        if self.mode == "netns":
+            net = Path("/run/netns") / self.layout.netns(node)
+            if net.exists():
+                holders = set(_pids_in_ns("net", {net.stat().st_ino}))
+                if any(_ns_inode(p, "mnt") == inode for p in holders):
+                    return inode
+        return None
+
     def _check_node(self, node: str) -> None:
         if node not in self.nodes:
             raise HpctError(f"node {node!r} is not in this cluster ({', '.join(self.nodes)})")
@@ -512,9 +530,7 @@ class LocalCluster:
         else:
             raise HpctError(f"slurmd for {node} did not start within 10 s")
         st.slurmd_pids[node] = proc.pid
-        st.node_mntns.setdefault(node, [])
-        if inode not in st.node_mntns[node]:
-            st.node_mntns[node].append(inode)
+        st.node_mntns[node] = inode
         st.save(lay.state_file)
 
     @staticmethod

@@ -112,6 +112,8 @@ class Job:
         self.world_size = 0
         self.generation = -1
         self.losses: dict[int, float] = {}
+        self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._want_ddp = False
         self.client = CoordinationClient(
             ControllerAddress.parse(_require(env, "HPCT_CONTROLLER")), self.secret, self.job_id,
             self.events)
@@ -120,6 +122,21 @@ class Job:
         self.events.emit("rank.registered", role=self.role, pid=os.getpid())
 
     # ---- what the training step calls --------------------------------------------------
+    @property
+    def ddp(self) -> "torch.nn.parallel.DistributedDataParallel":
+        """The model wrapped in DistributedDataParallel for the current generation.
+
+        Re-created after every re-formation (a DDP module is bound to its process group), with
+        a comm hook that reduces each parameter's gradient on its own: DDP rebuilds its buckets
+        after the first iteration, and summing a bucket flat would make the result depend on
+        when DDP was created, so a recovered run would drift from an uninterrupted one."""
+        self._want_ddp = True
+        if self._ddp is None:
+            if not dist.is_initialized():
+                raise HpctError("job.ddp is only available inside job.run(...)")
+            self._ddp = _fixed_order_ddp(self.model)
+        return self._ddp
+
     def allreduce_gradients(self) -> None:
         """Average gradients over the group in a fixed per-parameter order (bit-reproducible
         across re-formed groups, unlike DDP's rebuilt buckets)."""
@@ -217,6 +234,8 @@ class Job:
         source = "fresh"
         if a.restore_step >= 0:
             source = self._restore(a, same_rank=previous_rank == a.rank)
+        if self._want_ddp:
+            self._ddp = _fixed_order_ddp(self.model)
         # One copy on disk is enough: the shared state is the same on every rank.
         if self.persist_every and self.persister is None and self.rank == 0:
             self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
@@ -268,6 +287,7 @@ class Job:
             self.events.emit("rank.requeue_failed", rank=self.rank, error=exc.message)
 
     def _teardown(self) -> None:
+        self._ddp = None  # its reducer holds the group: it must go before the group can
         gc.collect()
         pg.teardown()
         gc.collect()
@@ -278,6 +298,26 @@ class Job:
             self.persister.close()
         self.transfer.close()
         self.client.close(reason)
+
+
+def _per_parameter_allreduce(_state, bucket):  # DDP checks hook annotations: leave them off
+    """DDP comm hook: average each parameter's gradient with its own allreduce. Each sum then
+    depends only on that parameter's tensor, never on how DDP grouped it into buckets."""
+    world = dist.get_world_size()
+    works = [dist.all_reduce(g, async_op=True) for g in bucket.gradients()]
+    for w in works:
+        w.wait()
+    buf = bucket.buffer()
+    buf.div_(world)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def _fixed_order_ddp(model: torch.nn.Module) -> "torch.nn.parallel.DistributedDataParallel":
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, _per_parameter_allreduce)
+    return ddp
 
 
 def _require(env: dict[str, str], name: str) -> str:

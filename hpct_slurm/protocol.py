@@ -214,6 +214,11 @@ class Assign:
     restore_step: int
     # rank -> replica holders of that rank's state, in the order to try them.
     sources: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    # Data-parallel shards this rank computes each step (after an elastic shrink a survivor
+    # also computes the lost ranks' shards) and the world they average over; empty/0: its
+    # own rank and world_size.
+    data_ranks: list[int] = field(default_factory=list)
+    data_world: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", choices=["rootless", "tcpstore"], default="rootless")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds without a heartbeat before a rank counts as hung")
-    p.add_argument("--on-no-spare", choices=["requeue", "fail"], default="requeue")
+    p.add_argument("--on-no-spare", choices=["requeue", "shrink", "fail"], default="requeue",
+                   help="no warm spare left: requeue (restart from the disk snapshot), shrink "
+                        "(survivors take over the lost data shards; needs Job.run(micro_step=))"
+                        ", or fail")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 

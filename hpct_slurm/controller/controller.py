@@ -24,7 +24,7 @@ from .. import protocol as P
 from ..errors import HpctError
 from ..events import EventLog
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .policy import World, replace, restore_step
+from .policy import World, data_ranks, initial_shards, replace, restore_step, shrink
 
 NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
 
@@ -86,6 +86,8 @@ class Controller:
         active, spares = split_allocation(opts.nodes, opts.batch_host, opts.spares,
                                           opts.active)
         self.world = World(active, spares, opts.tasks_per_node)
+        self.shards = initial_shards(active)
+        self.data_world = self.world.world_size  # the global batch never changes
         self.conns: dict[tuple[str, int], Conn] = {}
         self.steps: dict[str, asyncio.subprocess.Process] = {}
         self.dead_nodes: set[str] = set()
@@ -287,9 +289,11 @@ class Controller:
             for c in self._live(node):
                 c.rank = self.world.rank_of(node, c.local_rank)
                 c.generation, c.state, c.role = g, "assigned", "active"
-                await self._send(c, P.Assign(g, c.rank, self.world.world_size,
-                                             list(self.world.members), self.o.tasks_per_node,
-                                             restore, sources))
+                await self._send(c, P.Assign(
+                    g, c.rank, self.world.world_size, list(self.world.members),
+                    self.o.tasks_per_node, restore, sources,
+                    data_ranks(self.shards[node], c.local_rank, self.o.tasks_per_node),
+                    self.data_world))
 
     # ---- detection -----------------------------------------------------------------------
     def _fault(self, node: str, reason: str) -> None:
@@ -366,14 +370,22 @@ class Controller:
             ready_steps = {c.rank: c.step for c in survivors}
         t_ready = time.time()
         spares = [s for s in self.world.spares if self._node_ready(s)]
-        rep = replace(self.world, lost_active, spares)
         restore = restore_step(ready_steps)
+        if len(spares) < len(lost_active) and self.o.on_no_spare == "shrink":
+            rep, self.shards = shrink(self.world, lost_active, self.shards)
+            self.events.emit("recovery.shrink", generation=rep.generation, lost=lost_active,
+                             members=rep.members, shards=self.shards)
+        else:
+            rep = replace(self.world, lost_active, spares)
+            for lost_node, spare in rep.taken.items():
+                self.shards[spare] = self.shards.pop(lost_node)
         self.world.members, self.world.spares = rep.members, rep.spares
         self.world.generation = rep.generation
         self.world.lost += lost_active
         # shared state is identical on every survivor: the controller lists them all, nearest
         # first, so a corrupted or vanished source costs one retry, not the recovery
-        sources = {c.rank: [(c.host_addr, c.transfer_port)] for c in survivors}
+        sources = {self.world.rank_of(c.node, c.local_rank): [(c.host_addr, c.transfer_port)]
+                   for c in survivors}
         self.recovery = {"generation": rep.generation, "restore_step": restore,
                          "lost": lost_active, "taken": rep.taken,
                          "reasons": {n: lost[n] for n in lost_active},

@@ -86,3 +86,28 @@ def restore_step(ready_steps: dict[int, int]) -> int:
     if not ready_steps:
         raise HpctError("no survivor reported a snapshot: nothing to restore from memory")
     return min(ready_steps.values())
+
+
+def initial_shards(members: list[str]) -> dict[str, list[int]]:
+    """Data shards by node: node position i computes shard i (its ranks' data)."""
+    return {n: [i] for i, n in enumerate(members)}
+
+
+def shrink(world: World, lost: list[str], shards: dict[str, list[int]]
+           ) -> tuple[Replacement, dict[str, list[int]]]:
+    """Elastic shrink when no spare is left: the survivors keep their positions' order and
+    take over the lost nodes' data shards round-robin, so every step still consumes the same
+    global batch (the survivors accumulate gradients over their extra shards)."""
+    survivors = [n for n in world.members if n not in lost]
+    if not survivors:
+        raise HpctError("every active node is lost: nothing to shrink onto")
+    new = {n: list(shards[n]) for n in survivors}
+    orphaned = sorted(p for n in world.members if n in lost for p in shards[n])
+    for i, pos in enumerate(orphaned):
+        new[survivors[i % len(survivors)]].append(pos)
+    spares = [s for s in world.spares if s not in lost]
+    return Replacement(world.generation + 1, survivors, spares, {}), new
+
+
+def data_ranks(node_shards: list[int], local_rank: int, tasks_per_node: int) -> list[int]:
+    return [pos * tasks_per_node + local_rank for pos in node_shards]

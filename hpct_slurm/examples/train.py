@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0,
                     help="pause per step, to stand in for a real model's compute time")
+    ap.add_argument("--micro", action="store_true",
+                    help="hand the wrapper forward+backward only (allows an elastic shrink)")
     ap.add_argument("--ddp", action="store_true",
                     help="train through torch DistributedDataParallel (job.ddp)")
     args = ap.parse_args()
@@ -51,23 +53,33 @@ def main() -> None:
             return one_step(job.ddp, opt, args.batch, lambda: None, args.step_sleep)
         return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)
 
-    if job.run(train_step, args.steps):  # hpct
+    def micro_step(step: int) -> float:  # forward + backward only: the job may shrink
+        return forward_backward(model, args.batch, args.step_sleep)
+
+    trained = (job.run(None, args.steps, micro_step=micro_step) if args.micro
+               else job.run(train_step, args.steps))  # hpct
+    if trained:
         write_result(job.run_dir, job.rank, model, job.losses)
 
 
-def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
-             allreduce: Callable[[], None], step_sleep: float = 0.0) -> float:
+def forward_backward(model: torch.nn.Module, batch: int, step_sleep: float = 0.0) -> float:
     # data for (rank, step): the caller seeded the RNG from (seed, rank, step)
     x = torch.randn(batch, 32)
     y = x[:, :4].sum(dim=1, keepdim=True)
     loss = torch.nn.functional.mse_loss(model(x), y)
-    opt.zero_grad()
     loss.backward()
-    allreduce()  # fixed-order reduction
-    opt.step()
     if step_sleep:
         time.sleep(step_sleep)
     return loss.item()
+
+
+def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
+             allreduce: Callable[[], None], step_sleep: float = 0.0) -> float:
+    opt.zero_grad()
+    loss = forward_backward(model, batch, step_sleep)
+    allreduce()  # fixed-order reduction
+    opt.step()
+    return loss
 
 
 def write_result(run_dir: Path, rank: int, model: torch.nn.Module,

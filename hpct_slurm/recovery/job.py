@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import hashlib
 import os
 import random
 import socket
-import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -49,11 +50,17 @@ from .state import TrainState
 from .transfer import TransferServer, fetch_state
 
 STEP_SEED_DOMAIN = b"hpct-step-seed"
-LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
+LOST = "controller connection lost"
+TEARDOWN_TIMEOUT_S = 20.0
+TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up  # the client's Goodbye reason when the socket died
 
 
 class _Stopped(Exception):
     """The controller asked this rank to stop the current generation."""
+
+
+class _TeardownHung(Exception):
+    """The broken group could not be destroyed: this process cannot form another one."""
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
@@ -113,6 +120,8 @@ class Job:
         self.generation = -1
         self.losses: dict[int, float] = {}
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self.data_ranks: list[int] = []
+        self.data_world = 0
         self._want_ddp = False
         self.client = CoordinationClient(
             ControllerAddress.parse(_require(env, "HPCT_CONTROLLER")), self.secret, self.job_id,
@@ -143,12 +152,24 @@ class Job:
         for p in self.model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
-                p.grad.div_(self.world_size)
+                p.grad.div_(self.data_world)
 
     # ---- the loop -----------------------------------------------------------------------
-    def run(self, train_step: Callable[[int], Any], total_steps: int) -> bool:
+    def run(self, train_step: Callable[[int], Any] | None, total_steps: int, *,
+            micro_step: Callable[[int], Any] | None = None) -> bool:
         """Train until `total_steps` steps are done; True when this process trained, False when
-        it stayed a spare that was never needed."""
+        it stayed a spare that was never needed.
+
+        Give either `train_step(step)` (one whole optimizer step) or, for jobs that may shrink
+        when no spare is left, `micro_step(step)`: forward and backward of this rank's batch
+        only; the wrapper then zeroes gradients, runs it once per data shard it owns (reseeded
+        per shard), averages over the original world and steps the optimizer."""
+        if (train_step is None) == (micro_step is None):
+            raise HpctError("Job.run needs exactly one of train_step or micro_step")
+        if micro_step is not None:
+            step_fn = self._accumulating_step(micro_step)
+        else:
+            step_fn = self._single_shard_step(train_step)
         trained = False
         while True:
             msg = self.client.next_assignment()
@@ -161,7 +182,7 @@ class Job:
             failure = None
             try:
                 self._adopt(msg)
-                self._train(train_step, msg.restore_step + 1, total_steps)
+                self._train(step_fn, msg.restore_step + 1, total_steps)
             except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if failure is None:
@@ -180,7 +201,6 @@ class Job:
                 raise _Stopped(self.client.stop_reason)
             if self.client.closed.is_set():
                 raise _Stopped(LOST)
-            seed_everything(step_seed(self.seed, self.rank, step))
             out = train_step(step)
             if isinstance(out, (int, float)):
                 self.losses[step] = float(out)
@@ -188,14 +208,43 @@ class Job:
                 self.persister.after_commit(step)
             self.client.step_done(step)
             self.events.emit("rank.step", rank=self.rank, generation=self.generation,
-                             step=step, loss=self.losses.get(step))
+                             step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
+
+    def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:
+        def step_fn(step: int) -> Any:
+            if len(self.data_ranks) != 1:
+                raise HpctError("the group shrank but this script trains with train_step: pass "
+                                "micro_step to Job.run to allow shrinking")
+            seed_everything(step_seed(self.seed, self.data_ranks[0], step))
+            return train_step(step)
+        return step_fn
+
+    def _accumulating_step(self, micro_step: Callable[[int], Any]) -> Callable[[int], Any]:
+        def step_fn(step: int) -> Any:
+            self.optimizer.zero_grad()
+            outs = []
+            for shard in self.data_ranks:
+                seed_everything(step_seed(self.seed, shard, step))
+                outs.append(micro_step(step))
+            # sum over every shard of the original world, then average by that world: the
+            # same global batch and the same update size however many ranks remain
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(self.data_world)
+            self.optimizer.step()
+            return outs[0]
+        return step_fn
 
     def _recover(self, failure: str) -> None:
         t0 = time.time()
         self.events.emit("rank.fault", rank=self.rank, generation=self.generation,
                          error=failure, stop_reason=self.client.stop_reason)
-        self._teardown()
-        healthy, detail = health_check()
+        try:
+            self._teardown()
+            healthy, detail = health_check()
+        except _TeardownHung as exc:
+            healthy, detail = False, str(exc)
         latest = self.snapshots.latest()
         self.client.step = latest.step if latest else -1
         self.client.state = "ready" if healthy else "unhealthy"
@@ -204,7 +253,7 @@ class Job:
                          latest_step=self.client.step, teardown_s=time.time() - t0)
         if not healthy:
             self._shutdown(f"health check failed: {detail}")
-            sys.exit(3)
+            os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
 
     # ---- generations --------------------------------------------------------------------
     def _adopt(self, a: P.Assign) -> None:
@@ -213,6 +262,8 @@ class Job:
         self.client.stop_event.clear()
         self.client.stop_reason = ""
         self.rank, self.world_size, self.generation = a.rank, a.world_size, a.generation
+        self.data_ranks = list(a.data_ranks) or [a.rank]
+        self.data_world = a.data_world or a.world_size
         self.client.rank, self.client.generation = a.rank, a.generation
         self.client.state = "forming"
         self.transfer.rank = a.rank
@@ -233,7 +284,9 @@ class Job:
         t_formed = time.time()
         source = "fresh"
         if a.restore_step >= 0:
-            source = self._restore(a, same_rank=previous_rank == a.rank)
+            # a survivor holds the restore step itself, whatever its new rank (shared state
+            # is the same on every rank); only a newcomer pulls it from a peer
+            source = self._restore(a, survivor=previous_rank >= 0)
         if self._want_ddp:
             self._ddp = _fixed_order_ddp(self.model)
         # One copy on disk is enough: the shared state is the same on every rank.
@@ -244,8 +297,8 @@ class Job:
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)
 
-    def _restore(self, a: P.Assign, same_rank: bool) -> str:
-        if same_rank:
+    def _restore(self, a: P.Assign, survivor: bool) -> str:
+        if survivor:
             with self.snapshots.lease(a.restore_step) as snap:
                 if snap is not None and snap.verify():
                     self.state.restore_from(snap.layout, snap.data)
@@ -288,9 +341,33 @@ class Job:
 
     def _teardown(self) -> None:
         self._ddp = None  # its reducer holds the group: it must go before the group can
-        gc.collect()
-        pg.teardown()
-        gc.collect()
+        # A teardown that takes this long is a bug worth a stack trace in the step's log.
+        faulthandler.dump_traceback_later(TEARDOWN_DIAG_S, exit=False)
+        try:
+            gc.collect()
+            # Bounded: gloo's group destructor waits for its worker threads, and one stuck on a
+            # pair to a dead peer was seen to wait for minutes. A process whose group will not
+            # go away is not healthy; it says so and the controller replaces it.
+            done = threading.Event()
+            errors: list[BaseException] = []
+
+            def destroy() -> None:
+                try:
+                    pg.teardown()
+                except BaseException as exc:  # reported below, in the caller's thread
+                    errors.append(exc)
+                finally:
+                    done.set()
+
+            threading.Thread(target=destroy, daemon=True, name="hpct-teardown").start()
+            if not done.wait(TEARDOWN_TIMEOUT_S):
+                raise _TeardownHung(f"process group teardown did not finish within "
+                                    f"{TEARDOWN_TIMEOUT_S:.0f} s")
+            if errors:
+                raise errors[0]
+            gc.collect()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
     def _shutdown(self, reason: str) -> None:
         self.events.emit("rank.exit", rank=self.rank, reason=reason)

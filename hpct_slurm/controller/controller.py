@@ -99,6 +99,7 @@ class Controller:
         self.recovering = False
         self.recovery: dict | None = None
         self.finished = asyncio.Event()
+        self.done_sent = False
         self.exit_code = 0
         self.address: tuple[str, int] = ("", 0)
         # A requeued job (or one restarted by hand on the same run dir) starts from the last
@@ -325,9 +326,11 @@ class Controller:
                 self.recovering = True
                 try:
                     await self._recover()
-                except HpctError as exc:
-                    self.events.emit("recovery.failed", error=exc.message)
-                    await self._escalate(exc.message)
+                except Exception as exc:  # never let the fault loop die: escalate instead
+                    why = exc.message if isinstance(exc, HpctError) else \
+                        f"{type(exc).__name__}: {exc}"
+                    self.events.emit("recovery.failed", error=why)
+                    await self._escalate(why)
                 finally:
                     self.recovering = False
                 if self.pending_faults:
@@ -505,7 +508,8 @@ class Controller:
             return
         for line in out.splitlines():
             step, _, nodes = line.strip().partition(" ")
-            if nodes.strip() == node and "." in step:
+            # only numbered steps: the batch step ("J.batch") is this controller itself
+            if nodes.strip() == node and step.rpartition(".")[2].isdigit():
                 with contextlib.suppress(SlurmCommandError):
                     self.slurm.cancel(self.o.job_id, int(step.split(".")[1]), signal="KILL")
 
@@ -545,7 +549,8 @@ class Controller:
         actives = [c for n in self.world.members for c in self._live(n)]
         if self.recovering or len(actives) != self.world.world_size:
             return
-        if all(c.state == "done" for c in actives):
+        if all(c.state == "done" for c in actives) and not self.done_sent:
+            self.done_sent = True
             self.events.emit("job.done", generation=self.world.generation,
                              lost=self.world.lost)
             asyncio.create_task(self._finish())

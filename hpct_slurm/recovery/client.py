@@ -46,6 +46,7 @@ class CoordinationClient:
         self.assignments: "queue.Queue[P.Assign | P.Goodbye]" = queue.Queue()
         self.stop_event = threading.Event()
         self.stop_reason = ""
+        self.stop_generation = -1
         self.closed = threading.Event()
         self.rank = -1
         self.generation = -1
@@ -128,6 +129,7 @@ class CoordinationClient:
                 if isinstance(msg, P.Stop):
                     if msg.generation >= self.generation:
                         self.stop_reason = msg.reason
+                        self.stop_generation = msg.generation
                         self.stop_event.set()
                 elif isinstance(msg, (P.Assign, P.Goodbye)):
                     self.assignments.put(msg)

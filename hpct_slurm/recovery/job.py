@@ -95,7 +95,10 @@ class Job:
         self.role = env.get("HPCT_ROLE", "active")
         self.run_dir = Path(_require(env, "HPCT_RUN_DIR"))
         self.store_kind = env.get("HPCT_STORE", "rootless")
-        self.collective_timeout_s = float(env.get("HPCT_COLLECTIVE_TIMEOUT_S", "10"))
+        self.collective_timeout_s = _seconds(env, "HPCT_COLLECTIVE_TIMEOUT_S", 10.0)
+        # Bounded so a member lost between assignment and formation costs at most this long;
+        # warm spares make a normal formation take well under a second.
+        self.init_timeout_s = _seconds(env, "HPCT_INIT_TIMEOUT_S", 30.0)
         self.model, self.optimizer = model, optimizer
         self.state = TrainState(model=model, optimizer=optimizer, **extra_state)
         if lr_scheduler is not None:
@@ -259,8 +262,14 @@ class Job:
     def _adopt(self, a: P.Assign) -> None:
         t0 = time.time()
         previous_rank = self.rank
-        self.client.stop_event.clear()
-        self.client.stop_reason = ""
+        # A STOP for the generation being adopted can overtake the adoption (a second fault
+        # right after the assignment): it must survive, or this rank would wait for the dead
+        # peer in init. Only older STOPs are done with.
+        if self.client.stop_generation < a.generation:
+            self.client.stop_event.clear()
+            self.client.stop_reason = ""
+        elif self.client.stop_event.is_set():
+            raise _Stopped(self.client.stop_reason)
         self.rank, self.world_size, self.generation = a.rank, a.world_size, a.generation
         self.data_ranks = list(a.data_ranks) or [a.rank]
         self.data_world = a.data_world or a.world_size
@@ -270,6 +279,7 @@ class Job:
         info = rdv.derive(self.slurm, a.generation, members=a.members,
                           tasks_per_node=a.tasks_per_node,
                           collective_timeout_s=self.collective_timeout_s,
+                          init_timeout_s=self.init_timeout_s,
                           allowed_nodes=a.members)  # the controller vouches for its members
         if info.rank != a.rank:
             raise HpctError(f"controller assigned rank {a.rank} but the derived layout puts "
@@ -395,6 +405,19 @@ def _fixed_order_ddp(model: torch.nn.Module) -> "torch.nn.parallel.DistributedDa
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(None, _per_parameter_allreduce)
     return ddp
+
+
+def _seconds(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise HpctError(f"{name} {raw!r} is not a positive number of seconds")
+    return value
 
 
 def _require(env: dict[str, str], name: str) -> str:

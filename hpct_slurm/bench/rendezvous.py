@@ -4,7 +4,8 @@ Each process plays one node with one task. For every N and store kind the same p
 a gloo group (a fresh generation each time: new ports, new key prefix), run one allreduce,
 and report. Measured per run:
   init_s      from a common start barrier to the end of the first allreduce, slowest rank
-              (gloo runs with TORCH_GLOO_LAZY_INIT=1, so connections form in that allreduce);
+              (gloo connects its full mesh in init; with HPCT_GLOO_LAZY_INIT=1 it connects
+              lazily, during that allreduce);
   load        per host, connections accepted + requests served by its store server.
 Where each load number comes from:
   rootless    every shard server counts its own accepted connections and requests (measured);

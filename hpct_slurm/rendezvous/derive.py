@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -87,7 +88,11 @@ class RendezvousInfo:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
             "TORCH_NCCL_BLOCKING_WAIT": "0",
             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(self.init_timeout_s)),
-            "TORCH_GLOO_LAZY_INIT": "1",
+            # Eager full mesh: after init nobody needs the store again, so a shard owner may
+            # exit first, and a fault never finds half-open lazy pairs to a dead peer (a lazy
+            # pair was seen to hang gloo's group destructor). Lazy init (fewer connections at
+            # scale) is opt-in: HPCT_GLOO_LAZY_INIT=1.
+            "TORCH_GLOO_LAZY_INIT": "1" if os.environ.get("HPCT_GLOO_LAZY_INIT") == "1" else "0",
             "HPCT_GENERATION": str(self.generation),
             "HPCT_STORE_PORT": str(self.store_port),
             "HPCT_INIT_TIMEOUT_S": _fmt_seconds(self.init_timeout_s),

@@ -362,12 +362,16 @@ class Controller:
         for c in survivors:
             if c.gone or c.state != "ready":
                 self.pending_faults.setdefault(c.node, f"not ready after fault ({c.state})")
+        for node in [n for n in self.pending_faults if n in lost]:
+            del self.pending_faults[node]  # the same loss seen twice (e.g. EOF, then step exit)
         if self.pending_faults:
             extra = list(self.pending_faults)
             self.events.emit("fault.second", nodes=extra, during="recovery")
             for node in extra:
                 lost[node] = self.pending_faults.pop(node)
                 await self._fence(node, lost[node])
+                if node in self.world.spares:
+                    self.world.spares.remove(node)
             lost_active = [n for n in lost if n in self.world.members]
             survivors = [c for c in survivors if c.node not in lost]
             ready_steps = {c.rank: c.step for c in survivors}

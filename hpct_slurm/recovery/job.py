@@ -192,7 +192,10 @@ class Job:
                 self.events.emit("rank.finished", rank=self.rank, step=total_steps - 1)
                 self.client.state = "done"  # report first: tearing down is local work
                 self.client.heartbeat_now()
-                self._teardown()
+                try:
+                    self._teardown()
+                except _TeardownHung as exc:  # training is done: only worth a record
+                    self.events.emit("rank.teardown_hung", rank=self.rank, error=str(exc))
                 continue  # the controller says goodbye once every rank is done
             # Outside the except block from here on: the failed group can now really close.
             self._recover(failure)

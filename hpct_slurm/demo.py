@@ -107,15 +107,52 @@ def collect(run_dir: Path, world: int) -> dict[int, dict]:
     return out
 
 
-def bitwise_equal(ref: dict[int, dict], other: dict[int, dict]) -> bool:
+def step_losses(run_dir: Path) -> dict[tuple[int, int], list[float]]:
+    """Every loss any process reported, by (rank, step), from the ranks' event logs (these
+    survive the process that wrote them, so a crashed rank's steps are counted too)."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for e in step_events(run_dir):
+        out.setdefault((e["rank"], e["step"]), []).append(e.get("loss"))
+    return out
+
+
+def bitwise_equal(ref: dict[int, dict], other: dict[int, dict],
+                  run_dir: Path | None = None) -> bool:
     """Same final parameters on every rank, and every loss the run reports equal to the
-    reference's loss of the same rank and step (a replacement reports only the steps it ran)."""
+    reference's loss of the same rank and step (a replacement reports only the steps it ran).
+
+    With `run_dir`, also every (rank, step) of the reference must have been computed in the run
+    (from the event logs, crashed ranks included) with exactly the reference's loss each time:
+    a step skipped or computed differently fails."""
+    if set(other) != set(ref):
+        return False
     for r, res in other.items():
         if res["params_sha256"] != ref[r]["params_sha256"]:
             return False
+        # the rank's own data position, where both runs record one
+        if None not in (res.get("consumed"), ref[r].get("consumed")) and \
+                res["consumed"] != ref[r]["consumed"]:
+            return False
         if any(ref[r]["losses"].get(k) != v for k, v in res["losses"].items()):
             return False
+    if run_dir is not None:
+        seen = step_losses(run_dir)
+        for r, res in ref.items():
+            for k, loss in res["losses"].items():
+                if seen.get((r, int(k)), [None]) != [loss] * len(seen.get((r, int(k)), [1])):
+                    return False
     return True
+
+
+def rolled_back_steps(run_dir: Path) -> set[int]:
+    """The steps some rank computed more than once."""
+    return {step for (_, step), losses in step_losses(run_dir).items() if len(losses) > 1}
+
+
+def recomputed_steps(run_dir: Path) -> int:
+    """(rank, step) pairs computed more than once, counted per extra time: 0 when recovery
+    resumed every rank exactly where the group stopped."""
+    return sum(len(v) - 1 for v in step_losses(run_dir).values())
 
 
 def back_to_speed(run_dir: Path, t_kill: float) -> tuple[float, int]:
@@ -197,12 +234,17 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
     restore = done.get("restore_step", -1)
     summary = {
         "recovery_s": round(hpct_s, 3),
-        "lost_steps": max(0, hpct_last - restore) if done else None,
-        "bitwise_equal": bitwise_equal(runs["reference"].results, runs["hpct"].results),
+        # steps rolled back by the restore, or computed twice by any rank (from the events)
+        "lost_steps": max(hpct_last - restore, recomputed_steps(runs["hpct"].run_dir))
+        if done else None,
+        "bitwise_equal": bitwise_equal(runs["reference"].results, runs["hpct"].results,
+                                       runs["hpct"].run_dir),
+        "recomputed_steps": recomputed_steps(runs["hpct"].run_dir),
         "baseline_restart_s": round(base_s, 3),
         "baseline_lost_steps": baseline_recomputed(runs["baseline"].run_dir, base_last),
         "baseline_bitwise_equal": bitwise_equal(runs["reference"].results,
-                                                runs["baseline"].results),
+                                                runs["baseline"].results,
+                                                runs["baseline"].run_dir),
         "ratio": round(hpct_s / base_s, 4) if base_s > 0 else None,
         "controller_recovery_s": round(done.get("recovery_s", float("nan")), 3),
         "phases": done.get("phases"),

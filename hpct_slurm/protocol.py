@@ -219,6 +219,9 @@ class Assign:
     # own rank and world_size.
     data_ranks: list[int] = field(default_factory=list)
     data_world: int = 0
+    # rank -> its transfer server (host, port) in this generation: where a rank pushes the
+    # replica it keeps on its ring neighbour, and where a replacement finds that neighbour.
+    peers: dict[int, tuple[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

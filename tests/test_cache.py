@@ -142,6 +142,38 @@ def test_budget_is_enforced_and_names_checked(tmp_path):
         cache.get("ok", lambda: {"../x": np.zeros(1)})
 
 
+def test_budget_counts_every_cache_of_the_job(tmp_path):
+    cache = SharedCache(tmp_path, budget_mb=3)
+    cache.get("a", lambda: {"x": np.zeros(1 << 20, np.uint8)})            # 1 MB
+    cache.get("b", lambda: {"x": np.zeros(1 << 20, np.uint8)})            # 2 MB in all
+    assert cache.existing_bytes() == {"a": 1 << 20, "b": 1 << 20}
+    with pytest.raises(HpctError, match=r"needs 1\.5 MB on top of this job's other caches "
+                                        r"\(a 1\.0 MB, b 1\.0 MB\) but this job's shm budget"):
+        cache.get("c", lambda: {"x": np.zeros(3 << 19, np.uint8)})
+    assert not any(tmp_path.glob("c*")) and not any(tmp_path.glob(".c.building-*"))
+    # another rank (another SharedCache) sees the same caches; what fits still builds
+    assert SharedCache(tmp_path, budget_mb=3).get(
+        "c", lambda: {"x": np.zeros(1 << 20, np.uint8)}).built
+    # an attach costs nothing, and a removed cache frees its share
+    assert not cache.get("a", lambda: {}).built
+    assert cache.remove("b")
+    assert cache.get("d", lambda: {"x": np.zeros(1 << 20, np.uint8)}).built
+
+
+def test_budget_counts_a_cache_with_a_broken_index_by_its_files(tmp_path):
+    SharedCache(tmp_path).get("a", lambda: {"x": np.zeros(2 << 20, np.uint8)})
+    (tmp_path / "a" / "index.json").write_text("{not json")
+    (tmp_path / "notes").mkdir()        # not a cache: no index
+    (tmp_path / ".e.building-1").mkdir()  # half built: not counted (and swept when e builds)
+    (tmp_path / ".e.building-1" / "x.npy").write_bytes(bytes(4 << 20))
+    cache = SharedCache(tmp_path, budget_mb=3)
+    assert 2 << 20 <= cache.existing_bytes()["a"] < (2 << 20) + 4096
+    assert set(cache.existing_bytes()) == {"a"}
+    with pytest.raises(HpctError, match="on top of this job's other caches"):
+        cache.get("e", lambda: {"x": np.zeros(2 << 20, np.uint8)})
+    assert cache.get("e", lambda: {"x": np.zeros(1 << 19, np.uint8)}).built
+
+
 def test_a_crashed_builder_leaves_nothing_that_counts(tmp_path):
     cache = SharedCache(tmp_path)
 
@@ -212,3 +244,18 @@ def test_sampler_state_must_match_the_shard():
         s.load_state_dict(ResumableSampler(100, rank=1, world_size=2, seed=1).state_dict())
     with pytest.raises(HpctError, match="outside"):
         s.load_state_dict({**s.state_dict(), "offset": 51})
+
+
+def test_a_spare_sampler_without_a_rank_takes_over_a_shard_from_its_position():
+    from hpct_slurm.cache import ResumableSampler
+
+    original = ResumableSampler(103, rank=2, world_size=4, seed=5)
+    it = iter(original)
+    taken = [next(it) for _ in range(7)]
+    spare = ResumableSampler(103, rank=None, world_size=1, seed=5)  # built before its rank
+    with pytest.raises(HpctError, match="no rank yet"):
+        list(spare)
+    spare.load_state_dict(original.state_dict())
+    assert (spare.rank, spare.world_size) == (2, 4)
+    rest = list(spare)
+    assert taken + rest == list(ResumableSampler(103, rank=2, world_size=4, seed=5))

@@ -78,3 +78,16 @@ def test_shrink_keeps_every_data_shard_exactly_once(n_active, tpn, data):
 def test_shrink_with_nothing_left_is_refused():
     with pytest.raises(HpctError, match="every active node is lost"):
         shrink(World(["n1"], [], 1), ["n1"], initial_shards(["n1"]))
+
+
+def test_controller_defaults_come_from_the_spank_options():
+    from hpct_slurm.controller.cli import defaults_from_spank
+
+    assert defaults_from_spank(None, None, {}) == (1, "rootless")
+    env = {"HPCT_SPARES": "2", "HPCT_RENDEZVOUS": "tcpstore"}
+    assert defaults_from_spank(None, None, env) == (2, "tcpstore")
+    assert defaults_from_spank(0, "rootless", env) == (0, "rootless")  # the command line wins
+    with pytest.raises(HpctError, match="HPCT_SPARES 'two'"):
+        defaults_from_spank(None, None, {"HPCT_SPARES": "two"})
+    with pytest.raises(HpctError, match="HPCT_RENDEZVOUS 'etcd'"):
+        defaults_from_spank(None, None, {"HPCT_RENDEZVOUS": "etcd"})

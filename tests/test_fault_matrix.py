@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpct_slurm.demo import TEMPLATE, bitwise_equal, collect, step_events, submit, wait_job
+from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, recomputed_steps, step_events,
+                             submit, wait_job)
 from hpct_slurm.events import read_events
 
 pytestmark = pytest.mark.cluster
@@ -80,7 +81,8 @@ def test_scontrol_down_and_bad_messages_are_rejected(cluster, reference, tmp_pat
     cluster.run(["scontrol", "update", "NodeName=n3", "State=DOWN", "Reason=test: admin down"],
                 check=True)
     wait_job(cluster, jid, tmp_path, 240, label="scontrol-down")
-    assert bitwise_equal(ref, collect(tmp_path, 4))
+    assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     evs = _events(tmp_path)
     rejected = [e for e in evs if e["event"] == "protocol.rejected"]
     assert len(rejected) >= 3
@@ -94,7 +96,8 @@ def test_sigstop_hang_is_fenced_and_replaced(cluster, reference, tmp_path):
     _wait_step(tmp_path, 10)
     os.kill(_pid_of(tmp_path, "n2"), signal.SIGSTOP)
     wait_job(cluster, jid, tmp_path, 240, label="sigstop")
-    assert bitwise_equal(ref, collect(tmp_path, 4))
+    assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     faults = [e for e in _events(tmp_path) if e["event"] == "fault.detected"]
     assert faults[0]["node"] == "n2" and faults[0]["reason"].startswith("no heartbeat")
     assert _fenced(tmp_path)["n2"] == "step cancelled"
@@ -109,7 +112,8 @@ def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):
         wait_job(cluster, jid, tmp_path, 240, label="cut-link")
     finally:
         cluster.cut_link("n3", up=True)
-    assert bitwise_equal(ref, collect(tmp_path, 4))
+    assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     assert _fenced(tmp_path)["n3"] == "node down"
     assert cluster.client().show_node("n3").reason.startswith("hpct:")
 
@@ -123,7 +127,8 @@ def test_second_fault_during_recovery(cluster, reference, tmp_path):
     cluster.kill_node("n2")
     wait_job(cluster, jid, tmp_path, 240, label="second-fault")
     got = collect(tmp_path, 3)
-    assert bitwise_equal(ref, got)
+    assert bitwise_equal(ref, got, tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     assert {got[1]["node"], got[2]["node"]} == {"n4", "n5"}
 
 
@@ -136,7 +141,8 @@ def test_spare_dies_before_it_is_used(cluster, reference, tmp_path):
     cluster.kill_node("n3")
     wait_job(cluster, jid, tmp_path, 240, label="spare-dies")
     got = collect(tmp_path, 3)
-    assert bitwise_equal(ref, got)
+    assert bitwise_equal(ref, got, tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     assert got[2]["node"] == "n5"
     spare_fault = [e for e in _events(tmp_path) if e["event"] == "fault.detected"][0]
     assert spare_fault["node"] == "n4" and spare_fault["role"] == "spare"
@@ -149,7 +155,7 @@ def test_no_spare_left_requeues_and_restores_from_disk(cluster, reference, tmp_p
     cluster.kill_node("n3")
     wait_job(cluster, jid, tmp_path, 300, label="no-spare")
     got = collect(tmp_path, 4)
-    assert bitwise_equal(ref, got)
+    assert bitwise_equal(ref, got, tmp_path)
     evs = _events(tmp_path)
     assert any(e["event"] == "escalate.requeue" for e in evs)
     resumed = [e for e in evs if e["event"] == "controller.resume_from_disk"]
@@ -164,7 +170,7 @@ def test_batch_host_loss_requeues_and_resumes(cluster, reference, tmp_path):
     cluster.kill_node("n1")  # the batch host: Slurm itself kills and requeues the job
     wait_job(cluster, jid, tmp_path, 400, label="batch-host")
     got = collect(tmp_path, 4)
-    assert bitwise_equal(ref, got)
+    assert bitwise_equal(ref, got, tmp_path)
     resumed = [e for e in _events(tmp_path) if e["event"] == "controller.resume_from_disk"]
     assert resumed and resumed[0]["step"] >= 9
     assert "n1" not in {r["node"] for r in got.values()}
@@ -192,7 +198,8 @@ def test_spare_borrowed_from_the_cluster_pool(cluster, reference, tmp_path):
     finally:
         pool.remove(["n5"])
     got = collect(tmp_path, 4)
-    assert bitwise_equal(ref, got)
+    assert bitwise_equal(ref, got, tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     assert got[2]["node"] == "n5"
     evs = _events(tmp_path)
     borrowed = [e for e in evs if e["event"] == "pool.borrow"]
@@ -229,3 +236,39 @@ def test_no_spare_left_shrinks_with_the_same_global_batch(cluster, reference, tm
     # float summation order of the accumulation
     assert abs(got[0]["losses"][str(STEPS - 1)] - ref[0]["losses"][str(STEPS - 1)]) < 1e-3 * \
         max(1.0, abs(ref[0]["losses"][str(STEPS - 1)]))
+
+
+def test_rank_reported_fault_restarts_in_place(cluster, reference, tmp_path):
+    """A rank whose step raises (the process stays healthy) tells the controller it is ready:
+    every rank restarts in place under a new generation, nobody is replaced, nothing is lost."""
+    ref = reference(4)
+    jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--fail-at", "15", "--fault-rank", "1"],
+                 nodes=5, env={"HPCT_ACTIVE_NODES": "4"})
+    wait_job(cluster, jid, tmp_path, 240, label="in-process")
+    got = collect(tmp_path, 4)
+    assert bitwise_equal(ref, got, tmp_path)
+    assert recomputed_steps(tmp_path) == 0
+    evs = _events(tmp_path)
+    assert [e["nodes"] for e in evs if e["event"] == "fault.in_process"] == [["n2"]]
+    assert [e["taken"] for e in evs if e["event"] == "recovery.done"] == [{}]
+    assert not _fenced(tmp_path)
+    # the same four processes trained to the end: one registration per active node
+    registered = [e["node"] for e in evs if e["event"] == "rank.register"]
+    assert sorted(registered) == ["n1", "n2", "n3", "n4", "n5"]
+    assert {r["node"] for r in got.values()} == {"n1", "n2", "n3", "n4"}
+
+
+def test_hung_training_thread_is_found_by_missing_progress(cluster, reference, tmp_path):
+    """The training thread deadlocks while the process (and its heartbeat thread) lives on:
+    no step completes, the controller fences the rank and a warm spare takes over."""
+    ref = reference(4)
+    jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--hang-at", "15", "--fault-rank", "2"],
+                 nodes=5, env={"HPCT_ACTIVE_NODES": "4", "HPCT_PROGRESS_TIMEOUT_S": "4"})
+    wait_job(cluster, jid, tmp_path, 240, label="hung-thread")
+    got = collect(tmp_path, 4)
+    assert bitwise_equal(ref, got, tmp_path)
+    assert recomputed_steps(tmp_path) == 0
+    faults = [e for e in _events(tmp_path) if e["event"] == "fault.detected"]
+    assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith("no progress")
+    assert _fenced(tmp_path)["n3"] == "step cancelled"
+    assert got[2]["node"] == "n5"

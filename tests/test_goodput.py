@@ -15,9 +15,10 @@ from hpct_slurm.goodput import (Curve, evaluate, fit_curve, load_params,
                                 spare_exhaustion_probability, sweep)
 from hpct_slurm.goodput.model import default_doc, job_failure_rate, params_from_doc
 
-# Published anchors (notes/anchors.md, seeds/checkpointless-training-blog.md,
-# seeds/reinvent-talk-transcript.md). The 16- and 256-GPU figures are single runs of two
-# different workloads that differ by 6% themselves: the model must land within 20% of each.
+# Published anchors (AWS Machine Learning Blog, "Checkpointless training on Amazon SageMaker
+# HyperPod", 2025; AWS re:Invent 2025 talk AIM3338). The 16- and 256-GPU figures are single
+# runs of two different workloads that differ by 6% themselves: the model must land within 20%
+# of each.
 ANCHOR_TOLERANCE = 0.20
 CKPT_RESTART_RECOVERY_S = {16: 5 * 60 + 10, 256: 4 * 60 + 52}
 CKPT_RESTART_RANGE_2304_S = (15 * 60, 30 * 60)

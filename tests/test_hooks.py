@@ -3,6 +3,8 @@ and every path-traversal and symlink attempt refused. The real slurmd runs them 
 test_spank_cluster.py."""
 from __future__ import annotations
 
+import fcntl
+import multiprocessing as mp
 import os
 import stat
 import subprocess
@@ -157,7 +159,7 @@ def test_stale_dirs_of_finished_jobs_are_swept(cfg, root, tmp_path):
     (root / "notes").mkdir()                # not a job id: not ours to judge
     res = prolog(_job(42), cfg, RecordingSlurm(active={6, 42}), _log(tmp_path))
     assert res.stale_removed == [5, 7]
-    assert sorted(os.listdir(root)) == ["42", "42.budget", "6", "6.budget", "notes"]
+    assert sorted(os.listdir(root)) == [".lock", "42", "42.budget", "6", "6.budget", "notes"]
     assert sorted(os.listdir(victim)) == ["precious"]
 
 
@@ -174,6 +176,67 @@ def test_budget_is_shared_between_jobs(cfg, root, tmp_path):
     first = prolog(_job(1, capacity - 10), cfg, RecordingSlurm({1, 2}), _log(tmp_path))
     second = prolog(_job(2, 100), cfg, RecordingSlurm({1, 2}), _log(tmp_path))
     assert (first.granted_mb, second.granted_mb) == (capacity - 10, 10)
+
+
+def test_prolog_holds_the_root_lock_while_it_sweeps_and_grants(cfg, root, tmp_path):
+    prolog(_job(5), cfg, RecordingSlurm(), _log(tmp_path))  # something to sweep
+    seen = []
+
+    class Probing(RecordingSlurm):
+        def active_job_ids(self):
+            # a second prolog (its own open file) must not get the lock now
+            fd = os.open(root / ".lock", os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("locked")
+            finally:
+                os.close(fd)
+            return super().active_job_ids()
+    assert prolog(_job(42), cfg, Probing({5, 42}), _log(tmp_path)).healthy
+    assert seen == ["locked"]
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released afterwards
+    finally:
+        os.close(fd)
+    assert stat.S_IMODE(os.stat(root / ".lock").st_mode) == 0o600
+
+
+def test_concurrent_prologs_never_grant_more_than_the_budget(cfg, root, tmp_path):
+    root.parent.mkdir(exist_ok=True)
+    with ShmRoot(root, create=True) as r:
+        capacity = int(r.capacity_mb() * cfg.shm_fraction)
+    jobs = list(range(1, 9))
+    want = capacity // 4 + 1  # only three fit in full
+    ctx = mp.get_context("fork")
+    with ctx.Pool(len(jobs)) as pool:
+        grants = pool.starmap(_granted, [(j, want, cfg, jobs, str(tmp_path)) for j in jobs])
+    assert sum(grants) <= capacity
+    assert sorted(grants, reverse=True)[:3] == [want] * 3
+    with ShmRoot(root) as r:
+        assert r.budgets_mb() == dict(zip(jobs, grants))
+
+
+def _granted(job: int, mb: int, cfg: HookConfig, jobs: list[int], log_dir: str) -> int:
+    log = EventLog(path=Path(log_dir) / f"events-{job}.jsonl", source="test")
+    return prolog(_job(job, mb), cfg, RecordingSlurm(set(jobs)), log).granted_mb
+
+
+@pytest.mark.parametrize("plant", ["symlink", "directory"])
+def test_a_planted_lock_file_is_refused_not_followed(cfg, root, tmp_path, plant):
+    victim = _outside(tmp_path)
+    os.chmod(victim / "precious", 0o644)
+    root.mkdir(mode=0o755)
+    if plant == "symlink":
+        os.symlink(victim / "precious", root / ".lock")
+    else:
+        (root / ".lock").mkdir()
+    with pytest.raises(HpctError, match="lock file .* remove it"):
+        prolog(_job(), cfg, RecordingSlurm(), _log(tmp_path))
+    assert (victim / "precious").read_text() == "keep me"
+    assert stat.S_IMODE(os.stat(victim / "precious").st_mode) == 0o644
+    assert not (root / "42").exists()
 
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6))

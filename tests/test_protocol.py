@@ -118,6 +118,9 @@ def _hdr(type_: str, fields: dict, **over) -> dict:
                      "tasks_per_node": 1, "restore_step": 0, "sources": {"x": []}}), "is not an int"),
     (_hdr("assign", {"generation": 1, "rank": 0, "world_size": 2, "members": ["a"],
                      "tasks_per_node": 1, "restore_step": 0, "sources": {"0": [["h"]]}}), "2-item list"),
+    (_hdr("assign", {"generation": 1, "rank": 0, "world_size": 2, "members": ["a"],
+                     "tasks_per_node": 1, "restore_step": 0, "peers": {"1": ["h", "7"]}}),
+     "assign.peers.*must be an int, got '7'"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, v=1), "version"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, parts=[[3, "ab"]]), "not \\[nbytes, sha256 hex\\]"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, parts={"a": 1}), "'parts' must be a list"),
@@ -353,3 +356,9 @@ def test_load_secret_refuses_readable_or_bad_files(tmp_path):
         P.load_secret(bad)
     with pytest.raises(HpctError, match="does not exist"):
         P.load_secret(tmp_path / "missing")
+
+
+def test_assign_carries_the_peers_transfer_addresses():
+    a = P.Assign(1, 2, 4, ["n1", "n2", "n3", "n4"], 1, 12, {0: [("10.0.0.1", 5)]}, [2], 4,
+                 {0: ("10.0.0.1", 5), 3: ("10.0.0.4", 7)})
+    assert P.decode(P.encode(a, SECRET, 1, JOB), SECRET, JOB) == a

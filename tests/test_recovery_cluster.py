@@ -11,6 +11,7 @@ import time
 import pytest
 
 from hpct_slurm.demo import (TEMPLATE, VICTIM, back_to_speed, bitwise_equal, collect,
+                             recomputed_steps, rolled_back_steps,
                              step_events, submit, wait_job)
 from hpct_slurm.events import read_events
 
@@ -28,24 +29,35 @@ def _controller_events(run_dir):
 def reference(_session_cluster, tmp_path_factory):
     _session_cluster.heal()
     d = tmp_path_factory.mktemp("reference")
-    jid = submit(_session_cluster, d, TEMPLATE, TRAIN)
+    jid = submit(_session_cluster, d, TEMPLATE, [*TRAIN, "--position"])
     wait_job(_session_cluster, jid, d, 240, label="reference")
     return collect(d, 4)
 
 
 def test_node_crash_warm_spare_takes_over_bit_identical(cluster, reference, tmp_path):
-    jid = submit(cluster, tmp_path, TEMPLATE, TRAIN)
+    jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--position"])
     t_kill = wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="node-crash")
     assert t_kill is not None
     got = collect(tmp_path, 4)
-    assert bitwise_equal(reference, got)
+    assert bitwise_equal(reference, got, tmp_path)
+    # at most the one step the lost rank finished but never committed (its data position for
+    # that step existed only in its memory); usually none
+    assert len(rolled_back_steps(tmp_path)) <= 1
     assert got[2]["node"] == "n5"  # the spare holds the crashed node's rank
     done = [e for e in _controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1 and done[0]["taken"] == {VICTIM: "n5"}
     _, k_last = back_to_speed(tmp_path, t_kill)
-    assert k_last - done[0]["restore_step"] <= 0  # nothing recomputed
+    assert k_last - done[0]["restore_step"] <= 1
     node = cluster.client().show_node(VICTIM)
     assert node.state == "DOWN" and node.reason.startswith("hpct:")
+    # just-in-time mode: the big shared state came from a survivor, rank 2's own data
+    # position from n4, its ring neighbour, which holds a few KB a step of it, not the model
+    assert got[2]["consumed"] == reference[2]["consumed"] is not None
+    n4 = cluster.client().show_node("n4").addr
+    fetched = [e for e in _rank_events(tmp_path, "n5") if e["event"] == "transfer.fetched"]
+    assert any(e["rank"] == 2 and e["source"].split(":")[0] == n4 for e in fetched)
+    stored = [e for e in _rank_events(tmp_path, "n4") if e["event"] == "replica.stored"]
+    assert stored and max(e["nbytes"] for e in stored) < 64 * 1024
 
 
 def test_rank_process_kill_recovers_in_process(cluster, reference, tmp_path):
@@ -58,7 +70,8 @@ def test_rank_process_kill_recovers_in_process(cluster, reference, tmp_path):
            if e["event"] == "rank.register" and e["node"] == "n2"]
     os.kill(reg[0]["pid"], signal.SIGKILL)  # only the rank process: the node stays up
     wait_job(cluster, jid, tmp_path, 240, label="rank-kill")
-    assert bitwise_equal(reference, collect(tmp_path, 4))
+    assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     evs = _controller_events(tmp_path)
     fenced = [e for e in evs if e["event"] == "fault.fenced"]
     assert fenced[0]["node"] == "n2" and fenced[0]["how"] == "step cancelled"
@@ -73,7 +86,37 @@ def test_plain_ddp_module_recovers_bit_identical(cluster, reference, tmp_path):
     generation with a per-parameter comm hook): identical to the reference, fault and all."""
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--ddp"])
     wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="ddp-node-crash")
-    assert bitwise_equal(reference, collect(tmp_path, 4))
+    assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
     done = [e for e in read_events(tmp_path / "controller.jsonl")
             if e["event"] == "recovery.done"]
     assert len(done) == 1
+
+
+def _rank_events(run_dir, node):
+    out = []
+    for f in sorted((run_dir / "events").glob(f"{node}-*.jsonl")):
+        out.extend(read_events(f))
+    return out
+
+
+def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tmp_path):
+    """Forced replicated mode: every commit goes to the ring neighbour (n3's ranks to n4); after
+    n3 crashes, the spare pulls exactly rank 2's state (model, optimizer, data position) from
+    n4's replica, not from disk and not from another rank's copy."""
+    jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--position"],
+                 env={"HPCT_RECOVERY_MODE": "replicated"})
+    wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="replicated")
+    got = collect(tmp_path, 4)
+    assert bitwise_equal(reference, got, tmp_path)  # data positions included
+    assert got[2]["consumed"] == reference[2]["consumed"] is not None
+    assert len(rolled_back_steps(tmp_path)) <= 1  # see the node-crash test
+    registered = [e for e in _rank_events(tmp_path, "n5") if e["event"] == "rank.registered"]
+    assert registered and registered[0]["mode"] == "replicated"
+    adopted = [e for e in _rank_events(tmp_path, "n5")
+               if e["event"] == "rank.adopted" and e["restore_step"] >= 0]
+    n4 = cluster.client().show_node("n4").addr
+    assert len(adopted) == 1 and adopted[0]["source"].split(":")[0] == n4
+    stored = [e for e in _rank_events(tmp_path, "n4") if e["event"] == "replica.stored"]
+    assert {e["rank"] for e in stored} == {2}  # n4 holds n3's rank, nobody else's
+

@@ -293,3 +293,42 @@ def test_choose_mode(tmp_path):
         assert choose_mode(TrainState(model=ddp, optimizer=opt)) == "jit"
     finally:
         dist.destroy_process_group()
+
+
+class _Position:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def test_job_picks_jit_for_data_parallel_and_honours_a_forced_mode():
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert choose_mode(state, data_parallel=True) == "jit"
+    assert choose_mode(state, force="replicated", data_parallel=True) == "replicated"
+
+
+def test_rank_state_is_known_and_restored_only_for_its_scope():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not TrainState(model=model, optimizer=opt).has_rank_state()
+    pos = _Position(5)
+    state = TrainState(model=model, optimizer=opt, sampler=pos)
+    assert state.has_rank_state()
+    layout, buf = state.capture_into(None)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    pos.n = 99
+    # another rank's snapshot: only the shared scope (the model) comes back
+    state.restore_from(layout, buf, scopes=("shared",))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert pos.n == 99
+    state.restore_from(layout, buf, scopes=("rank",))
+    assert pos.n == 5

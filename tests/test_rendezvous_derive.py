@@ -282,3 +282,35 @@ def test_cli_outside_a_step_is_a_clear_error(monkeypatch, capsys):
 def test_bad_knob_is_a_clear_error(monkeypatch, capsys):
     rc, _, err = _cli(monkeypatch, capsys, dict(LOCAL_TASK, HPCT_PORT_BASE="2o000"))
     assert rc == 2 and "HPCT_PORT_BASE '2o000' is not a non-negative integer" in err
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("HPCT_PORT_BASE", "0", "HPCT_PORT_BASE=0 is out of range: it must be in 1024-65535"),
+    ("HPCT_PORT_BASE", "-1", "HPCT_PORT_BASE=-1 is out of range: it must be in 1024-65535"),
+    ("HPCT_PORT_BASE", "70000", "HPCT_PORT_BASE=70000 is out of range"),
+    ("HPCT_PORT_SPAN", "0", "HPCT_PORT_SPAN=0 is out of range: it must be in 8-64512"),
+    ("HPCT_PORT_SPAN", "-8192", "HPCT_PORT_SPAN=-8192 is out of range"),
+    ("HPCT_NODES_PER_HOST", "0", "HPCT_NODES_PER_HOST=0 is out of range: it must be at least 1"),
+    ("HPCT_TASKS_PER_NODE", "0", "HPCT_TASKS_PER_NODE=0 is out of range: it must be at least 1"),
+    ("HPCT_GENERATION", "-2", "HPCT_GENERATION=-2 is out of range: it must be at least 0"),
+    ("HPCT_PORT_BASE", "65000", "HPCT_PORT_BASE=65000 with HPCT_PORT_SPAN=8192: port_span 8192 "
+                                "from port_base 65000 runs past 65535"),
+])
+def test_explicit_out_of_range_knob_is_an_error_not_the_default(name, value, message):
+    """HPCT_PORT_BASE=0 used to mean the default (`or DEFAULT`): a set value is taken as
+    meant, and one that cannot be used names its variable."""
+    from hpct_slurm.rendezvous import derive_from_environ
+
+    with pytest.raises(HpctError, match=re.escape(message)):
+        derive_from_environ(environ=dict(LOCAL_TASK, **{name: value}),
+                            resolve=lambda name: "127.0.0.1")
+
+
+def test_knobs_set_in_range_are_used_and_generation_zero_is_kept():
+    from hpct_slurm.rendezvous import derive_from_environ
+
+    environ = dict(LOCAL_TASK, HPCT_PORT_BASE="30000", HPCT_PORT_SPAN="64", HPCT_GENERATION="0")
+    info = derive_from_environ(environ=environ, resolve=lambda name: "127.0.0.1")
+    assert info.generation == 0
+    assert 30000 <= info.master_port < 30064
+    assert info.master_port == derived_port(31, 0, 0, port_base=30000, port_span=64)

@@ -17,6 +17,9 @@ from hpct_slurm.slurm.pyslurm_backend import choose_backend, select_backend
 
 T = TypeVar("T")
 
+# How long after a SIGKILLed slurmd the client must see the node lost (DOWN or NOT_RESPONDING).
+LOSS_SEEN_WITHIN_S = 45.0
+
 # ---- captured samples (Slurm 22.05.8, local cluster) ---------------------------------------
 
 _NODE_HEAD = ("NodeName={name} Arch=x86_64 CoresPerSocket=8  CPUAlloc=0 CPUEfctv=8 CPUTot=8 "
@@ -282,7 +285,7 @@ def _exited_log(out: Path, node: str) -> str | None:
 @pytest.mark.cluster
 def test_client_reads_the_cluster(cluster) -> None:
     client = cluster.client()
-    assert client.version() == "22.05.8"
+    assert client.version().startswith("22.05.")
     listed = {n.name: n for n in client.nodes()}
     assert sorted(listed) == sorted(cluster.nodes)
     for name in cluster.nodes:
@@ -351,15 +354,25 @@ def test_killed_node_inside_no_kill_job(cluster, tmp_path: Path) -> None:
             "node=" in _read(tmp_path / f"step-{n}.log") for n in job.nodelist), timeout=30)
         victim = job.nodelist[1]  # not the batch host: losing that one ends the job
         survivors = [n for n in job.nodelist if n != victim]
+        before = client.show_node(victim)
+        assert not before.lost and before.state in ("ALLOCATED", "MIXED"), before
+        killed_at = time.monotonic()
         cluster.kill_node(victim)
 
         lost = _until(f"{victim} seen lost", lambda: (n := client.show_node(victim)).lost and n,
-                      timeout=60)
-        assert lost.state == "DOWN" or "NOT_RESPONDING" in lost.flags
+                      timeout=90)
+        lost_after_s = time.monotonic() - killed_at
+        # SlurmdTimeout=6 in the local cluster; the restart-all benchmark saw a killed node's
+        # srun step end 27.6 s after the kill (median, docs/benchmarks.md).
+        assert lost.name == victim and lost_after_s < LOSS_SEEN_WITHIN_S, \
+            f"{victim} seen lost {lost_after_s:.1f} s after the kill ({lost.summary})"
         log = _until(f"srun on {victim} exits", lambda: _exited_log(tmp_path, victim),
                      timeout=90)
         assert f"Node failure on {victim}" in log
         assert "srun_exit=0" in log  # why srun's exit code can never be the failure signal
+        # Not only "not responding": slurmctld declared it DOWN, which is what took it out of
+        # the --no-kill job below.
+        _until(f"{victim} DOWN", lambda: client.show_node(victim).state == "DOWN", timeout=30)
 
         after = client.show_job(job_id)
         assert after.state == "RUNNING" and after.batch_host == job.batch_host

@@ -242,3 +242,26 @@ def test_four_ranks_on_a_node_share_one_cache_copy(hpct):
     for r in ranks:
         assert nbytes <= r["used"] - used_before < nbytes * 1.1
         assert r["shmem_kb"] * 1024 >= nbytes
+
+
+def test_sbatch_hpct_options_drive_the_controller(hpct, tmp_path):
+    """`sbatch --hpct-spares=1 --hpct-rendezvous=tcpstore`: the controller in the batch script
+    keeps one spare node and the ranks rendezvous through a TCPStore, with no controller flag."""
+    import shlex
+
+    from hpct_slurm.events import read_events
+
+    run_dir = tmp_path / "run"
+    train = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", "3"]
+    p = hpct.run(["sbatch", "--parsable", "--wait", "-N2", "--hpct-spares=1",
+                  "--hpct-rendezvous=tcpstore", "-o", str(tmp_path / "out.txt"),
+                  "--wrap", shlex.join([HPCT, "controller", "--run-dir", str(run_dir), "--",
+                                        *train])], timeout=180)
+    assert p.returncode == 0, (p.stderr, (tmp_path / "out.txt").read_text())
+    evs = list(read_events(run_dir / "controller.jsonl"))
+    [start] = [e for e in evs if e["event"] == "controller.start"]
+    assert (start["active"], start["spares"], start["store"]) == (["n1"], ["n2"], "tcpstore")
+    assert any(e["event"] == "job.done" for e in evs)
+    rank_events = [e for f in (run_dir / "events").glob("*.jsonl") for e in read_events(f)]
+    assert [e["step"] for e in rank_events if e["event"] == "rank.step"] == [0, 1, 2]
+    assert not any(e["event"] == "store.shard_started" for e in rank_events)

@@ -116,8 +116,8 @@ def test_add_drain_check_remove_each_visible_in_scontrol(cluster):
 def test_add_refuses_a_node_running_a_job(cluster):
     victim = cluster.nodes[0]
     client = cluster.client()
-    job_id = client.sbatch(options=["-N1", "-w", victim, "--job-name=someone"],
-                           wrap="sleep 300")
+    job_id = client.sbatch(options=["-N1", "-w", victim, "--job-name=someone",
+                                    "-o", "/dev/null"], wrap="sleep 300")
     try:
         deadline = time.monotonic() + 30
         while client.show_job(job_id).state != "RUNNING":

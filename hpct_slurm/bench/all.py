@@ -2,7 +2,7 @@
 
 Each benchmark writes its own `<out>/<name>.json` (with the machine it ran on) and PNG; this
 one adds `<out>/all.json` with every summary and how long each took. One benchmark failing
-does not stop the others: its error is recorded and the table shows it.
+does not stop the others: its error is recorded, the table shows it, and the command exits 1.
 """
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def table(results: dict[str, dict]) -> str:
                              if k != "bench" and not isinstance(v, (dict, list)))
         lines.append(f"{name:12} {r['wall_s']:7.1f}  {body}")
     return "\n".join(lines)
+
+
+def exit_code(summary: dict) -> int:
+    """`hpct-slurm bench all`'s exit status: 1 when any benchmark failed (its error is in the
+    table and all.json), else 0."""
+    return 1 if summary.get("failed") else 0
 
 
 def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,

@@ -104,10 +104,12 @@ def _cold(ctx: Any, raw_path: str, cache_dir: Path) -> float:
     return report["get_s"]
 
 
-def run(out_dir: Path, quick: bool = False) -> dict:
-    mb = 32 if quick else 256
+def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
+    """`smoke`: 4 MB, one cold load, two re-attaches: checks the command works; its numbers
+    mean nothing."""
+    mb = 4 if smoke else 32 if quick else 256
     rows = (mb << 20) // (ROW * 4)
-    repeats = 2 if quick else 3
+    repeats = 1 if smoke else 2 if quick else 3
     ctx = mp.get_context("fork")
     work = Path(tempfile.mkdtemp(prefix="hpct-bench-cache-"))
     shm = Path(tempfile.mkdtemp(prefix="hpct-bench-cache-", dir="/dev/shm"))
@@ -125,7 +127,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         warm = shm / "warm"
         warm.mkdir()
         _cold(ctx, raw_path, warm)
-        for _ in range(5 if quick else 10):
+        for _ in range(2 if smoke else 5 if quick else 10):
             out = ctx.Queue()
             p = ctx.Process(target=_reattach, args=(str(warm), out))
             p.start()
@@ -150,7 +152,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     shared_total = shm_bytes + sum(max(0, r["anon"]) for r in shared)
     cold, reattach = statistics.median(cold_s), statistics.median(reattach_s)
     data = {
-        "dataset_mb": round(nbytes / 2**20, 1), "ranks": RANKS, "quick": quick,
+        "dataset_mb": round(nbytes / 2**20, 1), "ranks": RANKS, "quick": quick, "smoke": smoke,
         "cold_s": [round(x, 4) for x in cold_s], "reattach_s": [round(x, 6) for x in reattach_s],
         "cold_median_s": round(cold, 4), "reattach_median_s": round(reattach, 6),
         "per_rank_loaders_mb": round(own_total / 2**20, 1),

@@ -1,4 +1,7 @@
-"""`hpct-slurm bench NAME`: run one benchmark and print its summary as the last line (JSON)."""
+"""`hpct-slurm bench NAME`: run one benchmark and print its summary as the last line (JSON).
+
+Exit status: 0 on success; non-zero when the benchmark failed (it raises), and 1 when
+`bench all` recorded a failed benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +15,8 @@ from ..errors import HpctError
 BENCHMARKS = ["rendezvous", "replication", "transfer", "cache", "recovery", "stress", "all"]
 # These run on a local Slurm cluster: their `run` also takes `root` and `down`.
 CLUSTER_BENCHMARKS = {"recovery", "stress", "all"}
+# These need no cluster; their `run` also takes `smoke` (smallest sizes, to check the command).
+SMOKE_BENCHMARKS = {"rendezvous", "replication", "transfer", "cache"}
 DEFAULT_CLUSTER_ROOT = "/tmp/hpct-bench-cluster"
 
 
@@ -25,15 +30,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"(brought up if needed; default {DEFAULT_CLUSTER_ROOT})")
     p.add_argument("--down", action="store_true",
                    help="take that cluster down at the end (default: leave it up)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"{', '.join(sorted(SMOKE_BENCHMARKS))} only: the smallest sizes, "
+                        f"one repetition; checks the command works, its numbers mean nothing")
+    p.add_argument("--sizes", type=_sizes, default=None, metavar="N,N,...",
+                   help="rendezvous only: rank counts to sweep (default 4,16 with --quick, "
+                        "else 4,16,32,64)")
+    p.add_argument("--reps", type=int, default=None, metavar="R",
+                   help="rendezvous only: formations per size and store (default 3)")
     p.set_defaults(func=main)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of rank "
+                                         f"counts") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be at least 2 ranks")
+    return sizes
 
 
 def main(args: argparse.Namespace) -> int:
     if args.name not in BENCHMARKS:
         raise HpctError(f"benchmark '{args.name}' is unknown; choose one of {', '.join(BENCHMARKS)}")
+    sweep = {k: v for k, v in (("sizes", getattr(args, "sizes", None)),
+                               ("reps", getattr(args, "reps", None))) if v is not None}
+    if sweep and args.name != "rendezvous":
+        raise HpctError(f"--{'/--'.join(sweep)} only applies to the rendezvous benchmark")
+    if sweep.get("reps", 1) < 1:
+        raise HpctError(f"--reps {sweep['reps']} must be at least 1")
+    smoke = getattr(args, "smoke", False)
+    if smoke and args.name not in SMOKE_BENCHMARKS:
+        raise HpctError(f"--smoke only applies to {', '.join(sorted(SMOKE_BENCHMARKS))}")
     module = importlib.import_module(f"hpct_slurm.bench.{args.name}")
     extra = {"root": Path(args.root), "down": args.down} if args.name in CLUSTER_BENCHMARKS \
         else {}
+    extra.update(sweep)
+    if smoke:
+        extra["smoke"] = True
     summary = module.run(Path(args.out), quick=args.quick, **extra)
     print(json.dumps(summary))
-    return 0
+    # A benchmark that fails raises; `all` records failures and carries on, so it says how
+    # the suite went through its exit status.
+    exit_code = getattr(module, "exit_code", None)
+    return exit_code(summary) if exit_code is not None else 0

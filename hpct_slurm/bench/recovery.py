@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..demo import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, collect, step_events,
+from ..demo import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, collect,
+                    recomputed_steps, step_events,
                     submit, wait_job)
 from ..errors import HpctError
 from ..events import read_events
@@ -292,12 +293,13 @@ def _run_one(cluster: LocalCluster, d: Path, cfg: Config, ref: dict[int, dict],
     if method == "hpct":
         phases, outline = hpct_phases(ctl, ranks, t_crash)
         done = _first(ctl, "recovery.done", t_crash)
-        outline["lost_steps"] = max(0, outline["k_last"] - outline["restore_step"])
+        outline["lost_steps"] = max(0, outline["k_last"] - outline["restore_step"],
+                                    recomputed_steps(d))
         outline["controller_recovery_s"] = done["recovery_s"]
     else:
         phases, outline = baseline_phases(ctl, ranks, t_crash)
     return {"run_dir": str(d), "job_id": jid, "recovery_s": outline.pop("t_end") - t_crash,
-            "bitwise_equal": bitwise_equal(ref, run.results), "phases": phases, **outline}
+            "bitwise_equal": bitwise_equal(ref, run.results, d), "phases": phases, **outline}
 
 
 def _drop_bulk(d: Path) -> None:

@@ -39,15 +39,17 @@ def _peer(conn: Any, secret: bytes) -> None:
         conn.recv()
 
 
-def run(out_dir: Path, quick: bool = False) -> dict:
+def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
+    """`smoke`: the smallest run that goes through every variant (a few MB, one round), to
+    check the command works; its numbers mean nothing."""
     import torch
 
     from ..recovery.snapshot import DEFAULT_SNAPSHOT_EVERY, Snapshot, SnapshotStore
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher
 
-    width, depth = (1024, 2) if quick else (1440, 4)
-    k, rounds = (8, 2) if quick else (16, 4)
+    width, depth = (256, 2) if smoke else (1024, 2) if quick else (1440, 4)
+    k, rounds = (4, 1) if smoke else (8, 2) if quick else (16, 4)
     block = k  # one commit per block at every=K, so every block does the same work
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -135,7 +137,8 @@ def run(out_dir: Path, quick: bool = False) -> dict:
                "commit_ms": round(commit_ms, 2),
                "step_ms": {v: round(s * 1e3, 2) for v, s in step_s.items()},
                "state_mb": round(nbytes / 1e6, 1)}
-    write_result(out_dir, "replication", {**summary, "k": k, "block_steps": block,
+    write_result(out_dir, "replication", {**summary, "quick": quick, "smoke": smoke, "k": k,
+                                          "block_steps": block,
                                           "rounds": rounds, "last_acked_step": acked,
                                           "per_block_step_s": times})
     plot_bars(Path(out_dir) / "replication.png", variants, [step_s[v] * 1e3 for v in variants],

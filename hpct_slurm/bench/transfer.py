@@ -72,15 +72,16 @@ def _raw_fetch(addr: tuple[str, int], into: memoryview) -> None:
             got += n
 
 
-def run(out_dir: Path, quick: bool = False) -> dict:
+def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
+    """`smoke`: 4 MiB, one timed round: checks the command works; its numbers mean nothing."""
     import torch
 
     from ..protocol import hash_workers
     from ..recovery.state import as_memoryview
     from ..recovery.transfer import fetch_state
 
-    nbytes = (32 if quick else 256) * 1024 * 1024
-    reps = 3 if quick else 7
+    nbytes = (4 if smoke else 32 if quick else 256) * 1024 * 1024
+    reps = 1 if smoke else 3 if quick else 7
     secret = secrets.token_bytes(32)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -112,7 +113,8 @@ def run(out_dir: Path, quick: bool = False) -> dict:
                "throughput_ratio_serve_verify": round(gbps["ours_serve_verify"] / gbps["raw"], 3),
                "gbps": {k: round(v, 3) for k, v in gbps.items()}, "nbytes": n,
                "hash_workers": hash_workers()}
-    write_result(out_dir, "transfer", {**summary, "reps": reps, "seconds": times,
+    write_result(out_dir, "transfer", {**summary, "quick": quick, "smoke": smoke, "reps": reps,
+                                       "seconds": times,
                                        "notes": "ours = HMAC-SHA256 header carrying the sealed "
                                                 "SHA-256 tree digest, every byte hashed by the "
                                                 "receiver; serve_verify also re-hashes on serve"})

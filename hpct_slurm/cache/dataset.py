@@ -68,17 +68,31 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     multiple of world_size and dealt round-robin, so shards are disjoint and equal in length.
     """
 
-    def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True):
-        if num_samples < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise HpctError(f"sampler num_samples={num_samples} rank={rank} "
-                            f"world_size={world_size} is not a valid shard")
-        if num_samples < world_size:
-            raise HpctError(f"sampler has {num_samples} samples for {world_size} ranks")
-        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+    def __init__(self, num_samples: int, *, rank: int | None = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        """`rank=None`: not known yet (a warm spare builds its sampler before it is given a
+        rank); the restored position, or `assign`, sets it."""
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
         self.epoch = 0
         self.offset = 0
+        self.rank: int | None = None
+        self.world_size = world_size
+        if rank is not None:
+            self.assign(rank, world_size)
+
+    def assign(self, rank: int, world_size: int) -> None:
+        """Take shard `rank` of `world_size` (a spare's, once the controller gave it a rank)."""
+        if self.num_samples < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise HpctError(f"sampler num_samples={self.num_samples} rank={rank} "
+                            f"world_size={world_size} is not a valid shard")
+        if self.num_samples < world_size:
+            raise HpctError(f"sampler has {self.num_samples} samples for {world_size} ranks")
+        self.rank, self.world_size = rank, world_size
+
+    def _shard(self) -> int:
+        if self.rank is None:
+            raise HpctError("sampler has no rank yet: restore its state or call assign()")
+        return self.rank
 
     def __len__(self) -> int:
         return self.num_samples // self.world_size
@@ -88,7 +102,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         else:
             order = np.arange(self.num_samples)
-        return order[:len(self) * self.world_size][self.rank::self.world_size]
+        return order[:len(self) * self.world_size][self._shard()::self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         """The rest of the current epoch, one index at a time; the position advances as each
@@ -112,6 +126,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             st = SamplerState(**state)
         except TypeError as exc:
             raise HpctError(f"sampler state {state!r} is not a SamplerState ({exc})") from None
+        if self.rank is None:  # a spare taking over: the position says whose shard it was
+            self.assign(st.rank, st.world_size)
         mine = (self.seed, self.num_samples, self.rank, self.world_size, self.shuffle)
         theirs = (st.seed, st.num_samples, st.rank, st.world_size, st.shuffle)
         if mine != theirs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,6 +81,28 @@ class CacheEntry:
     attach_s: float
 
 
+def _files_bytes(dir_fd: int, name: str) -> int:
+    """Total size of the regular files directly in `name` (relative to dir_fd), no links
+    followed."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return 0
+    try:
+        total = 0
+        for child in os.listdir(fd):
+            try:
+                st = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+        return total
+    finally:
+        os.close(fd)
+
+
 def budget_from_env(environ: Mapping[str, str]) -> int | None:
     raw = environ.get("HPCT_CACHE_MB")
     if raw is None or raw == "":
@@ -135,6 +158,31 @@ class SharedCache:
         finally:
             os.close(fd)
 
+    def existing_bytes(self) -> dict[str, int]:
+        """Bytes of every complete cache in the directory, by name: what its index lists, or,
+        for an index that cannot be read, the sizes of its files."""
+        out = {}
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for entry in os.listdir(fd):
+                if entry.startswith("."):  # lock files and half-built caches
+                    continue
+                try:
+                    st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:  # removed while we looked
+                    continue
+                path = self.directory / entry
+                if not stat.S_ISDIR(st.st_mode) or not (path / INDEX).is_file():
+                    continue
+                try:
+                    out[entry] = CacheIndex.from_json((path / INDEX).read_text(),
+                                                      path / INDEX).nbytes
+                except (HpctError, OSError):
+                    out[entry] = _files_bytes(fd, entry)
+        finally:
+            os.close(fd)
+        return out
+
     # ---- internals ---------------------------------------------------------------------
     def _build(self, name: str, build: Builder) -> None:
         t0 = time.perf_counter()
@@ -151,10 +199,18 @@ class SharedCache:
         for key in arrays:
             check_name(key, what=f"cache {name!r} array name")
         total = sum(a.nbytes for a in arrays.values())
-        if self.budget_mb is not None and total > self.budget_mb << 20:
-            raise HpctError(f"cache {name!r} needs {total / 2**20:.1f} MB but this job's shm "
-                            f"budget on {socket.gethostname()} is {self.budget_mb} MB "
-                            f"(HPCT_CACHE_MB): ask for more with --hpct-cache-mb")
+        if self.budget_mb is not None:
+            # The grant is the job's, not one cache's: every cache already in the job's dir
+            # counts against it too.
+            others = self.existing_bytes()
+            if total + sum(others.values()) > self.budget_mb << 20:
+                held = ", ".join(f"{k} {v / 2**20:.1f} MB" for k, v in sorted(others.items()))
+                raise HpctError(
+                    f"cache {name!r} needs {total / 2**20:.1f} MB"
+                    + (f" on top of this job's other caches ({held})" if others else "")
+                    + f" but this job's shm budget on {socket.gethostname()} is "
+                    f"{self.budget_mb} MB (HPCT_CACHE_MB): ask for more with --hpct-cache-mb"
+                    + (" or remove a cache" if others else ""))
         tmp = self.directory / f".{name}{_BUILDING}{os.getpid()}"
         tmp.mkdir(mode=0o700)
         specs = []

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from ..errors import HpctError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("controller", help="run a training command with warm spares and "
                                           "in-memory recovery (inside an sbatch job)")
-    p.add_argument("--spares", type=int, default=1, help="nodes of the allocation kept as "
-                                                         "warm spares (default 1)")
+    p.add_argument("--spares", type=int, default=None,
+                   help="nodes of the allocation kept as warm spares (default: $HPCT_SPARES, "
+                        "which the SPANK option --hpct-spares sets, else 1)")
     p.add_argument("--active", type=int, default=None,
                    help="fixed number of active nodes; every other node is a spare (use with "
                         "sbatch --nodes=A-(A+S) so a requeued job keeps its world size)")
@@ -21,9 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks-per-node", type=int, default=1)
     p.add_argument("--run-dir", default=None, help="events, logs, secret, persisted "
                                                    "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
-    p.add_argument("--store", choices=["rootless", "tcpstore"], default="rootless")
+    p.add_argument("--store", choices=["rootless", "tcpstore"], default=None,
+                   help="rendezvous store (default: $HPCT_RENDEZVOUS, which the SPANK option "
+                        "--hpct-rendezvous sets, else rootless)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds without a heartbeat before a rank counts as hung")
+    p.add_argument("--progress-timeout", type=float,
+                   default=float(os.environ.get("HPCT_PROGRESS_TIMEOUT_S", "300")),
+                   help="seconds a running rank may go without completing a step before it "
+                        "counts as hung (its heartbeats go on from a healthy thread); "
+                        "default $HPCT_PROGRESS_TIMEOUT_S or 300")
     p.add_argument("--on-no-spare", choices=["requeue", "shrink", "fail"], default="requeue",
                    help="no warm spare left: requeue (restart from the disk snapshot), shrink "
                         "(survivors take over the lost data shards; needs Job.run(micro_step=))"
@@ -36,6 +47,26 @@ def run(args: argparse.Namespace) -> int:
     from .controller import main_from_env
 
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return main_from_env(cmd, args.run_dir, args.spares, args.tasks_per_node, args.store,
+    spares, store = defaults_from_spank(args.spares, args.store, os.environ)
+    return main_from_env(cmd, args.run_dir, spares, args.tasks_per_node, store,
                          args.heartbeat_timeout, args.on_no_spare, args.active,
-                         args.persist_every, args.pool_spares, args.pool_reservation)
+                         args.persist_every, args.pool_spares, args.pool_reservation,
+                         progress_timeout_s=args.progress_timeout)
+
+
+def defaults_from_spank(spares: int | None, store: str | None,
+                        environ: dict[str, str] | os._Environ) -> tuple[int, str]:
+    """Command-line values win; else what the SPANK plugin exported from `sbatch --hpct-*`
+    (HPCT_SPARES, HPCT_RENDEZVOUS); else 1 spare and the rootless store."""
+    if spares is None:
+        raw = environ.get("HPCT_SPARES", "1")
+        if not raw.isdigit():
+            raise HpctError(f"HPCT_SPARES {raw!r} is not a number of spare nodes")
+        spares = int(raw)
+    if store is None:
+        store = environ.get("HPCT_RENDEZVOUS", "rootless")
+        if store not in ("rootless", "tcpstore"):
+            raise HpctError(f"HPCT_RENDEZVOUS {store!r} is not rootless or tcpstore")
+    if spares < 0:
+        raise HpctError(f"--spares {spares} is negative")
+    return spares, store

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -27,6 +28,13 @@ from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
 from .policy import World, data_ranks, initial_shards, replace, restore_step, shrink
 
 NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
+# A rank that caught a failure itself (an exception in its step, a failed restore) and is ready
+# for the next generation, while nothing else is known to be lost: its process is healthy, so it
+# restarts in place with everyone else instead of being replaced.
+IN_PROCESS = "rank reported a fault"
+# How long a rank's own report waits for a harder cause (a peer's lost connection usually
+# arrives within milliseconds of the collective error that made the rank report).
+IN_PROCESS_GRACE_S = 0.5
 
 
 @dataclass
@@ -48,6 +56,12 @@ class Options:
     pool_spares: int = 0  # spares the job may borrow from the cluster pool over its life
     pool_reservation: str = "hpct_spares"
     slurmd_port: int = 6818
+    # A running rank whose step does not advance for this long is hung (a deadlocked training
+    # thread keeps heartbeating from its background thread): it is fenced and replaced.
+    progress_timeout_s: float = 300.0
+    # In-process restarts that make no progress (the same restore step every time) before the
+    # job escalates (requeue from disk, or fail).
+    max_stalled_restarts: int = 3
 
 
 @dataclass
@@ -65,6 +79,8 @@ class Conn:
     state: str = "registered"
     step: int = -1
     last_seen: float = field(default_factory=time.monotonic)
+    progress_at: float = field(default_factory=time.monotonic)  # last time `step` advanced
+    reported_at: float | None = None  # when it reported a fault of its own (IN_PROCESS)
     gone: bool = False
 
 
@@ -95,6 +111,7 @@ class Controller:
         self.borrowed: list[int] = []  # companion jobs submitted into the spare pool
         self.pool_nodes: set[str] = set()
         self.pending_faults: dict[str, str] = {}
+        self.stalled_restarts = 0
         self.fault_event = asyncio.Event()
         self.recovering = False
         self.recovery: dict | None = None
@@ -110,9 +127,14 @@ class Controller:
     async def run(self) -> int:
         host = _resolve(self.o.batch_host)
         server = await asyncio.start_server(self._serve, host, 0, backlog=1024)
+        # `--signal=B:TERM@N` (or scancel -b -s TERM) reaches the batch shell, which execs us:
+        # say goodbye to every rank (each closes its persister) and end with 143.
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, lambda: asyncio.ensure_future(self._terminate("SIGTERM")))
         self.address = server.sockets[0].getsockname()[:2]
         self.events.emit("controller.start", job_id=self.o.job_id, active=self.world.members,
                          spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
+                         store=self.o.store,
                          address=f"{self.address[0]}:{self.address[1]}",
                          command=self.o.command)
         for node in self.world.members:
@@ -133,10 +155,23 @@ class Controller:
         return self.exit_code
 
     def _persisted_step(self) -> int:
-        from ..recovery.persist import load_latest
+        from ..recovery.persist import list_steps, load_latest
 
+        # Ranks with state of their own (a sampler position) persist it beside the shared
+        # state; restore the newest step that every one of them has too.
+        rank_root = self.run_dir / "persist-rank"
+        rank_dirs = sorted(rank_root.glob("rank*")) if rank_root.is_dir() else []
+        step = None
         try:
-            step, _, _ = load_latest(self.run_dir / "persist", 0)
+            while True:
+                step, _, _ = load_latest(self.run_dir / "persist", 0, step)
+                missing = [d.name for d in rank_dirs
+                           if step not in list_steps(rank_root, int(d.name[4:]))]
+                if not missing:
+                    break
+                self.events.emit("controller.persisted_step_incomplete", step=step,
+                                 missing=missing)
+                step -= 1
         except HpctError:
             return -1
         self.events.emit("controller.resume_from_disk", step=step,
@@ -245,13 +280,24 @@ class Controller:
         if isinstance(msg, P.Heartbeat):
             if msg.generation != conn.generation and conn.generation >= 0:
                 return  # stale: a fenced rank from an older generation
+            previous = conn.state
             conn.state, conn.step = msg.state, msg.step
             if msg.state == "done":
                 self._maybe_finish()
             elif msg.state in ("ready", "unhealthy"):
+                if not self.recovering and previous not in ("ready", "unhealthy") \
+                        and conn.rank >= 0 and conn.generation == self.world.generation \
+                        and conn.node in self.world.members:
+                    # nobody told it to stop: the rank failed on its own
+                    if msg.state == "unhealthy":
+                        self._fault(conn.node, "rank failed its health check")
+                    else:
+                        conn.reported_at = time.monotonic()
                 self.fault_event.set()
         elif isinstance(msg, P.StepDone):
             if msg.generation == conn.generation:
+                if msg.step > conn.step:
+                    conn.progress_at = time.monotonic()
                 conn.step = msg.step
                 conn.state = "running"
                 self._track_first_step(msg.step)
@@ -286,15 +332,18 @@ class Controller:
         g = self.world.generation
         self.events.emit("generation.start", generation=g, members=self.world.members,
                          restore_step=restore)
-        for node in self.world.members:
-            for c in self._live(node):
-                c.rank = self.world.rank_of(node, c.local_rank)
-                c.generation, c.state, c.role = g, "assigned", "active"
-                await self._send(c, P.Assign(
-                    g, c.rank, self.world.world_size, list(self.world.members),
-                    self.o.tasks_per_node, restore, sources,
-                    data_ranks(self.shards[node], c.local_rank, self.o.tasks_per_node),
-                    self.data_world))
+        members = [c for node in self.world.members for c in self._live(node)]
+        for c in members:
+            c.rank = self.world.rank_of(c.node, c.local_rank)
+        peers = {c.rank: (c.host_addr, c.transfer_port) for c in members}
+        for c in members:
+            c.generation, c.state, c.role = g, "assigned", "active"
+            c.progress_at, c.reported_at = time.monotonic(), None
+            await self._send(c, P.Assign(
+                g, c.rank, self.world.world_size, list(self.world.members),
+                self.o.tasks_per_node, restore, sources,
+                data_ranks(self.shards[c.node], c.local_rank, self.o.tasks_per_node),
+                self.data_world, peers))
 
     # ---- detection -----------------------------------------------------------------------
     def _fault(self, node: str, reason: str) -> None:
@@ -312,10 +361,25 @@ class Controller:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
+            reported = []
             for c in list(self.conns.values()):
-                if not c.gone and c.state not in ("done",) \
-                        and now - c.last_seen > self.o.heartbeat_timeout_s:
+                if c.gone or c.state == "done":
+                    continue
+                if now - c.last_seen > self.o.heartbeat_timeout_s:
                     self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
+                elif c.state == "running" and now - c.progress_at > self.o.progress_timeout_s:
+                    self._fault(c.node, f"no progress for {now - c.progress_at:.0f} s "
+                                        f"(stuck after step {c.step})")
+                elif c.reported_at is not None and now - c.reported_at > IN_PROCESS_GRACE_S:
+                    reported.append(c)
+            # The first rank to report is the one that failed; the others' collectives failed
+            # because it left (and all of them restart in place anyway).
+            if reported and not self.recovering and not self.pending_faults:
+                first = min(reported, key=lambda c: c.reported_at or now)
+                if first.state == "ready" and first.generation == self.world.generation:
+                    self._fault(first.node, IN_PROCESS)
+            for c in reported:
+                c.reported_at = None
 
     # ---- recovery ------------------------------------------------------------------------
     async def _faults(self) -> None:
@@ -344,9 +408,19 @@ class Controller:
         for node in lost_spares:
             await self._fence(node, lost[node])
             self.world.spares.remove(node)
+        # A member whose ranks all reported a fault of their own and are ready stays a member:
+        # they restart in place, like every other survivor.
+        in_place = [n for n in lost if lost[n] == IN_PROCESS and n in self.world.members
+                    and self._node_ready(n)
+                    and all(c.state == "ready" for c in self._live(n))]
+        for node in in_place:
+            del lost[node]
         lost_active = [n for n in lost if n in self.world.members]
-        if not lost_active:
+        if not lost_active and not in_place:
             return
+        if in_place:
+            self.events.emit("fault.in_process", nodes=in_place,
+                             generation=self.world.generation)
         g = self.world.generation
         survivors = [c for n in self.world.members if n not in lost for c in self._live(n)]
         for c in survivors:
@@ -378,6 +452,16 @@ class Controller:
         t_ready = time.time()
         spares = [s for s in self.world.spares if self._node_ready(s)]
         restore = restore_step(ready_steps)
+        # Restarts in place that keep failing at the same step (a failing restore, a step that
+        # raises every time) must not loop forever: after a few, escalate.
+        if not lost_active and self.recovery is not None \
+                and self.recovery["restore_step"] == restore:
+            self.stalled_restarts += 1
+        else:
+            self.stalled_restarts = 0
+        if self.stalled_restarts >= self.o.max_stalled_restarts:
+            raise HpctError(f"{self.stalled_restarts} restarts in place made no progress past "
+                            f"step {restore}")
         if len(spares) < len(lost_active) and self.o.on_no_spare == "shrink":
             rep, self.shards = shrink(self.world, lost_active, self.shards)
             self.events.emit("recovery.shrink", generation=rep.generation, lost=lost_active,
@@ -386,7 +470,11 @@ class Controller:
             rep = replace(self.world, lost_active, spares)
             for lost_node, spare in rep.taken.items():
                 self.shards[spare] = self.shards.pop(lost_node)
-        self.world.members, self.world.spares = rep.members, rep.spares
+        # A node fenced alive in this round may already be back as a fresh spare step
+        # (_replenish): it is a spare now, not a lost member.
+        back = [n for n in self.world.spares if n not in rep.spares and n not in rep.members
+                and n not in self.dead_nodes and n not in lost_spares]
+        self.world.members, self.world.spares = rep.members, rep.spares + back
         self.world.generation = rep.generation
         self.world.lost += lost_active
         # shared state is identical on every survivor: the controller lists them all, nearest
@@ -549,6 +637,14 @@ class Controller:
         self.finished.set()
 
     # ---- the end -------------------------------------------------------------------------
+    async def _terminate(self, why: str) -> None:
+        if self.finished.is_set():
+            return
+        self.events.emit("controller.terminated", signal=why)
+        self.exit_code = 143
+        await self._goodbye_all(f"terminated: {why}")
+        self.finished.set()
+
     def _maybe_finish(self) -> None:
         actives = [c for n in self.world.members for c in self._live(n)]
         if self.recovering or len(actives) != self.world.world_size:
@@ -590,7 +686,8 @@ def _resolve(host: str) -> str:
 def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_per_node: int,
                   store: str, heartbeat_timeout_s: float, on_no_spare: str,
                   active: int | None = None, persist_every: int = 10,
-                  pool_spares: int = 0, pool_reservation: str = "hpct_spares") -> int:
+                  pool_spares: int = 0, pool_reservation: str = "hpct_spares",
+                  progress_timeout_s: float = 300.0) -> int:
     from ..slurm.env import SlurmEnv
 
     env = SlurmEnv.from_environ()
@@ -603,7 +700,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
                    batch_host=batch_host, spares=spares, tasks_per_node=tasks_per_node,
                    store=store, heartbeat_timeout_s=heartbeat_timeout_s,
                    on_no_spare=on_no_spare, active=active, persist_every=persist_every,
-                   pool_spares=pool_spares, pool_reservation=pool_reservation)
+                   pool_spares=pool_spares, pool_reservation=pool_reservation,
+                   progress_timeout_s=progress_timeout_s)
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

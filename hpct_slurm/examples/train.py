@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,23 @@ def build(hidden: int, layers: int = 1) -> tuple[torch.nn.Module, torch.optim.Op
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
+class DataPosition:
+    """Where this rank is in its data: the samples it has consumed. Per-rank state that no
+    other rank has, so recovery must bring it back from the rank's ring replica (or disk)."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def advance(self, rank: int, batch: int) -> None:
+        self.consumed += batch * (rank + 1)  # rank-dependent on purpose: a wrong copy shows
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed = int(sd["consumed"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -42,24 +60,49 @@ def main() -> None:
                     help="hand the wrapper forward+backward only (allows an elastic shrink)")
     ap.add_argument("--ddp", action="store_true",
                     help="train through torch DistributedDataParallel (job.ddp)")
+    # Fault injection for the tests (generation 0 only, so a restarted run goes through):
+    ap.add_argument("--fail-at", type=int, default=None, metavar="STEP",
+                    help="test: raise a RuntimeError in this step on --fault-rank")
+    ap.add_argument("--hang-at", type=int, default=None, metavar="STEP",
+                    help="test: block the training thread forever in this step on "
+                         "--fault-rank (the process and its heartbeats stay alive)")
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--position", action="store_true",
+                    help="register a per-rank data position (rank state kept on the ring "
+                         "neighbour); a rank lost after its last collective of a step then "
+                         "costs one recomputed step: its position for that step died with it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     model, opt = build(args.hidden, args.layers)
-    job = Job(model=model, optimizer=opt, seed=7)  # hpct
+    position = DataPosition()
+    extra = {"sampler": position} if args.position else {}
+    job = Job(model=model, optimizer=opt, seed=7, **extra)  # hpct
+
+    def inject(step: int) -> None:
+        if job.generation != 0 or job.rank != args.fault_rank:
+            return
+        if step == args.fail_at:
+            raise RuntimeError(f"injected failure in step {step}")
+        if step == args.hang_at:
+            threading.Event().wait()
 
     def train_step(step: int) -> float:  # hpct: one optimizer step
+        inject(step)
+        position.advance(job.rank, args.batch)
         if args.ddp:  # plain DDP: the wrapper re-creates it for every generation
             return one_step(job.ddp, opt, args.batch, lambda: None, args.step_sleep)
         return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)
 
     def micro_step(step: int) -> float:  # forward + backward only: the job may shrink
+        position.advance(job.rank, args.batch)
         return forward_backward(model, args.batch, args.step_sleep)
 
     trained = (job.run(None, args.steps, micro_step=micro_step) if args.micro
                else job.run(train_step, args.steps))  # hpct
     if trained:
-        write_result(job.run_dir, job.rank, model, job.losses)
+        write_result(job.run_dir, job.rank, model, job.losses,
+                     position.consumed if args.position else None)
 
 
 def forward_backward(model: torch.nn.Module, batch: int, step_sleep: float = 0.0) -> float:
@@ -83,7 +126,7 @@ def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
 
 
 def write_result(run_dir: Path, rank: int, model: torch.nn.Module,
-                 losses: dict[int, float]) -> None:
+                 losses: dict[int, float], consumed: int | None = None) -> None:
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().numpy().tobytes())
@@ -91,7 +134,8 @@ def write_result(run_dir: Path, rank: int, model: torch.nn.Module,
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"rank": rank, "params_sha256": digest.hexdigest(),
                                "losses": {str(k): v for k, v in sorted(losses.items())},
-                               "node": os.environ.get("SLURMD_NODENAME")}))
+                               "node": os.environ.get("SLURMD_NODENAME"),
+                               "consumed": consumed}))
 
 
 if __name__ == "__main__":

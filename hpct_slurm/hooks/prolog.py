@@ -72,7 +72,9 @@ def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog) ->
             # log keeps the real reason.
             log.emit(EVENT_DRAIN_FAILED, node=job.node, job_id=job.job_id, error=exc.message)
         return PrologResult(healthy=False, problems=problems)
-    with ShmRoot(cfg.shm_root, create=True) as root:
+    # Prologs of jobs starting together on this node run at the same time: without the lock
+    # two of them could read the same budgets and both be granted the same MB.
+    with ShmRoot(cfg.shm_root, create=True) as root, root.locked():
         stale = sweep_stale(root, {job.job_id}, slurm, log)
         info = root.create_job_dir(job.job_id, job.uid, job.gid)
         others = sum(mb for j, mb in root.budgets_mb().items() if j != job.job_id)

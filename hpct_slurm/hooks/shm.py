@@ -3,25 +3,30 @@
 Layout under the root (default /dev/shm/hpct, owned by root, mode 0755):
     <jobid>/          the job's cache dir, owned by the job's user, mode 0700
     <jobid>.budget    the MB the prolog granted that job (root-owned; read by the task prolog)
+    .lock             flock'ed by a prolog (sweep + grant + budget write) and an epilog, so
+                      two jobs starting on one node cannot both be granted the same MB
 Nothing else in the root is ever touched. Every operation works relative to an fd of the root
 opened with O_NOFOLLOW, and removal walks directories by fd, so a symlink planted anywhere
 (the root, a job dir, inside a job dir) is removed as a link and never followed.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from ..errors import HpctError
 
 DEFAULT_SHM_ROOT = Path("/dev/shm/hpct")
 SHM_ROOT_ENV = "HPCT_SHM_ROOT"
 BUDGET_SUFFIX = ".budget"
+LOCK_NAME = ".lock"
 
 # Slurm job ids are uint32; a leading zero would give one job two names.
 _JOB_ID_RE = re.compile(r"[1-9][0-9]{0,9}")
@@ -103,6 +108,26 @@ class ShmRoot:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold an exclusive flock on `<root>/.lock` (created if missing) for the block. The
+        lock file is opened relative to the root's fd with O_NOFOLLOW, never through a link,
+        and must be a plain file."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(LOCK_NAME, flags, 0o600, dir_fd=self.fd)
+        except OSError as exc:
+            raise HpctError(f"lock file {self.path / LOCK_NAME} cannot be opened "
+                            f"({exc.strerror}): remove it") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise HpctError(f"lock file {self.path / LOCK_NAME} is not a plain file: "
+                                f"remove it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # ---- reading -----------------------------------------------------------------------
     def job_ids(self) -> set[int]:

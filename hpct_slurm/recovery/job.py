@@ -45,9 +45,9 @@ from ..slurm.env import SlurmEnv
 from .client import ControllerAddress, CoordinationClient
 from .health import health_check
 from .persist import DiskPersister
-from .snapshot import SnapshotStore
+from .snapshot import ReplicaStore, SnapshotStore, choose_mode, ranks_held_by, replica_peer_rank
 from .state import TrainState
-from .transfer import TransferServer, fetch_state
+from .transfer import ReplicaPusher, TransferServer, fetch_state
 
 STEP_SEED_DOMAIN = b"hpct-step-seed"
 LOST = "controller connection lost"
@@ -81,7 +81,11 @@ class Job:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, *, seed: int = 0, persist_every: int = 0,
-                 environ: dict[str, str] | None = None, **extra_state: Any):
+                 recovery_mode: str | None = None, environ: dict[str, str] | None = None,
+                 **extra_state: Any):
+        """`extra_state`: more objects with state_dict/load_state_dict; `sampler=` (and any
+        name not known as shared) is this rank's own state, kept on the ring neighbour.
+        `recovery_mode`: "jit", "replicated", or None/"auto" (also $HPCT_RECOVERY_MODE)."""
         env = dict(os.environ if environ is None else environ)
         self.slurm = SlurmEnv.from_environ(env)
         # A spare borrowed from the cluster pool runs in a companion job but serves the main
@@ -104,10 +108,29 @@ class Job:
         if lr_scheduler is not None:
             self.state.register(lr_scheduler=lr_scheduler)
         # Plain data parallelism: every rank holds the whole model and optimizer, so the
-        # just-in-time path applies: no steady-state replica traffic, a replacement pulls the
-        # shared state from any survivor and derives its per-rank parts from (seed, rank, step).
-        self.snapshots = SnapshotStore(self.state, scopes=("shared",),
-                                       every=int(env.get("HPCT_SNAPSHOT_EVERY", "1")))
+        # just-in-time path applies: no steady-state copies of the big state to a peer, a
+        # replacement pulls the shared state from any survivor; RNGs are rederived from
+        # (seed, rank, step). `replicated` (forced, or a sharded optimizer) keeps this rank's
+        # whole snapshot on its ring neighbour instead.
+        mode = recovery_mode or env.get("HPCT_RECOVERY_MODE") or "auto"
+        self.mode = choose_mode(self.state, None if mode == "auto" else mode,  # type: ignore[arg-type]
+                                data_parallel=True)
+        every = int(env.get("HPCT_SNAPSHOT_EVERY", "1"))
+        self.snapshots = SnapshotStore(
+            self.state, scopes=("shared",) if self.mode == "jit" else ("shared", "rank"),
+            every=every)
+        # This rank's own small state (a sampler position, extras): its own snapshot, pushed
+        # to the ring neighbour after every commit and persisted with the shared state.
+        self.rank_snaps = (SnapshotStore(self.state, scopes=("rank",), every=every)
+                           if self.state.has_rank_state() else None)
+        # What goes to the ring neighbour after each commit, synchronously: the neighbour then
+        # always holds the step this rank last committed (and the one before).
+        self._pushed = self.snapshots if self.mode == "replicated" else self.rank_snaps
+        self.replicas = ReplicaStore()
+        self.pusher: ReplicaPusher | None = None
+        self.rank_persister: DiskPersister | None = None
+        self._held: list[int] = []   # ranks whose replicas this rank holds in this generation
+        self._peers: dict[int, tuple[str, int]] = {}
         self.secret = P.load_secret(_require(env, "HPCT_SECRET_FILE"))
         self.job_id = str(self.slurm.job_id)
         node = self.slurm.node_name or socket.gethostname()
@@ -115,7 +138,8 @@ class Job:
                                source=f"{node}/{self.slurm.localid}")
         self.host_addr = rdv.resolve_host(node)
         self.transfer = TransferServer(self.secret, self.job_id, rank=-1, own=self.snapshots,
-                                       host=self.host_addr, events=self.events)
+                                       replicas=self.replicas, host=self.host_addr,
+                                       events=self.events)
         self.persist_every = persist_every or int(env.get("HPCT_PERSIST_EVERY", "0"))
         self.persister: DiskPersister | None = None
         self.rank = -1
@@ -126,12 +150,14 @@ class Job:
         self.data_ranks: list[int] = []
         self.data_world = 0
         self._want_ddp = False
+        self._controller_text = _require(env, "HPCT_CONTROLLER")
         self.client = CoordinationClient(
-            ControllerAddress.parse(_require(env, "HPCT_CONTROLLER")), self.secret, self.job_id,
+            ControllerAddress.parse(self._controller_text), self.secret, self.job_id,
             self.events)
         self.client.register(node, self.slurm.localid or 0, self.role, self.host_addr,
                              self.transfer.address[1])
-        self.events.emit("rank.registered", role=self.role, pid=os.getpid())
+        self.events.emit("rank.registered", role=self.role, pid=os.getpid(), mode=self.mode,
+                         rank_state=self.rank_snaps is not None)
 
     # ---- what the training step calls --------------------------------------------------
     @property
@@ -177,7 +203,8 @@ class Job:
         while True:
             msg = self.client.next_assignment()
             if isinstance(msg, P.Goodbye):
-                if msg.reason == LOST:
+                # A spare that never trained holds nothing the job needs: it just leaves.
+                if msg.reason == LOST and trained and self._controller_gone():
                     self._requeue_without_controller()
                 self._shutdown(msg.reason)
                 return trained
@@ -210,11 +237,36 @@ class Job:
             out = train_step(step)
             if isinstance(out, (int, float)):
                 self.losses[step] = float(out)
-            if self.snapshots.after_step(step) is not None and self.persister:
-                self.persister.after_commit(step)
+            if self.snapshots.after_step(step) is not None:
+                self._after_commit(step)
             self.client.step_done(step)
             self.events.emit("rank.step", rank=self.rank, generation=self.generation,
                              step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
+
+    def _after_commit(self, step: int) -> None:
+        if self.rank_snaps is not None:
+            self.rank_snaps.commit(step)
+            if self.rank_persister:
+                self.rank_persister.after_commit(step)
+        if self.persister:
+            self.persister.after_commit(step)
+        if self.pusher is not None:
+            self.pusher.after_commit(step)
+            self.pusher.flush()  # bounded by the pusher's timeout; a failure is an event
+
+    def _ready_step(self) -> int:
+        """The newest step this rank can restore and, if it holds ring replicas, that it holds
+        for those ranks too: the controller restores the group to the oldest of these."""
+        latest = self.snapshots.latest()
+        step = latest.step if latest else -1
+        if self.rank_snaps is not None:
+            own = self.rank_snaps.latest()
+            step = min(step, own.step if own else -1)
+        for r in self._held:
+            rep = self.replicas.latest(r)
+            if rep is not None:  # a rank that never pushed has nothing to wait for
+                step = min(step, rep.step)
+        return step
 
     def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:
         def step_fn(step: int) -> Any:
@@ -251,8 +303,7 @@ class Job:
             healthy, detail = health_check()
         except _TeardownHung as exc:
             healthy, detail = False, str(exc)
-        latest = self.snapshots.latest()
-        self.client.step = latest.step if latest else -1
+        self.client.step = self._ready_step()
         self.client.state = "ready" if healthy else "unhealthy"
         self.client.heartbeat_now()
         self.events.emit("rank.ready", rank=self.rank, healthy=healthy, detail=detail,
@@ -306,33 +357,115 @@ class Job:
         if self.persist_every and self.persister is None and self.rank == 0:
             self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
                                            self.persist_every, self.events)
+        if self.persist_every and self.rank_snaps is not None and \
+                (self.rank_persister is None or self.rank_persister.rank != self.rank):
+            if self.rank_persister:
+                self.rank_persister.close()
+            self.rank_persister = DiskPersister(self.rank_snaps, self.run_dir / "persist-rank",
+                                                self.rank, self.persist_every, self.events)
+        self._ring(a)
         self.events.emit("rank.adopted", rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)
 
+    def _ring(self, a: P.Assign) -> None:
+        """Point the replica pusher at this generation's ring neighbour (the same local rank on
+        the next node) and note whose replicas this rank holds."""
+        self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
+        n = len(a.members)
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
+        if self._pushed is None or n < 2 or not self.data_ranks == [self.rank]:
+            self._held = []
+            return  # no ring of one node; after a shrink positions move: disk is the copy
+        node_index = self.rank // a.tasks_per_node
+        self._held = ranks_held_by(node_index, n, a.tasks_per_node)
+        peer = replica_peer_rank(self.rank, n, a.tasks_per_node)
+        if peer not in self._peers:
+            raise HpctError(f"the assignment names no transfer address for rank {peer}, "
+                            f"rank {self.rank}'s replica holder")
+        self.pusher = ReplicaPusher(self._pushed, self.rank, self._peers[peer], self.secret,
+                                    self.job_id, self.events, timeout=self.collective_timeout_s)
+
+    def _holder(self, a: P.Assign) -> list[tuple[str, int]]:
+        """Where this rank's ring replica lives: the neighbour in the (unchanged) ring."""
+        if len(a.members) < 2:
+            return []
+        peer = replica_peer_rank(a.rank, len(a.members), a.tasks_per_node)
+        return [(str(h), int(p)) for r, (h, p) in a.peers.items() if int(r) == peer]
+
     def _restore(self, a: P.Assign, survivor: bool) -> str:
+        step = a.restore_step
         if survivor:
-            with self.snapshots.lease(a.restore_step) as snap:
+            with self.snapshots.lease(step) as snap:
                 if snap is not None and snap.verify():
                     self.state.restore_from(snap.layout, snap.data)
-                    return "own"
+                    return self._restore_rank_state(a, own=True) or "own"
+        if self.mode == "replicated":
+            # exactly this rank's state, from the ring neighbour that holds its replica
+            try:
+                got = fetch_state(self._holder(a), a.rank, self.secret, self.job_id, step=step,
+                                  events=self.events)
+            except HpctError as exc:
+                self.events.emit("restore.replica_missing", rank=a.rank, step=step,
+                                 error=exc.message)
+            else:
+                self.state.restore_from(got.layout, got.data)
+                return got.source
         # Shared state is the same on every rank: try each survivor in the controller's order,
         # then the last persisted snapshot.
         for src_rank, addrs in a.sources.items():
             try:
                 got = fetch_state(addrs, int(src_rank), self.secret, self.job_id,
-                                  step=a.restore_step, events=self.events)
+                                  step=step, events=self.events)
             except HpctError:
                 continue
-            self.state.restore_from(got.layout, got.data)
+            self.state.restore_from(got.layout, got.data, scopes=("shared",))
+            self._restore_rank_state(a, own=False)
             return got.source
-        got = fetch_state([], 0, self.secret, self.job_id, step=a.restore_step,
+        got = fetch_state([], 0, self.secret, self.job_id, step=step,
                           disk_dir=str(self.run_dir / "persist"), events=self.events)
-        if got.step != a.restore_step:
+        if got.step != step:
             raise HpctError(f"disk holds step {got.step}, the group restores step "
-                            f"{a.restore_step}: the job must restart from disk")
-        self.state.restore_from(got.layout, got.data)
+                            f"{step}: the job must restart from disk")
+        self.state.restore_from(got.layout, got.data, scopes=("shared",))
+        self._restore_rank_state(a, own=False, disk=True)
         return got.source
+
+    def _restore_rank_state(self, a: P.Assign, own: bool, disk: bool = False) -> str | None:
+        """This rank's own small state at the restore step: from its own memory, else from the
+        ring neighbour, else from disk. None when nothing of the kind is registered."""
+        if self.rank_snaps is None:
+            return None
+        step = a.restore_step
+        if own:
+            with self.rank_snaps.lease(step) as snap:
+                if snap is not None and snap.verify():
+                    self.state.restore_from(snap.layout, snap.data, scopes=("rank",))
+                    return None
+        got = fetch_state([] if disk else self._holder(a), a.rank, self.secret, self.job_id,
+                          step=step, disk_dir=str(self.run_dir / "persist-rank"),
+                          events=self.events)
+        if got.step != step:
+            raise HpctError(f"rank {a.rank}'s own state (sampler, extras) exists at step "
+                            f"{got.step} at best, the group restores step {step}")
+        self.state.restore_from(got.layout, got.data, scopes=("rank",))
+        return None
+
+    def _controller_gone(self, probe_s: float = 3.0) -> bool:
+        """Whether the controller's listening socket is really gone (its host died), not just
+        this connection (a rejected or broken stream): then, and only then, requeue."""
+        addr = ControllerAddress.parse(self._controller_text)
+        deadline = time.monotonic() + probe_s
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((addr.host, addr.port), timeout=1.0):
+                    self.events.emit("rank.controller_alive", rank=self.rank)
+                    return False
+            except OSError:
+                time.sleep(0.2)
+        return True
 
     def _requeue_without_controller(self) -> None:
         """The controller is gone: its node (the batch host) died, and with it the job's batch
@@ -384,8 +517,11 @@ class Job:
 
     def _shutdown(self, reason: str) -> None:
         self.events.emit("rank.exit", rank=self.rank, reason=reason)
-        if self.persister:
-            self.persister.close()
+        if self.pusher:
+            self.pusher.close()
+        for persister in (self.persister, self.rank_persister):
+            if persister:
+                persister.close()
         self.transfer.close()
         self.client.close(reason)
 

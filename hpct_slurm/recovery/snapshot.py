@@ -319,8 +319,12 @@ def ranks_held_by(node_index: int, num_nodes: int, tasks_per_node: int) -> list[
     return [src * tasks_per_node + local for local in range(tasks_per_node)]
 
 
-def choose_mode(state: TrainState, force: Mode | None = None) -> Mode:
+def choose_mode(state: TrainState, force: Mode | None = None,
+                data_parallel: bool = False) -> Mode:
     """`jit` when every rank holds the whole model+optimizer state (plain DDP); else `replicated`.
+
+    `data_parallel`: the caller (`Job`) itself keeps every rank's copy of the model identical
+    (it reduces gradients over the whole group), so a plain module counts as DDP.
 
     In `jit` mode nothing big is copied in steady state: a replacement takes the `shared` state
     from any survivor at fault time, and only the small `rank` scope (RNG, sampler) is replicated.
@@ -333,7 +337,7 @@ def choose_mode(state: TrainState, force: Mode | None = None) -> Mode:
     model, optimizer = state.get("model"), state.get("optimizer")
     if model is None or optimizer is None:
         return "replicated"
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if not data_parallel and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "replicated"
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
         return "replicated"

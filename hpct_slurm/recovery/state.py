@@ -151,6 +151,11 @@ class TrainState:
                                 f"state_dict/load_state_dict")
             self._objects[name] = (obj, scope or DEFAULT_SCOPES.get(name, "rank"))
 
+    def has_rank_state(self) -> bool:
+        """Whether anything of this rank's own (a sampler position, extras) is registered
+        beyond the RNG states, which `Job` reseeds from (seed, rank, step) every step."""
+        return bool(self.extras) or any(sc == "rank" for _, sc in self._objects.values())
+
     def get(self, name: str) -> Any:
         return self._objects[name][0] if name in self._objects else None
 
@@ -210,8 +215,10 @@ class TrainState:
 
     # --- restore ---------------------------------------------------------------------------
 
-    def restore_from(self, layout: Layout, buf: Any) -> None:
-        """Load a snapshot back: every registered object found in it, the RNG states, extras.
+    def restore_from(self, layout: Layout, buf: Any,
+                     scopes: Iterable[Scope] = ("shared", "rank")) -> None:
+        """Load a snapshot back: every registered object found in it, the RNG states, extras —
+        only those of `scopes` (another rank's snapshot gives its `shared` scope only).
 
         Tensors are cloned out of `buf`, so the buffer can be reused right away (optimizers keep
         the tensors they are given).
@@ -228,9 +235,12 @@ class TrainState:
         if unknown:
             raise HpctError(f"snapshot holds state for {sorted(unknown)} which this TrainState "
                             f"does not register (registered: {sorted(self._objects)})")
+        scopes = set(scopes)
         for name, sd in tree.items():
-            if name in self._objects:
+            if name in self._objects and self._objects[name][1] in scopes:
                 self._objects[name][0].load_state_dict(sd)
+        if "rank" not in scopes:
+            return
         if RNG_KEY in tree:
             rng = tree[RNG_KEY]
             random.setstate(rng["python"])

@@ -15,6 +15,7 @@ Knobs read from the environment (all optional):
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -34,13 +35,30 @@ _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"
              "MASTER_PORT", "HPCT_GENERATION", "HPCT_STORE_PORT")
 
 
-def _int_env(environ: Mapping[str, str], name: str) -> int | None:
+_INT = re.compile(r"-?[0-9]+")
+_MAX_PORT = 65535
+_MIN_PORT_BASE = 1024
+
+
+def _int_env(environ: Mapping[str, str], name: str, lo: int = 0,
+             hi: int | None = None) -> int | None:
+    """$name as an int in lo..hi, None when unset or empty. A value that is set but out of
+    range is an error naming the variable, never a silent fall-back to the default."""
     value = environ.get(name)
     if value is None or value == "":
         return None
-    if not value.isdecimal():
+    if not _INT.fullmatch(value.strip()):
         raise HpctError(f"{name} {value!r} is not a non-negative integer")
-    return int(value)
+    number = int(value)
+    if number < lo or (hi is not None and number > hi):
+        allowed = f"at least {lo}" if hi is None else f"in {lo}-{hi}"
+        raise HpctError(f"{name}={value} is out of range: it must be {allowed} "
+                        f"(unset it for the default)")
+    return number
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def derive_from_environ(generation: int | None = None,
@@ -54,13 +72,25 @@ def derive_from_environ(generation: int | None = None,
     environ = os.environ if environ is None else environ
     env = SlurmEnv.from_environ(environ)
     if generation is None:
-        generation = _int_env(environ, "HPCT_GENERATION") or 0
+        generation = _or(_int_env(environ, "HPCT_GENERATION"), 0)
+    port_base = _or(_int_env(environ, "HPCT_PORT_BASE", _MIN_PORT_BASE, _MAX_PORT),
+                    DEFAULT_PORT_BASE)
+    port_span = _or(_int_env(environ, "HPCT_PORT_SPAN", derive.GENERATION_WINDOW,
+                             _MAX_PORT - _MIN_PORT_BASE + 1), DEFAULT_PORT_SPAN)
+    nodes_per_host = _int_env(environ, "HPCT_NODES_PER_HOST", 1)
+    if environ.get("HPCT_PORT_BASE") or environ.get("HPCT_PORT_SPAN"):
+        # Each is in range on its own; together they must still fit below 65536.
+        try:
+            derive.check_port_range(port_base, port_span, nodes_per_host or 1)
+        except HpctError as exc:
+            raise HpctError(f"HPCT_PORT_BASE={port_base} with HPCT_PORT_SPAN={port_span}: "
+                            f"{exc.message}") from None
     kwargs: dict[str, object] = {
-        "port_base": _int_env(environ, "HPCT_PORT_BASE") or DEFAULT_PORT_BASE,
-        "port_span": _int_env(environ, "HPCT_PORT_SPAN") or DEFAULT_PORT_SPAN,
-        "nodes_per_host": _int_env(environ, "HPCT_NODES_PER_HOST"),
+        "port_base": port_base,
+        "port_span": port_span,
+        "nodes_per_host": nodes_per_host,
         "ifname": environ.get("HPCT_SOCKET_IFNAME") or None,
-        "tasks_per_node": _int_env(environ, "HPCT_TASKS_PER_NODE"),
+        "tasks_per_node": _int_env(environ, "HPCT_TASKS_PER_NODE", 1),
     }
     if environ.get("HPCT_MEMBERS"):
         try:

@@ -3,8 +3,9 @@ server per node.
 
 TCPStore puts every rank's connection and request on rank 0's host; at a few dozen ranks its
 listen backlog already stalls connects for seconds (torch-distributed.md). Here each node runs a
-`ShardServer`, every key lives on the shard chosen by a stable hash, so a rendezvous spreads its
-connections and requests over all nodes.
+`ShardServer`, every key lives on the shard chosen by `shard_of` (per-rank keys on consecutive
+shards, other keys by a stable hash), so a rendezvous spreads its connections and requests
+evenly over all nodes.
 
 Wire protocol (TCP, one request in flight per connection):
   on accept, the server sends a 16-byte random nonce;
@@ -108,10 +109,26 @@ def _tag(secret: bytes, direction: bytes, nonce: bytes, seq: int, payload: bytes
                     hashlib.sha256).digest()
 
 
+_MAX_RANK_DIGITS = 9
+
+
 def shard_of(key: str | bytes, n_shards: int) -> int:
-    """Stable across processes and Python versions (unlike hash())."""
+    """The shard that holds `key`; stable across processes and Python versions (unlike
+    hash()).
+
+    A key whose last `/` component is a decimal number is a per-rank key: gloo's full-mesh
+    rendezvous has every rank set `<prefix>/<rank>` (e.g. `hpct/gen0/0//cpu//0/5`) and every
+    rank read all of them; NCCL's unique-id keys end in a counter the same way. Those go to
+    `(crc32(<prefix>/) + number) % n_shards`: the ranks of one prefix land on consecutive
+    shards, so N rank keys over N shards put exactly one on each (a plain hash puts up to 3-4
+    on the busiest at 64), and the crc32 offset keeps different groups' rank 0 off the same
+    shard. Every other key: crc32 of the whole key.
+    """
     if isinstance(key, str):
         key = key.encode()
+    head, sep, tail = key.rpartition(b"/")
+    if sep and tail.isdigit() and len(tail) <= _MAX_RANK_DIGITS:
+        return (zlib.crc32(head + sep) + int(tail)) % n_shards
     return zlib.crc32(key) % n_shards
 
 

@@ -1,0 +1,127 @@
+"""`hpct-slurm bench NAME` end to end for the benchmarks that need no Slurm cluster: the real
+command in a subprocess, at its smallest sizes (`--smoke`, or `--sizes`/`--reps` for the
+rendezvous sweep), checked for its last-line JSON summary, its result file and its plot.
+
+The cluster benchmarks (recovery, stress, all) are not run here; `bench all`'s exit status is
+checked in-process with stand-in benchmarks.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hpct_slurm.bench import all as bench_all
+from hpct_slurm.bench.cli import CLUSTER_BENCHMARKS, SMOKE_BENCHMARKS
+
+HPCT_SLURM = str(Path(sys.executable).with_name("hpct-slurm"))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# name -> (extra argv, keys the last line must carry)
+CASES = {
+    "rendezvous": (["--quick", "--sizes", "3", "--reps", "1"],
+                   {"bench", "ranks", "rootless_busiest_over_avg", "tcpstore_busiest_over_avg",
+                    "rootless_init_s", "tcpstore_init_s"}),
+    "replication": (["--quick", "--smoke"], {"bench", "overhead_pct"}),
+    "transfer": (["--quick", "--smoke"], {"bench", "throughput_ratio"}),
+    "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
+}
+
+
+def _bench(name: str, out: Path, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([HPCT_SLURM, "bench", name, *argv, "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_benchmark_without_a_cluster_is_covered():
+    assert set(CASES) == SMOKE_BENCHMARKS
+    assert not SMOKE_BENCHMARKS & CLUSTER_BENCHMARKS
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
+    argv, keys = CASES[name]
+    proc = _bench(name, tmp_path, *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert keys <= set(summary), summary
+    assert summary["bench"] == name
+
+    record = json.loads((tmp_path / f"{name}.json").read_text())
+    assert record["bench"] == name
+    machine = record["machine"]
+    assert machine["hostname"] and machine["cpu_count"] >= 1 and machine["python"]
+    assert machine["torch"]
+    png = tmp_path / f"{name}.png"  # every one of these draws a plot
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+    if name == "rendezvous":
+        assert summary["ranks"] == 3 and record["repetitions"] == 1
+        assert [s["ranks"] for s in record["sizes"]] == [3]
+        # Measured: one rank key per shard, every rank reads all of them.
+        assert summary["rootless_busiest_over_avg"] <= 2
+        # Structural (one server takes everything), and the file says so.
+        assert summary["tcpstore_busiest_over_avg"] == 3
+        assert "structural" in record["notes"]["tcpstore_busiest_over_avg"]
+        tcp = record["sizes"][-1]["tcpstore"]
+        assert tcp["requests_at_root_median"] >= 3 and "measured" in tcp["requests_at_root_source"]
+    else:
+        assert record["smoke"] is True
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["replication", "--sizes", "2,4"], "--sizes only applies to the rendezvous benchmark"),
+    (["transfer", "--reps", "2"], "--reps only applies to the rendezvous benchmark"),
+    (["recovery", "--smoke"], "--smoke only applies to cache, rendezvous, replication, transfer"),
+    (["rendezvous", "--reps", "0"], "--reps 0 must be at least 1"),
+])
+def test_bench_cli_rejects_options_that_do_not_apply(argv, message, tmp_path, capsys):
+    from hpct_slurm.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # rejected before anything ran
+
+
+def test_bench_cli_rejects_a_size_below_two(tmp_path):
+    proc = _bench("rendezvous", tmp_path, "--sizes", "1,4", timeout=60)
+    assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr
+
+
+def test_all_exit_code():
+    assert bench_all.exit_code({"bench": "all", "ok": ["a", "b"], "failed": []}) == 0
+    assert bench_all.exit_code({"bench": "all", "ok": ["a"], "failed": ["b"]}) == 1
+
+
+def test_bench_all_exits_nonzero_when_a_benchmark_failed(tmp_path, monkeypatch, capsys):
+    """One failing benchmark: the others still run, the table shows it, the exit status is 1."""
+    from hpct_slurm.cli import main
+
+    def fake(name: str, fail: bool) -> None:
+        def run(out_dir: Path, quick: bool = False) -> dict:
+            if fail:
+                raise RuntimeError("boom")
+            return {"bench": name, "value": 1}
+        module = types.ModuleType(f"hpct_slurm.bench.{name}")
+        module.run = run  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    fake("fake_ok", False)
+    fake("fake_fail", True)
+    monkeypatch.setattr(bench_all, "SUITE", (("fake_ok", False), ("fake_fail", False),
+                                             ("fake_ok2", False)))
+    fake("fake_ok2", False)
+    assert main(["bench", "all", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: RuntimeError: boom" in out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["failed"] == ["fake_fail"] and last["ok"] == ["fake_ok", "fake_ok2"]
+    record = json.loads((tmp_path / "all.json").read_text())
+    assert "boom" in record["results"]["fake_fail"]["error"]
+
+    monkeypatch.setattr(bench_all, "SUITE", (("fake_ok", False),))
+    assert main(["bench", "all", "--out", str(tmp_path)]) == 0

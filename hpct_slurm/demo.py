@@ -121,9 +121,12 @@ def bitwise_equal(ref: dict[int, dict], other: dict[int, dict],
     """Same final parameters on every rank, and every loss the run reports equal to the
     reference's loss of the same rank and step (a replacement reports only the steps it ran).
 
-    With `run_dir`, also every (rank, step) of the reference must have been computed in the run
-    (from the event logs, crashed ranks included) with exactly the reference's loss each time:
-    a step skipped or computed differently fails."""
+    With `run_dir`, also (from the event logs, crashed ranks included) every step of the
+    reference must have been completed by the group, and every loss any rank recorded must
+    equal the reference's for that rank and step, however often it was computed: a skipped
+    step or one computed differently fails. (A rank lost after the collectives of a step but
+    before it logged that step leaves no record of it; the survivors' records show the group
+    completed it, and its state was restored from them.)"""
     if set(other) != set(ref):
         return False
     for r, res in other.items():
@@ -137,10 +140,15 @@ def bitwise_equal(ref: dict[int, dict], other: dict[int, dict],
             return False
     if run_dir is not None:
         seen = step_losses(run_dir)
+        steps_done = {step for _, step in seen}
         for r, res in ref.items():
             for k, loss in res["losses"].items():
-                if seen.get((r, int(k)), [None]) != [loss] * len(seen.get((r, int(k)), [1])):
+                if int(k) not in steps_done:
                     return False
+                if any(v != loss for v in seen.get((r, int(k)), [])):
+                    return False
+        if any(rk[0] not in ref or str(rk[1]) not in ref[rk[0]]["losses"] for rk in seen):
+            return False
     return True
 
 

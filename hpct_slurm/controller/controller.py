@@ -367,7 +367,9 @@ class Controller:
                     continue
                 if now - c.last_seen > self.o.heartbeat_timeout_s:
                     self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
-                elif c.state == "running" and now - c.progress_at > self.o.progress_timeout_s:
+                elif c.state == "running" and not self.recovering and not self.pending_faults \
+                        and now - c.progress_at > self.o.progress_timeout_s:
+                    # (while a fault is handled nobody progresses: survivors are tearing down)
                     self._fault(c.node, f"no progress for {now - c.progress_at:.0f} s "
                                         f"(stuck after step {c.step})")
                 elif c.reported_at is not None and now - c.reported_at > IN_PROCESS_GRACE_S:

@@ -172,16 +172,17 @@ class Job:
         if self._ddp is None:
             if not dist.is_initialized():
                 raise HpctError("job.ddp is only available inside job.run(...)")
-            self._ddp = _fixed_order_ddp(self.model)
+            self._ddp = _fixed_order_ddp(self.model, self.client)
         return self._ddp
 
     def allreduce_gradients(self) -> None:
         """Average gradients over the group in a fixed per-parameter order (bit-reproducible
         across re-formed groups, unlike DDP's rebuilt buckets)."""
-        for p in self.model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.data_world)
+        with _collective(self.client):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(self.data_world)
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any] | None, total_steps: int, *,
@@ -286,10 +287,11 @@ class Job:
                 outs.append(micro_step(step))
             # sum over every shard of the original world, then average by that world: the
             # same global batch and the same update size however many ranks remain
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(self.data_world)
+            with _collective(self.client):
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(self.data_world)
             self.optimizer.step()
             return outs[0]
         return step_fn
@@ -352,7 +354,7 @@ class Job:
             # is the same on every rank); only a newcomer pulls it from a peer
             source = self._restore(a, survivor=previous_rank >= 0)
         if self._want_ddp:
-            self._ddp = _fixed_order_ddp(self.model)
+            self._ddp = _fixed_order_ddp(self.model, self.client)
         # One copy on disk is enough: the shared state is the same on every rank.
         if self.persist_every and self.persister is None and self.rank == 0:
             self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
@@ -526,13 +528,31 @@ class Job:
         self.client.close(reason)
 
 
-def _per_parameter_allreduce(_state, bucket):  # DDP checks hook annotations: leave them off
+class _collective:
+    """Marks the rank's heartbeat state "collective" while it waits on its peers: a rank stuck
+    there is waiting for someone else, so the controller's no-progress check blames only
+    ranks stuck in their own computation ("running")."""
+
+    def __init__(self, client: CoordinationClient):
+        self.client = client
+
+    def __enter__(self) -> None:
+        if self.client.state == "running":
+            self.client.state = "collective"
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.client.state == "collective":
+            self.client.state = "running"
+
+
+def _per_parameter_allreduce(client, bucket):  # DDP checks hook annotations: leave them off
     """DDP comm hook: average each parameter's gradient with its own allreduce. Each sum then
     depends only on that parameter's tensor, never on how DDP grouped it into buckets."""
     world = dist.get_world_size()
-    works = [dist.all_reduce(g, async_op=True) for g in bucket.gradients()]
-    for w in works:
-        w.wait()
+    with _collective(client):
+        works = [dist.all_reduce(g, async_op=True) for g in bucket.gradients()]
+        for w in works:
+            w.wait()
     buf = bucket.buffer()
     buf.div_(world)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -540,9 +560,10 @@ def _per_parameter_allreduce(_state, bucket):  # DDP checks hook annotations: le
     return fut
 
 
-def _fixed_order_ddp(model: torch.nn.Module) -> "torch.nn.parallel.DistributedDataParallel":
+def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient
+                     ) -> "torch.nn.parallel.DistributedDataParallel":
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    ddp.register_comm_hook(None, _per_parameter_allreduce)
+    ddp.register_comm_hook(client, _per_parameter_allreduce)
     return ddp
 
 

@@ -57,22 +57,69 @@ def test_cut_link_partitions_a_node(cluster):
         cluster.cut_link(b, up=True)
 
 
+def _pids_in_netns(name: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _comm(pid: int) -> str:
+    """The process's name, or "" once it is gone (a zombie waiting for its reaper counts as
+    gone: it holds no resources, and its parent may be an init that never reaps)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rpartition(")")[2].split()[0] == "Z":
+            return ""
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, IndexError):
+        return ""
+
+
 def test_cli_up_status_exec_down_leaves_nothing(tmp_path):
     root = tmp_path / "lc"
-    up = _cli("localcluster", "up", "--nodes", "2", "--root", str(root), "--json")
+    up = _cli("localcluster", "up", "--nodes", "4", "--root", str(root), "--json")
     assert up.returncode == 0, up.stderr
     status = json.loads(_cli("localcluster", "status", "--root", str(root), "--json").stdout)
-    assert [n["state"] for n in status["nodes"]] == ["idle", "idle"]
+    assert [n["state"] for n in status["nodes"]] == ["idle"] * 4
     sinfo = _cli("localcluster", "exec", "--root", str(root), "--", "sinfo", "-h", "-o", "%D %T")
-    assert sinfo.stdout.split() == ["2", "idle"]
+    assert sinfo.stdout.split() == ["4", "idle"]
     # idempotent: a second up on a running cluster changes nothing
-    again = json.loads(_cli("localcluster", "up", "--nodes", "2", "--root", str(root),
+    again = json.loads(_cli("localcluster", "up", "--nodes", "4", "--root", str(root),
                             "--json").stdout)
     assert again["daemons"] == status["daemons"]
+    # a running job step, so that down has slurmstepd and tasks to clean up too
+    job = _cli("localcluster", "exec", "--root", str(root), "--", "sbatch", "--parsable", "-N2",
+               "-o", "/dev/null", "--wrap", "srun -N2 sleep 300")
+    assert job.returncode == 0, job.stderr
     lay = LocalCluster(root).layout
+    deadline = time.monotonic() + 30
+    while True:
+        ours = [p for n in ["n1", "n2", "n3", "n4", None] for p in _pids_in_netns(lay.netns(n))]
+        comms = {_comm(p) for p in ours}
+        if {"slurmd", "slurmctld", "slurmstepd", "sleep"} <= comms:
+            break
+        assert time.monotonic() < deadline, f"the job's step never started: {sorted(comms)}"
+        time.sleep(0.2)
     assert _cli("localcluster", "down", "--root", str(root)).returncode == 0
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert lay.tag not in netns
+    assert [p for p in ours if _comm(p)] == []
+    assert _live_processes_mentioning(str(root)) == []
+
+
+def test_ports_mode_runs_a_multi_node_job(tmp_path):
+    """Loopback-ports mode: every node shares this host's name and address, told apart by port
+    and SLURMD_NODENAME."""
+    root = tmp_path / "ports"
+    cluster = LocalCluster(root, nodes=2, mode="ports")
+    try:
+        status = cluster.up()
+        assert [n["state"] for n in status["nodes"]] == ["idle", "idle"]
+        out = cluster.run(["srun", "-N2", "-l", "printenv", "SLURMD_NODENAME"], timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert sorted(line.split(": ")[1] for line in out.stdout.split("\n") if line) == \
+            ["n1", "n2"]
+    finally:
+        cluster.down()
     assert _live_processes_mentioning(str(root)) == []
 
 

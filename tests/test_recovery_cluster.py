@@ -120,3 +120,21 @@ def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tm
     stored = [e for e in _rank_events(tmp_path, "n4") if e["event"] == "replica.stored"]
     assert {e["rank"] for e in stored} == {2}  # n4 holds n3's rank, nobody else's
 
+
+
+def test_a_rotten_source_is_caught_by_its_checksum_and_the_next_one_used(cluster, reference,
+                                                                         tmp_path):
+    """Rank 0's memory rots (a byte flipped after its digest was sealed) before it serves the
+    spare: the spare's checksum catches it, it takes the state from the next survivor."""
+    jid = submit(cluster, tmp_path, TEMPLATE, TRAIN, env={"HPCT_FAULT_CORRUPT_SERVE": "0"})
+    wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="rotten-source")
+    assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
+    n1 = cluster.client().show_node("n1").addr
+    spare = _rank_events(tmp_path, "n5")
+    failed = [e for e in spare if e["event"] == "transfer.source_failed"]
+    assert failed and failed[0]["source"].split(":")[0] == n1
+    assert "digest" in failed[0]["error"]
+    fetched = [e for e in spare if e["event"] == "transfer.fetched"]
+    assert fetched and fetched[0]["source"].split(":")[0] != n1
+    assert any(e["event"] == "transfer.fault_injected" for e in _rank_events(tmp_path, "n1"))

@@ -142,6 +142,8 @@ class Job:
                                        events=self.events)
         self.persist_every = persist_every or int(env.get("HPCT_PERSIST_EVERY", "0"))
         self.persister: DiskPersister | None = None
+        # Test fault injection: the ranks whose served copies rot in memory.
+        self._corrupt_serve = set(env.get("HPCT_FAULT_CORRUPT_SERVE", "").split(",")) - {""}
         self.rank = -1
         self.world_size = 0
         self.generation = -1
@@ -332,6 +334,7 @@ class Job:
         self.client.rank, self.client.generation = a.rank, a.generation
         self.client.state = "forming"
         self.transfer.rank = a.rank
+        self.transfer.corrupt_on_serve = str(a.rank) in self._corrupt_serve
         info = rdv.derive(self.slurm, a.generation, members=a.members,
                           tasks_per_node=a.tasks_per_node,
                           collective_timeout_s=self.collective_timeout_s,

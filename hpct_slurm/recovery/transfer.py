@@ -96,6 +96,10 @@ class TransferServer:
         self.own, self.replicas = own, replicas
         self.events = events
         self.verify_on_serve = verify_on_serve
+        # Fault injection for tests (HPCT_FAULT_CORRUPT_SERVE): rot one byte of each snapshot
+        # this server serves, once, after its digest was sealed, as failing memory would.
+        self.corrupt_on_serve = False
+        self._rotted: set[int] = set()
         self.max_replica_bytes = max_replica_bytes
         self.io_timeout = io_timeout
         self._listener = socket.create_server((host, port), backlog=64)
@@ -198,6 +202,11 @@ class TransferServer:
                                               f"at step {msg.step} (replicas held: {have})"),
                            self.secret, chan.next_seq(), self.job_id, timeout=self.io_timeout)
                 return True
+            if self.corrupt_on_serve and len(snap.data) and id(snap) not in self._rotted:
+                self._rotted.add(id(snap))
+                snap.digest()
+                snap.data[len(snap.data) // 2] ^= 0xFF
+                self._emit("transfer.fault_injected", rank=msg.rank, step=snap.step)
             if _send_blob(conn, chan, msg.rank, snap, self.io_timeout, self.verify_on_serve):
                 return True
         # The memory no longer matches its digest: never offer this copy again.

@@ -272,3 +272,20 @@ def test_hung_training_thread_is_found_by_missing_progress(cluster, reference, t
     assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith("no progress")
     assert _fenced(tmp_path)["n3"] == "step cancelled"
     assert got[2]["node"] == "n5"
+
+
+def test_a_dead_slurmd_is_seen_in_slurm_state_and_the_rank_moves(cluster, reference, tmp_path):
+    """Only n3's slurmd dies: its rank trains on and answers heartbeats, but Slurm marks the
+    node NOT_RESPONDING; the controller's throttled poll of Slurm's node states sees it, downs
+    the node and moves its rank to the spare."""
+    ref = reference(4)
+    jid = _start(cluster, tmp_path)
+    _wait_step(tmp_path, 8)
+    os.kill(cluster.state().slurmd_pids["n3"], signal.SIGKILL)
+    wait_job(cluster, jid, tmp_path, 240, label="slurmd-death")
+    got = collect(tmp_path, 4)
+    assert bitwise_equal(ref, got, tmp_path)
+    assert recomputed_steps(tmp_path) == 0
+    faults = [e for e in _events(tmp_path) if e["event"] == "fault.detected"]
+    assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith("slurm: node")
+    assert _fenced(tmp_path)["n3"] == "node down" and got[2]["node"] == "n5"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpct_slurm.hooks.install import build_plugin, install_hooks, plugstack_line
+from hpct_slurm.hooks.install import plugstack_line
 from hpct_slurm.hooks.prolog import DRAIN_PREFIX
 from hpct_slurm.localcluster.layout import Hooks
 
@@ -21,16 +21,28 @@ HPCT = str(Path(sys.executable).parent / "hpct-slurm")
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, _session_cluster):
+    """The admin's steps of docs/admin.md, through the same commands: `hpct-slurm hooks
+    install`, then `hpct-slurm spank build` (which prints the plugstack.conf line)."""
+    import subprocess
+
     d = tmp_path_factory.mktemp("hpct-spank")
     log = d / "hooks.jsonl"
-    hooks = install_hooks(d / "hooks", sys.executable,
-                          {"SLURM_CONF": str(_session_cluster.conf_path),
-                           "HPCT_HOOKS_LOG": str(log)})
+    inst = subprocess.run([HPCT, "hooks", "install", str(d / "hooks"), "--python", sys.executable,
+                           "--set", f"SLURM_CONF={_session_cluster.conf_path}",
+                           "--set", f"HPCT_HOOKS_LOG={log}"],
+                          capture_output=True, text=True, timeout=60)
+    assert inst.returncode == 0, inst.stderr
+    hooks = {name: d / "hooks" / f"{name}.sh" for name in ("prolog", "epilog", "task_prolog")}
+    assert all(p.is_file() for p in hooks.values()), inst.stdout
+    built = subprocess.run([HPCT, "spank", "build", "--out", str(d / "hpct_spank.so")],
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.strip().startswith(f"required {d / 'hpct_spank.so'}")
     _session_cluster.heal()
     _session_cluster.set_hooks(Hooks(prolog=str(hooks["prolog"]), epilog=str(hooks["epilog"])))
     try:
         _wait_hooks_active(_session_cluster, log)
-        yield {"plugin": build_plugin(d / "hpct_spank.so"), "log": log}
+        yield {"plugin": d / "hpct_spank.so", "log": log}
     finally:
         _session_cluster.set_hooks(Hooks())
 

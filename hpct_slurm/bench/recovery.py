@@ -219,6 +219,16 @@ def summarize(repeats: Sequence[dict], state_mb: float,
         "phases": {m: {p: round(statistics.median(r[m]["phases"][p] for r in repeats), 4)
                        for p in phases}
                    for m, phases in (("hpct", HPCT_PHASES), ("baseline", BASELINE_PHASES))},
+        # Phases the issue names that this job has no separate time for, and why.
+        "phase_notes": {
+            "data_reattach": "none in either method: the benchmark's batches are generated "
+                             "from (seed, rank, step); `hpct-slurm bench cache` measures a "
+                             "warm re-attach of the per-node cache",
+            "recompute": "hpct: lost_steps (0: nothing recomputed); baseline: the "
+                         "'recompute' phase and baseline_recomputed_steps",
+            "stop": "hpct 'stop' is the STOP broadcast; the baseline has none (Slurm's "
+                    "node timeout ends the dead step, then every rank is relaunched)",
+        },
     }
 
 

@@ -62,6 +62,8 @@ class Options:
     # In-process restarts that make no progress (the same restore step every time) before the
     # job escalates (requeue from disk, or fail).
     max_stalled_restarts: int = 3
+    # Slurm's own view of the job's nodes, polled this often (sinfo --json, off the loop).
+    node_poll_s: float = 5.0
 
 
 @dataclass
@@ -142,7 +144,8 @@ class Controller:
         for node in self.world.spares:
             self._launch(node, "spare")
         self._maybe_borrow()
-        tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._faults())]
+        tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._faults()),
+                 asyncio.create_task(self._poll_slurm())]
         try:
             await self.finished.wait()
         finally:
@@ -382,6 +385,21 @@ class Controller:
                     self._fault(first.node, IN_PROCESS)
             for c in reported:
                 c.reported_at = None
+
+    async def _poll_slurm(self) -> None:
+        """Slurm's view, throttled: a node it marks DOWN or NOT_RESPONDING (its slurmd silent
+        for SlurmdTimeout) is lost, even while our own connections to it still look fine (a
+        dead slurmd, a half-open link): its steps can no longer be managed, so move off it."""
+        while True:
+            await asyncio.sleep(self.o.node_poll_s)
+            try:
+                nodes = await asyncio.to_thread(self.slurm.nodes)
+            except HpctError as exc:
+                self.events.emit("slurm.error", error=exc.message)
+                continue
+            for n in nodes:
+                if n.lost and (n.name in self.world.members or n.name in self.world.spares):
+                    self._fault(n.name, f"slurm: node {n.summary.lower()}")
 
     # ---- recovery ------------------------------------------------------------------------
     async def _faults(self) -> None:

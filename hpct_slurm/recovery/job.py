@@ -189,8 +189,9 @@ class Job:
     # ---- the loop -----------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any] | None, total_steps: int, *,
             micro_step: Callable[[int], Any] | None = None) -> bool:
-        """Train until `total_steps` steps are done; True when this process trained, False when
-        it stayed a spare that was never needed.
+        """Train until `total_steps` steps are done; True when this process trained to the end,
+        False when it stayed a spare that was never needed, or left before the end (fenced,
+        the job escalated or was terminated): then its state is not the final one.
 
         Give either `train_step(step)` (one whole optimizer step) or, for jobs that may shrink
         when no spare is left, `micro_step(step)`: forward and backward of this rank's batch
@@ -210,7 +211,7 @@ class Job:
                 if msg.reason == LOST and trained and self._controller_gone():
                     self._requeue_without_controller()
                 self._shutdown(msg.reason)
-                return trained
+                return trained and msg.reason == "done"
             trained = True
             failure = None
             try:

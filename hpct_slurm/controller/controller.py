@@ -399,7 +399,8 @@ class Controller:
                 continue
             for n in nodes:
                 if n.lost and (n.name in self.world.members or n.name in self.world.spares):
-                    self._fault(n.name, f"slurm: node {n.summary.lower()}")
+                    self._fault(n.name, "slurm: node down" if n.state == "DOWN"
+                                else "slurm: node not responding")
 
     # ---- recovery ------------------------------------------------------------------------
     async def _faults(self) -> None:

@@ -119,7 +119,9 @@ def test_bench_all_exits_nonzero_when_a_benchmark_failed(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "FAILED: RuntimeError: boom" in out
     last = json.loads(out.strip().splitlines()[-1])
-    assert last["failed"] == ["fake_fail"] and last["ok"] == ["fake_ok", "fake_ok2"]
+    # the goodput model runs last on whatever results there are (the defaults here)
+    assert last["failed"] == ["fake_fail"] and last["ok"] == ["fake_ok", "fake_ok2", "goodput"]
+    assert (tmp_path / "goodput.json").exists() and (tmp_path / "goodput.png").exists()
     record = json.loads((tmp_path / "all.json").read_text())
     assert "boom" in record["results"]["fake_fail"]["error"]
 

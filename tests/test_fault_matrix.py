@@ -265,13 +265,7 @@ def test_hung_training_thread_is_found_by_missing_progress(cluster, reference, t
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--hang-at", "15", "--fault-rank", "2"],
                  nodes=5, env={"HPCT_ACTIVE_NODES": "4", "HPCT_PROGRESS_TIMEOUT_S": "4"})
     wait_job(cluster, jid, tmp_path, 240, label="hung-thread")
-    got = collect(tmp_path, 4)
-    assert bitwise_equal(ref, got, tmp_path)
-    assert recomputed_steps(tmp_path) == 0
-    faults = [e for e in _events(tmp_path) if e["event"] == "fault.detected"]
-    assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith("no progress")
-    assert _fenced(tmp_path)["n3"] == "step cancelled"
-    assert got[2]["node"] == "n5"
+    _assert_n3_replaced(ref, tmp_path, "no progress", "step cancelled")
 
 
 def test_a_dead_slurmd_is_seen_in_slurm_state_and_the_rank_moves(cluster, reference, tmp_path):
@@ -285,9 +279,15 @@ def test_a_dead_slurmd_is_seen_in_slurm_state_and_the_rank_moves(cluster, refere
     _wait_step(tmp_path, 3)
     os.kill(cluster.state().slurmd_pids["n3"], signal.SIGKILL)
     wait_job(cluster, jid, tmp_path, 240, label="slurmd-death")
-    got = collect(tmp_path, 4)
-    assert bitwise_equal(ref, got, tmp_path)
-    assert recomputed_steps(tmp_path) == 0
-    faults = [e for e in _events(tmp_path) if e["event"] == "fault.detected"]
-    assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith("slurm: node")
-    assert _fenced(tmp_path)["n3"] == "node down" and got[2]["node"] == "n5"
+    _assert_n3_replaced(ref, tmp_path, "slurm: node not responding", "node down")
+
+
+def _assert_n3_replaced(ref: dict, run_dir: Path, reason: str, fenced_how: str) -> None:
+    """n3 was the first fault (for `reason`), fenced that way, and n5 finished its rank, with
+    training bit-identical to the reference and nothing recomputed."""
+    got = collect(run_dir, 4)
+    assert bitwise_equal(ref, got, run_dir)
+    assert recomputed_steps(run_dir) == 0
+    faults = [e for e in _events(run_dir) if e["event"] == "fault.detected"]
+    assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith(reason)
+    assert _fenced(run_dir)["n3"] == fenced_how and got[2]["node"] == "n5"

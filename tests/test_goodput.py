@@ -175,3 +175,22 @@ def test_cli_plot_writes_a_png(tmp_path, capsys):
     assert main(["goodput", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "100000" in capsys.readouterr().out
+
+
+def test_measured_recovery_phases_feed_the_hpct_curve(tmp_path):
+    """`bench recovery`'s measured detection and stop/fence/teardown replace the assumed ones;
+    the GPU-bound phases (transfer over the fabric, first step) stay as documented."""
+    from hpct_slurm.goodput.model import load_params
+
+    doc = {"bench": "recovery", "summary": {"phases": {"hpct": {
+        "detect": 0.07, "stop": 0.001, "fence": 0.05, "survivors_ready": 0.9, "reform": 0.06,
+        "state_transfer": 0.56, "first_step": 0.53}}}}
+    path = tmp_path / "recovery.json"
+    path.write_text(json.dumps(doc))
+    base, measured = load_params([]), load_params([str(path)])
+    assert (measured.hpct.detect_s, round(measured.hpct.stop_s, 3)) == (0.07, 0.951)
+    assert measured.hpct.first_step_s == base.hpct.first_step_s
+    assert measured.hpct.recovery_s(2304) < base.hpct.recovery_s(2304)
+    path.write_text(json.dumps({"bench": "recovery", "summary": {}}))
+    with pytest.raises(HpctError, match="recovery result lacks summary.phases.hpct"):
+        load_params([str(path)])

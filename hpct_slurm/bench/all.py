@@ -42,6 +42,29 @@ def exit_code(summary: dict) -> int:
     return 1 if summary.get("failed") else 0
 
 
+def _goodput(out_dir: Path) -> dict:
+    """The goodput model fed with this run's own measurements (rendezvous re-form curve,
+    replication overhead, recovery phases): results/goodput.json and goodput.png."""
+    from ..goodput.model import load_params, sweep
+    from ..goodput.plot import plot_goodput
+
+    t0 = time.monotonic()
+    files = [str(out_dir / f"{n}.json") for n in ("rendezvous", "replication", "recovery")
+             if (out_dir / f"{n}.json").exists()]
+    try:
+        points = sweep(load_params(files))
+        plot_goodput(out_dir / "goodput.png", points, mark=2304)
+        at = next((r for r in points if r.gpus == 2304), points[-1])
+        summary = {"bench": "goodput", "gpus": at.gpus, "hpct_goodput": at.hpct_goodput,
+                   "ckpt_restart_goodput": at.ckpt_restart_goodput, "measured_from": files}
+        write_result(out_dir, "goodput", {"summary": summary,
+                                          "sweep": [r.to_dict() for r in points]})
+        return {"summary": summary, "quick": False, "wall_s": time.monotonic() - t0}
+    except Exception as exc:  # noqa: BLE001 — reported like any failed benchmark
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                "wall_s": time.monotonic() - t0}
+
+
 def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
         down: bool = False) -> dict:
     """Run the suite into `out_dir`; `root`/`down` go to the cluster benchmarks (the cluster is
@@ -59,6 +82,7 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
             results[name] = {"error": f"{type(exc).__name__}: {exc}",
                              "traceback": traceback.format_exc()}
         results[name]["wall_s"] = time.monotonic() - t0
+    results["goodput"] = _goodput(out_dir)
     print(table(results), flush=True)
     write_result(out_dir, NAME, {
         "results": results, "quick": quick,

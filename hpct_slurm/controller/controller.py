@@ -163,7 +163,8 @@ class Controller:
         # Ranks with state of their own (a sampler position) persist it beside the shared
         # state; restore the newest step that every one of them has too.
         rank_root = self.run_dir / "persist-rank"
-        rank_dirs = sorted(rank_root.glob("rank*")) if rank_root.is_dir() else []
+        rank_dirs = sorted(d for d in rank_root.glob("rank*") if d.name[4:].isdigit()) \
+            if rank_root.is_dir() else []
         step = None
         try:
             while True:

@@ -307,7 +307,12 @@ def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
       stays calibrated to the
       published anchors: loopback processes on a few cores do not show a real cluster's
       rooted rendezvous);
-    * `hpct-slurm bench replication` output (`overhead_pct`): the replication overhead."""
+    * `hpct-slurm bench replication` output (`overhead_pct`): the replication overhead;
+    * `hpct-slurm bench recovery` output (`bench: recovery`): the measured hpct phases that do
+      not depend on GPUs or the fabric: detection, and stop + fence + survivors' teardown and
+      health check (as stop_s). The state transfer (state size over the fabric) and the first
+      step (NCCL communicators, warm-up) stay the documented GPU-cluster assumptions: a CPU
+      machine cannot measure them."""
     if "sizes" in doc:
         # The benchmark runs every rank as a process on one machine; past `cores` ranks they
         # queue for the same CPUs, so wall time grows with ranks/cores even where each rank's
@@ -322,6 +327,13 @@ def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
         return {"hpct": {"reform": {"points": rootless, "fit": "auto"}}}
     if "overhead_pct" in doc:
         return {"replication_overhead": float(doc["overhead_pct"]) / 100}
+    if doc.get("bench") == "recovery":
+        try:
+            ph = doc["summary"]["phases"]["hpct"]
+            return {"hpct": {"detect_s": float(ph["detect"]),
+                             "stop_s": float(ph["stop"] + ph["fence"] + ph["survivors_ready"])}}
+        except (KeyError, TypeError) as exc:
+            raise HpctError(f"recovery result lacks summary.phases.hpct ({exc})") from None
     return {k: v for k, v in doc.items() if k != "provenance"}
 
 

@@ -146,3 +146,22 @@ def test_real_step_environment_parses_and_agrees(cluster) -> None:
         # SLURM_NODEID indexes the step's node list at this task's own node
         assert t["step_nodelist"][t["nodeid"]] == t["node_name"]
         assert t["node_name"] in cluster.nodes and t["batch_host"] == t["job_nodelist"][0]
+
+
+@pytest.mark.parametrize("argv, changes, first_words", [
+    (["env", "--json"], {"SLURM_PROCID": "-1"}, "HPCT: SLURM_PROCID '-1'"),
+    (["env", "--json"], {"SLURM_STEP_TASKS_PER_NODE": "2(x0)"},
+     "HPCT: SLURM_STEP_TASKS_PER_NODE '2(x0)'"),
+    (["hostlist", "expand", "n[3-1]"], {}, "HPCT: hostlist 'n[3-1]' is not a hostlist"),
+    (["hostlist", "expand", "n[01-"], {}, "HPCT: hostlist 'n[01-' is not a hostlist"),
+])
+def test_the_cli_says_what_is_wrong_in_one_line(argv, changes, first_words) -> None:
+    """What a user sees at the command line: exit 2, one stderr line naming the bad value."""
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", **STEP, **changes}
+    out = subprocess.run([sys.executable, "-m", "hpct_slurm.cli", *argv], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(first_words)

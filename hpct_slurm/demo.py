@@ -240,14 +240,14 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
     hpct_s, hpct_last = back_to_speed(runs["hpct"].run_dir, runs["hpct"].t_kill)
     base_s, base_last = back_to_speed(runs["baseline"].run_dir, runs["baseline"].t_kill)
     restore = done.get("restore_step", -1)
+    recomputed = recomputed_steps(runs["hpct"].run_dir)
     summary = {
         "recovery_s": round(hpct_s, 3),
         # steps rolled back by the restore, or computed twice by any rank (from the events)
-        "lost_steps": max(hpct_last - restore, recomputed_steps(runs["hpct"].run_dir))
-        if done else None,
+        "lost_steps": max(hpct_last - restore, recomputed) if done else None,
         "bitwise_equal": bitwise_equal(runs["reference"].results, runs["hpct"].results,
                                        runs["hpct"].run_dir),
-        "recomputed_steps": recomputed_steps(runs["hpct"].run_dir),
+        "recomputed_steps": recomputed,
         "baseline_restart_s": round(base_s, 3),
         "baseline_lost_steps": baseline_recomputed(runs["baseline"].run_dir, base_last),
         "baseline_bitwise_equal": bitwise_equal(runs["reference"].results,

@@ -91,3 +91,15 @@ def test_controller_defaults_come_from_the_spank_options():
         defaults_from_spank(None, None, {"HPCT_SPARES": "two"})
     with pytest.raises(HpctError, match="HPCT_RENDEZVOUS 'etcd'"):
         defaults_from_spank(None, None, {"HPCT_RENDEZVOUS": "etcd"})
+
+
+def test_progress_timeout_comes_from_the_environment_and_is_checked():
+    from hpct_slurm.errors import seconds_from_env
+
+    assert seconds_from_env({}, "HPCT_PROGRESS_TIMEOUT_S", 300.0) == 300.0
+    assert seconds_from_env({"HPCT_PROGRESS_TIMEOUT_S": "4"}, "HPCT_PROGRESS_TIMEOUT_S",
+                            300.0) == 4.0
+    for bad in ("abc", "0", "-3"):
+        with pytest.raises(HpctError, match=f"HPCT_PROGRESS_TIMEOUT_S '{bad}' is not a "
+                                            f"positive number of seconds"):
+            seconds_from_env({"HPCT_PROGRESS_TIMEOUT_S": bad}, "HPCT_PROGRESS_TIMEOUT_S", 1.0)

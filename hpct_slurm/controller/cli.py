@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import HpctError
+from ..errors import HpctError, seconds_from_env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--hpct-rendezvous sets, else rootless)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds without a heartbeat before a rank counts as hung")
-    p.add_argument("--progress-timeout", type=float,
-                   default=float(os.environ.get("HPCT_PROGRESS_TIMEOUT_S", "300")),
+    p.add_argument("--progress-timeout", type=float, default=None,
                    help="seconds a running rank may go without completing a step before it "
                         "counts as hung (its heartbeats go on from a healthy thread); "
                         "default $HPCT_PROGRESS_TIMEOUT_S or 300")
@@ -48,10 +47,16 @@ def run(args: argparse.Namespace) -> int:
 
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     spares, store = defaults_from_spank(args.spares, args.store, os.environ)
+    # read here, not when the parser is built: a bad value must not break `--help`
+    progress_timeout = args.progress_timeout
+    if progress_timeout is None:
+        progress_timeout = seconds_from_env(os.environ, "HPCT_PROGRESS_TIMEOUT_S", 300.0)
+    elif not progress_timeout > 0:
+        raise HpctError(f"--progress-timeout {progress_timeout:g} must be positive")
     return main_from_env(cmd, args.run_dir, spares, args.tasks_per_node, store,
                          args.heartbeat_timeout, args.on_no_spare, args.active,
                          args.persist_every, args.pool_spares, args.pool_reservation,
-                         progress_timeout_s=args.progress_timeout)
+                         progress_timeout_s=progress_timeout)
 
 
 def defaults_from_spank(spares: int | None, store: str | None,

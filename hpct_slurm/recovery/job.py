@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol as P
-from ..errors import HpctError
+from ..errors import HpctError, seconds_from_env
 from ..events import EventLog
 from ..rendezvous import derive as rdv
 from ..rendezvous import pg
@@ -99,10 +99,10 @@ class Job:
         self.role = env.get("HPCT_ROLE", "active")
         self.run_dir = Path(_require(env, "HPCT_RUN_DIR"))
         self.store_kind = env.get("HPCT_STORE", "rootless")
-        self.collective_timeout_s = _seconds(env, "HPCT_COLLECTIVE_TIMEOUT_S", 10.0)
+        self.collective_timeout_s = seconds_from_env(env, "HPCT_COLLECTIVE_TIMEOUT_S", 10.0)
         # Bounded so a member lost between assignment and formation costs at most this long;
         # warm spares make a normal formation take well under a second.
-        self.init_timeout_s = _seconds(env, "HPCT_INIT_TIMEOUT_S", 30.0)
+        self.init_timeout_s = seconds_from_env(env, "HPCT_INIT_TIMEOUT_S", 30.0)
         self.model, self.optimizer = model, optimizer
         self.state = TrainState(model=model, optimizer=optimizer, **extra_state)
         if lr_scheduler is not None:
@@ -407,7 +407,8 @@ class Job:
             with self.snapshots.lease(step) as snap:
                 if snap is not None and snap.verify():
                     self.state.restore_from(snap.layout, snap.data)
-                    return self._restore_rank_state(a, own=True) or "own"
+                    self._restore_rank_state(a, own=True)
+                    return "own"
         if self.mode == "replicated":
             # exactly this rank's state, from the ring neighbour that holds its replica
             try:
@@ -439,17 +440,17 @@ class Job:
         self._restore_rank_state(a, own=False, disk=True)
         return got.source
 
-    def _restore_rank_state(self, a: P.Assign, own: bool, disk: bool = False) -> str | None:
+    def _restore_rank_state(self, a: P.Assign, own: bool, disk: bool = False) -> None:
         """This rank's own small state at the restore step: from its own memory, else from the
-        ring neighbour, else from disk. None when nothing of the kind is registered."""
+        ring neighbour, else from disk. Nothing to do when none is registered."""
         if self.rank_snaps is None:
-            return None
+            return
         step = a.restore_step
         if own:
             with self.rank_snaps.lease(step) as snap:
                 if snap is not None and snap.verify():
                     self.state.restore_from(snap.layout, snap.data, scopes=("rank",))
-                    return None
+                    return
         got = fetch_state([] if disk else self._holder(a), a.rank, self.secret, self.job_id,
                           step=step, disk_dir=str(self.run_dir / "persist-rank"),
                           events=self.events)
@@ -457,7 +458,6 @@ class Job:
             raise HpctError(f"rank {a.rank}'s own state (sampler, extras) exists at step "
                             f"{got.step} at best, the group restores step {step}")
         self.state.restore_from(got.layout, got.data, scopes=("rank",))
-        return None
 
     def _controller_gone(self, probe_s: float = 3.0) -> bool:
         """Whether the controller's listening socket is really gone (its host died), not just
@@ -569,19 +569,6 @@ def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(client, _per_parameter_allreduce)
     return ddp
-
-
-def _seconds(env: dict[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise HpctError(f"{name} {raw!r} is not a positive number of seconds")
-    return value
 
 
 def _require(env: dict[str, str], name: str) -> str:

@@ -28,3 +28,20 @@ def seconds_from_env(env: Mapping[str, str], name: str, default: float) -> float
     if not value > 0:
         raise HpctError(f"{name} {raw!r} is not a positive number of seconds")
     return value
+
+
+def shown(text: str, limit: int = 60) -> str:
+    """`text` quoted for an error message, cut short when long, so that a hostile value of
+    megabytes still gives a one-line error."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one line for a log: an HpctError's message, otherwise its type and text.
+    The type is never dropped: `asyncio.TimeoutError()` has an empty str and would log ''."""
+    if isinstance(exc, HpctError):
+        return exc.message
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -5,13 +5,17 @@ names are constants here and nowhere else.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+from .errors import HpctError
 
 
 class EventLog:
@@ -34,12 +38,36 @@ class EventLog:
         line = json.dumps(record, sort_keys=False, default=str)
         with self._lock:
             if self._path:
-                with open(self._path, "a", encoding="utf-8") as f:
-                    f.write(line + "\n")
+                _append(self._path, (line + "\n").encode())
             if self._stream:
                 self._stream.write(line + "\n")
                 self._stream.flush()
         return record
+
+
+# Never through a symlink, never into a fifo or a device: the hooks log as root and the
+# controller as the job's user, and a link planted where a log goes would make them append to
+# whatever file it points at (O_NONBLOCK: a planted fifo fails at once instead of hanging).
+_APPEND_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | os.O_CLOEXEC)
+
+
+def _append(path: Path, data: bytes) -> None:
+    try:
+        fd = os.open(path, _APPEND_FLAGS, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise HpctError(f"event log {path} is a symlink; logs are never written through "
+                            f"a link: remove it") from None
+        raise HpctError(f"event log {path} cannot be opened ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HpctError(f"event log {path} is not a regular file: remove it")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def read_events(path: str | os.PathLike) -> Iterator[dict]:

@@ -6,7 +6,10 @@ One frame on the wire::
 
     header = {"v": 2, "type": "...", "job": "...", "seq": int,
               "parts": [[nbytes, "digest hex"], ...], "fields": {...}}
-    MAC    = HMAC-SHA256(secret, b"hpct2" + header bytes)
+    MAC    = HMAC-SHA256(secret, b"hpct2" + direction + nonce + header bytes)
+
+On every connection the server first sends NONCE_BYTES fresh random bytes; every frame on that
+connection is MACed with that nonce and its direction (TO_SERVER or TO_CLIENT), see `Channel`.
 
 The MAC covers only the header; the body is a sequence of parts, each bound to the header by its
 `part_digest` (a SHA-256 hash tree, below). An attacker without the secret can forge no header,
@@ -20,7 +23,10 @@ allocates or fills a buffer; the length prefix covers only the header (capped at
 blob can exceed 4 GiB.
 
 Replay protection: the job id in the header rejects frames from another job (and the secret is
-per job anyway); `Channel` rejects a sequence number that does not increase on one connection.
+per job anyway). The server's nonce makes a frame recorded on one connection fail the MAC on any
+other, the direction makes a server's own frames fail when reflected back at it (or a client's
+at another client), and `Channel` rejects a sequence number that does not increase on one
+connection, so nothing recorded can be replayed, reflected or reordered.
 """
 from __future__ import annotations
 
@@ -52,6 +58,10 @@ DIGEST_LEN = 32
 MAX_PARTS = 16
 _LEN = struct.Struct(">I")
 _MAC_DOMAIN = b"hpct2"
+NONCE_BYTES = 16
+# The direction of a frame, MACed with it: the server's frames and its clients' never verify as
+# each other's.
+TO_SERVER, TO_CLIENT = b">", b"<"
 # Large bodies move through the kernel in slices this big, and each slice is one leaf of the
 # part digest, hashed on the pool as soon as it has arrived.
 CHUNK = 4 * 1024 * 1024
@@ -272,8 +282,27 @@ class StateBlob:
     layout_nbytes: int = 0
 
 
+@dataclass(frozen=True)
+class Holdings:
+    """What a rank can restore from, sent right before its `ready` heartbeat after a fault:
+    the controller picks a restore step only where every position of the next generation has
+    a copy (its own, a ring replica, or disk). `rank` is the position it held (-1: none yet);
+    `own`: steps of its own snapshot (the whole state in replicated mode, the shared state in
+    jit mode); `rank_own`: steps of its own per-rank state; `replicas`: rank -> steps of that
+    rank's state kept here; `error`: the failure that ended its generation."""
+    TYPE: ClassVar[str] = "holdings"
+    rank: int
+    generation: int
+    mode: Literal["jit", "replicated"]
+    rank_state: bool
+    own: list[int]
+    rank_own: list[int]
+    replicas: dict[int, list[int]]
+    error: str = ""
+
+
 Message = Union[Register, Heartbeat, Stop, Assign, Resume, StepDone, Ack, Goodbye,
-                FetchState, StateBlob]
+                FetchState, StateBlob, Holdings]
 MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 
@@ -371,8 +400,9 @@ def _fields_json(msg: Any) -> dict:
 Body = Union[bytes, bytearray, memoryview, Sequence[Union[bytes, bytearray, memoryview]]]
 
 
-def _mac(secret: bytes, header: bytes) -> bytes:
-    return hmac.new(secret, _MAC_DOMAIN + header, hashlib.sha256).digest()
+def _mac(secret: bytes, header: bytes, context: bytes) -> bytes:
+    # `context` (direction + nonce, fixed length) cannot run into the header: that starts with {.
+    return hmac.new(secret, _MAC_DOMAIN + context + header, hashlib.sha256).digest()
 
 
 def _parts(body: Body) -> list[memoryview]:
@@ -394,7 +424,7 @@ def _digests(parts: list[memoryview], known: Sequence[bytes | None] | None) -> l
 
 
 def _head(msg: Any, secret: bytes, seq: int, job_id: str, sizes: Sequence[int],
-          digests: Sequence[bytes]) -> bytes:
+          digests: Sequence[bytes], context: bytes) -> bytes:
     """Length prefix, header and MAC: everything that precedes the body."""
     fields = _fields_json(msg)
     if len(sizes) > MAX_PARTS:
@@ -406,15 +436,17 @@ def _head(msg: Any, secret: bytes, seq: int, job_id: str, sizes: Sequence[int],
                          "fields": fields}, separators=(",", ":")).encode()
     if len(header) > HEADER_MAX:
         raise ProtocolError(f"{msg.TYPE} header is {len(header)} bytes, over the {HEADER_MAX} limit")
-    return _LEN.pack(len(header)) + header + _mac(secret, header)
+    return _LEN.pack(len(header)) + header + _mac(secret, header, context)
 
 
 def encode(msg: Any, secret: bytes, seq: int, job_id: str = "", body: Body = b"",
-           digests: Sequence[bytes | None] | None = None) -> bytes:
+           digests: Sequence[bytes | None] | None = None, *, context: bytes = b"") -> bytes:
     """Serialize `msg` (and an optional body) into one authenticated frame; `digests` may carry
-    already known part digests (None entries are computed)."""
+    already known part digests (None entries are computed). `context`: the connection it is
+    for (`Channel.send_context`); empty only for a frame that travels on no connection."""
     parts = _parts(body)
-    head = _head(msg, secret, seq, job_id, [len(p) for p in parts], _digests(parts, digests))
+    head = _head(msg, secret, seq, job_id, [len(p) for p in parts], _digests(parts, digests),
+                 context)
     return b"".join([head, *parts])
 
 
@@ -450,10 +482,11 @@ def _parse_parts(parts: Any) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
 
 
 def _authentic_header(raw: bytes, tag: bytes, secret: bytes, job_id: str | None,
-                      max_body: int) -> _Header:
+                      max_body: int, context: bytes) -> _Header:
     """Check the MAC first, so nothing unauthenticated is parsed, then the header's contents."""
-    if not hmac.compare_digest(_mac(secret, raw), tag):
-        raise ProtocolError("bad MAC on frame header (wrong secret or tampered frame)")
+    if not hmac.compare_digest(_mac(secret, raw, context), tag):
+        raise ProtocolError("bad MAC on frame header (wrong secret, tampered frame, or a frame "
+                            "replayed from another connection or direction)")
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -489,7 +522,7 @@ def _check_digests(head: _Header, got: Sequence[bytes]) -> None:
 
 
 def decode_frame(frame: bytes | memoryview, secret: bytes, job_id: str | None = None,
-                 max_body: int = DEFAULT_MAX_BODY) -> Envelope:
+                 max_body: int = DEFAULT_MAX_BODY, *, context: bytes = b"") -> Envelope:
     """Parse and authenticate one complete frame; `job_id` given: reject other jobs' frames."""
     mv = _flat(frame)
     if len(mv) < _LEN.size:
@@ -501,7 +534,7 @@ def decode_frame(frame: bytes | memoryview, secret: bytes, job_id: str | None = 
         raise ProtocolError(f"truncated frame: header and MAC need {hlen + MAC_LEN} bytes, "
                             f"{len(mv) - _LEN.size} present")
     head = _authentic_header(bytes(mv[_LEN.size:hend - MAC_LEN]), bytes(mv[hend - MAC_LEN:hend]),
-                             secret, job_id, max_body)
+                             secret, job_id, max_body, context)
     if len(mv) != hend + head.body_len:
         raise ProtocolError(f"frame is {len(mv)} bytes, its header says {hend + head.body_len}")
     body = mv[hend:]
@@ -511,26 +544,36 @@ def decode_frame(frame: bytes | memoryview, secret: bytes, job_id: str | None = 
 
 
 def decode(frame: bytes | memoryview, secret: bytes, job_id: str | None = None,
-           max_body: int = DEFAULT_MAX_BODY) -> Any:
+           max_body: int = DEFAULT_MAX_BODY, *, context: bytes = b"") -> Any:
     """Parse and authenticate one frame; returns the message."""
-    return decode_frame(frame, secret, job_id, max_body).msg
+    return decode_frame(frame, secret, job_id, max_body, context=context).msg
 
 
 class Channel:
-    """Per-connection sequencing: outgoing numbers increase, incoming ones must increase.
+    """One connection's authentication: the per-job secret, the nonce the server sent when the
+    connection opened, the direction of each frame, and sequence numbers (outgoing ones
+    increase, incoming ones must increase).
 
-    Sequence numbers start from the wall clock in ns, so a frame recorded on an earlier
-    connection of the same job is rejected by a newer channel of the same peers.
+    A frame MACed for one connection and direction fails on every other, so a recording of a
+    connection is worth nothing on a new one; within a connection the sequence numbers refuse
+    replays and reordering. Open one with `server_hello`/`server_hello_async` (the accepting
+    end) or `client_hello` (the connecting end).
     """
 
-    def __init__(self, secret: bytes, job_id: str):
+    def __init__(self, secret: bytes, job_id: str, nonce: bytes,
+                 side: Literal["server", "client"]):
+        if len(nonce) != NONCE_BYTES:
+            raise ProtocolError(f"connection nonce is {len(nonce)} bytes, not {NONCE_BYTES}")
         self.secret = secret
         self.job_id = job_id
-        self._next = time.time_ns()
+        outgoing, incoming = (TO_CLIENT, TO_SERVER) if side == "server" else (TO_SERVER, TO_CLIENT)
+        self.send_context = outgoing + nonce
+        self.recv_context = incoming + nonce
+        self._next = 0
         self._last_in = -1
 
     def next_seq(self) -> int:
-        self._next = max(self._next + 1, time.time_ns())
+        self._next += 1
         return self._next
 
     def accept(self, env: Envelope) -> Envelope:
@@ -538,6 +581,60 @@ class Channel:
             raise ProtocolError(f"replayed or reordered frame: seq {env.seq} after {self._last_in}")
         self._last_in = env.seq
         return env
+
+    # Blocking sockets.
+    def send(self, sock: socket.socket, msg: Any, body: Body = b"", timeout: float | None = None,
+             digests: Sequence[bytes | None] | None = None) -> None:
+        send_msg(sock, msg, self.secret, self.next_seq(), self.job_id, body, timeout, digests,
+                 context=self.send_context)
+
+    def writer(self, sock: socket.socket, msg: Any, sizes: Sequence[int],
+               digests: Sequence[bytes], timeout: float | None = None) -> "FrameWriter":
+        return FrameWriter(sock, msg, self.secret, self.next_seq(), self.job_id, sizes, digests,
+                           timeout, context=self.send_context)
+
+    def recv(self, sock: socket.socket, timeout: float | None = None,
+             max_body: int = DEFAULT_MAX_BODY, body_sink: BodySink | None = None,
+             header_timeout: float | None = None) -> Envelope:
+        return self.accept(recv_msg(sock, self.secret, self.job_id, timeout, max_body, body_sink,
+                                    context=self.recv_context, header_timeout=header_timeout))
+
+    # asyncio streams.
+    async def read(self, reader: asyncio.StreamReader,
+                   max_body: int = DEFAULT_MAX_BODY) -> Envelope:
+        return self.accept(await read_msg(reader, self.secret, self.job_id, max_body,
+                                          context=self.recv_context))
+
+    async def write(self, writer: asyncio.StreamWriter, msg: Any, body: Body = b"") -> None:
+        await write_msg(writer, msg, self.secret, self.next_seq(), self.job_id, body,
+                        context=self.send_context)
+
+
+def server_hello(sock: socket.socket, secret: bytes, job_id: str,
+                 timeout: float | None) -> Channel:
+    """The accepting end of a new connection: send it a fresh nonce."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.settimeout(timeout)
+    _sendall(sock, nonce, "connection nonce")
+    return Channel(secret, job_id, nonce, "server")
+
+
+def client_hello(sock: socket.socket, secret: bytes, job_id: str,
+                 timeout: float | None) -> Channel:
+    """The connecting end of a new connection: receive the server's nonce."""
+    nonce = memoryview(bytearray(NONCE_BYTES))
+    _recv_exact(sock, nonce, None if timeout is None else time.monotonic() + timeout,
+                "connection nonce")
+    return Channel(secret, job_id, bytes(nonce), "client")
+
+
+async def server_hello_async(writer: asyncio.StreamWriter, secret: bytes,
+                             job_id: str) -> Channel:
+    """`server_hello` on an asyncio stream."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    writer.write(nonce)
+    await writer.drain()
+    return Channel(secret, job_id, nonce, "server")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,9 +689,10 @@ class FrameWriter:
     """
 
     def __init__(self, sock: socket.socket, msg: Any, secret: bytes, seq: int, job_id: str,
-                 sizes: Sequence[int], digests: Sequence[bytes], timeout: float | None = None):
+                 sizes: Sequence[int], digests: Sequence[bytes], timeout: float | None = None,
+                 *, context: bytes):
         self._sock, self._msg, self._left = sock, msg, sum(sizes)
-        head = _head(msg, secret, seq, job_id, sizes, digests)
+        head = _head(msg, secret, seq, job_id, sizes, digests, context)
         sock.settimeout(timeout)
         _sendall(sock, head, msg.TYPE)
 
@@ -613,16 +711,17 @@ class FrameWriter:
 
 def send_msg(sock: socket.socket, msg: Any, secret: bytes, seq: int, job_id: str = "",
              body: Body = b"", timeout: float | None = None,
-             digests: Sequence[bytes | None] | None = None) -> None:
+             digests: Sequence[bytes | None] | None = None, *, context: bytes) -> None:
     """Send one frame; the body (one buffer, or a list of parts) is never copied whole.
     `digests`: part digests the caller already knows (a snapshot's), None entries are computed."""
     parts = _parts(body)
     known = _digests(parts, digests)
     if sum(len(p) for p in parts) <= CHUNK:
         sock.settimeout(timeout)
-        _sendall(sock, encode(msg, secret, seq, job_id, parts, known), msg.TYPE)
+        _sendall(sock, encode(msg, secret, seq, job_id, parts, known, context=context), msg.TYPE)
         return
-    writer = FrameWriter(sock, msg, secret, seq, job_id, [len(p) for p in parts], known, timeout)
+    writer = FrameWriter(sock, msg, secret, seq, job_id, [len(p) for p in parts], known, timeout,
+                         context=context)
     for p in parts:
         writer.write(p)
     writer.finish()
@@ -630,22 +729,32 @@ def send_msg(sock: socket.socket, msg: Any, secret: bytes, seq: int, job_id: str
 
 def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
              timeout: float | None = None, max_body: int = DEFAULT_MAX_BODY,
-             body_sink: BodySink | None = None) -> Envelope:
-    """Receive one frame within `timeout` seconds (None: wait forever) and authenticate it.
+             body_sink: BodySink | None = None, *, context: bytes,
+             header_timeout: float | None = None) -> Envelope:
+    """Receive one frame within `timeout` seconds and authenticate it. None: no limit of its own,
+    each receive waits as long as the socket's own timeout (a server's limit on a stalled
+    peer). `header_timeout`: the header, which is not authenticated yet, must have arrived
+    within this many seconds (a stranger's bytes are not waited for as long as a peer's body).
 
     The header is authenticated before `body_sink` is asked for buffers. The body's leaves are
     hashed on the pool while the next ones arrive; the buffers hold unverified bytes if this
     raises, so a caller must only use them after a successful return. A body that does not match
     its digests raises `DigestMismatch` after the whole frame was read.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
+    now = time.monotonic()
+    deadline = None if timeout is None else now + timeout
+    head_deadline = deadline if header_timeout is None else now + header_timeout
+    stall_limit = sock.gettimeout()
     prefix = memoryview(bytearray(_LEN.size))
-    _recv_exact(sock, prefix, deadline, "frame length", clean_eof=True)
+    _recv_exact(sock, prefix, head_deadline, "frame length", clean_eof=True)
     (hlen,) = _LEN.unpack(prefix)
     _check_len(hlen)
     hbuf = memoryview(bytearray(hlen + MAC_LEN))
-    _recv_exact(sock, hbuf, deadline, "frame header")
-    head = _authentic_header(bytes(hbuf[:hlen]), bytes(hbuf[hlen:]), secret, job_id, max_body)
+    _recv_exact(sock, hbuf, head_deadline, "frame header")
+    head = _authentic_header(bytes(hbuf[:hlen]), bytes(hbuf[hlen:]), secret, job_id, max_body,
+                             context)
+    if deadline is None:
+        sock.settimeout(stall_limit)  # the header deadline set its own
     parts = [_flat(p) for p in (body_sink or _default_sink)(head.msg, head.sizes)]
     if [len(p) for p in parts] != list(head.sizes):
         raise ProtocolError(f"{head.msg.TYPE}: body buffers {[len(p) for p in parts]} do not match "
@@ -670,7 +779,7 @@ def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
 # asyncio streams (the controller side).
 
 async def read_msg(reader: asyncio.StreamReader, secret: bytes, job_id: str | None = None,
-                   max_body: int = DEFAULT_MAX_BODY) -> Envelope:
+                   max_body: int = DEFAULT_MAX_BODY, *, context: bytes) -> Envelope:
     """Read one authenticated frame; wrap in `asyncio.wait_for` for a timeout."""
     try:
         prefix = await reader.readexactly(_LEN.size)
@@ -682,7 +791,7 @@ async def read_msg(reader: asyncio.StreamReader, secret: bytes, job_id: str | No
     _check_len(hlen)
     try:
         raw = await reader.readexactly(hlen + MAC_LEN)
-        head = _authentic_header(raw[:hlen], raw[hlen:], secret, job_id, max_body)
+        head = _authentic_header(raw[:hlen], raw[hlen:], secret, job_id, max_body, context)
         body = memoryview(await reader.readexactly(head.body_len))
     except asyncio.IncompleteReadError as exc:
         raise ProtocolError(f"truncated frame: peer closed after {len(exc.partial)} of "
@@ -695,8 +804,8 @@ async def read_msg(reader: asyncio.StreamReader, secret: bytes, job_id: str | No
 
 
 async def write_msg(writer: asyncio.StreamWriter, msg: Any, secret: bytes, seq: int,
-                    job_id: str = "", body: Body = b"") -> None:
-    writer.write(encode(msg, secret, seq, job_id, body))
+                    job_id: str = "", body: Body = b"", *, context: bytes) -> None:
+    writer.write(encode(msg, secret, seq, job_id, body, context=context))
     await writer.drain()
 
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpct_slurm.controller.policy import (World, data_ranks, initial_shards, replace,
-                                          restore_step, shrink, split_allocation)
+from hpct_slurm.controller.policy import (Held, World, data_ranks, initial_shards,
+                                          plan_restore, replace, shrink, split_allocation)
 from hpct_slurm.errors import HpctError
 
 NODES = [f"n{i}" for i in range(1, 9)]
@@ -53,10 +53,108 @@ def test_replacement_without_enough_spares_is_refused():
         replace(World(["n1", "n2", "n3"], ["n4"], 1), ["n2", "n3"], ["n4"])
 
 
-def test_restore_step_is_the_oldest_newest_snapshot():
-    assert restore_step({0: 12, 1: 11, 3: 12}) == 11
-    with pytest.raises(HpctError, match="no survivor"):
-        restore_step({})
+def _held(own=(), rank_own=(), replicas=None):
+    return Held(frozenset(own), frozenset(rank_own),
+                {r: frozenset(v) for r, v in (replicas or {}).items()})
+
+
+def test_restore_step_is_the_newest_every_survivor_holds():
+    # a fault mid-step: ranks 0 and 3 committed 12, rank 1 only 11; rank 2 is lost (DDP)
+    held = {0: _held([11, 12]), 1: _held([10, 11]), 3: _held([11, 12])}
+    plan = plan_restore({r: r for r in range(4)}, held, mode="jit", rank_state=False)
+    assert plan.step == 12 and plan.sources == {0: "own", 1: "peer", 2: "peer", 3: "own"}
+
+
+def test_per_rank_state_limits_the_step_to_what_the_lost_rank_left():
+    # ring replica of rank 2 (on rank 0) holds only 34; rank 2 itself is gone
+    held = {0: _held([34, 35], [34, 35], {2: [33, 34]}), 1: _held([34, 35], [34, 35]),
+            3: _held([34, 35], [34, 35])}
+    plan = plan_restore({r: r for r in range(4)}, held, mode="jit", rank_state=True)
+    assert plan.step == 34 and plan.sources[2] == "peer" and not plan.from_disk
+
+
+def test_owner_and_holder_lost_together_falls_back_to_the_newest_persisted_step():
+    # issue 19: ranks 1 and 2 lost; rank 2's replica lived on rank 1. Memory holds 35, disk
+    # has rank 2's own state at 30 only: 30 for everyone, stated as a disk fallback, not 35
+    # and never -1.
+    held = {0: _held([34, 35], [34, 35]), 3: _held([34, 35], [34, 35], {1: [34, 35]})}
+    plan = plan_restore({r: r for r in range(4)}, held, mode="jit", rank_state=True,
+                        disk_shared={20, 30}, disk_rank={r: {20, 30} for r in range(4)})
+    assert plan.step == 30 and plan.from_disk == [0, 1, 2, 3]
+
+
+def test_no_consistent_state_is_an_error_not_a_restart_from_scratch():
+    held = {0: _held([34, 35], [34, 35]), 3: _held([34, 35], [34, 35])}
+    with pytest.raises(HpctError, match=r"rank\(s\) \[1, 2\] have no copy"):
+        plan_restore({r: r for r in range(4)}, held, mode="jit", rank_state=True)
+    # mid-run, the state at creation is no way out: survivors no longer hold it
+    with pytest.raises(HpctError, match=r"at step 35 .* rank\(s\) \[1, 2\]"):
+        plan_restore({r: r for r in range(4)},
+                     {0: _held([34, 35], [34, 35]), 3: _held([34, 35], [34, 35])},
+                     mode="jit", rank_state=True, disk_rank={1: {30}})
+
+
+def test_a_fault_while_the_first_group_forms_starts_everyone_at_creation():
+    # nobody trained or restored anything yet: every process stands at its creation state
+    plan = plan_restore({r: r for r in range(4)}, {0: _held(), 1: _held(), 3: _held()},
+                        mode="jit", rank_state=True)
+    assert plan.step == -1 and set(plan.sources.values()) == {"creation"}
+
+
+def test_a_fault_in_step_zero_restores_the_state_at_creation():
+    # survivors hold their creation snapshot (-1); the newcomer's own state at creation is
+    # its constructor's, so it needs no copy of it
+    held = {0: _held([-1], [-1]), 1: _held([-1], [-1]), 3: _held([-1], [-1])}
+    plan = plan_restore({r: r for r in range(4)}, held, mode="jit", rank_state=True)
+    assert plan.step == -1 and plan.sources[2] == "creation"
+
+
+def test_a_newcomer_whose_restore_failed_holds_nothing():
+    # an in-place round: the newcomer at rank 2 reports empty holdings; it must not pull the
+    # restore step down to -1 (issue 19) nor count as a source
+    held = {0: _held([34, 35], [34, 35], {3: [34, 35]}), 1: _held([34, 35], [34, 35]),
+            2: _held(), 3: _held([34, 35], [34, 35], {2: [34, 35]})}
+    plan = plan_restore({r: r for r in range(4)}, held, mode="jit", rank_state=True)
+    assert plan.step == 35 and plan.sources[2] == "peer"
+
+
+def test_replicated_mode_needs_the_ranks_own_copy():
+    held = {0: _held([5, 6]), 1: _held([5, 6], replicas={0: [5, 6]}),
+            2: _held([5, 6], replicas={1: [6]})}
+    plan = plan_restore({0: 0, 1: 1, 2: 2, 3: 3}, {**held, 3: _held([6], replicas={2: [6]})},
+                        mode="replicated", rank_state=True)
+    assert plan.step == 6
+    with pytest.raises(HpctError, match=r"\[1\]"):  # rank 1 lost, its replica only at 6... gone
+        plan_restore({0: 0, 1: 1, 2: 2}, {0: _held([5, 6]), 2: _held([5, 6])},
+                     mode="replicated", rank_state=False)
+
+
+@given(st.integers(2, 6), st.integers(0, 20), st.data())
+def test_the_plan_is_reachable_by_every_rank(world, newest, data):
+    """Property: whatever is held, the chosen step is one every rank has a copy of."""
+    needs = {r: r for r in range(world)}
+    steps = st.frozensets(st.integers(-1, newest), max_size=3)
+    held = {r: Held(data.draw(steps), data.draw(steps),
+                    {q: data.draw(steps) for q in data.draw(st.sets(st.sampled_from(
+                        list(range(world))), max_size=2))})
+            for r in data.draw(st.sets(st.sampled_from(list(range(world))), min_size=1))}
+    disk = data.draw(steps)
+    disk_rank = {r: data.draw(steps) for r in range(world)}
+
+    try:
+        plan = plan_restore(needs, held, mode="jit", rank_state=True, disk_shared=disk,
+                            disk_rank=disk_rank)
+    except HpctError:
+        return
+    for r in range(world):
+        mine = held.get(r)
+        newcomer_at_creation = plan.step == -1 and (mine is None or not (mine.own or mine.rank_own))
+        shared = any(plan.step in h.own for h in held.values()) or plan.step in disk \
+            or newcomer_at_creation
+        own = (mine is not None and plan.step in mine.rank_own) \
+            or any(plan.step in h.replicas.get(r, ()) for h in held.values()) \
+            or plan.step in disk_rank[r] or newcomer_at_creation
+        assert shared and own, (r, plan)
 
 
 @given(st.integers(2, 8), st.integers(1, 3), st.data())

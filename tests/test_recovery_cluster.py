@@ -51,12 +51,13 @@ def test_node_crash_warm_spare_takes_over_bit_identical(cluster, reference, tmp_
     node = cluster.client().show_node(VICTIM)
     assert node.state == "DOWN" and node.reason.startswith("hpct:")
     # just-in-time mode: the big shared state came from a survivor, rank 2's own data
-    # position from n4, its ring neighbour, which holds a few KB a step of it, not the model
+    # position from n1, its ring holder half the ring away (not n3's neighbour n4, which
+    # may share its failure domain), which holds a few KB a step of it, not the model
     assert got[2]["consumed"] == reference[2]["consumed"] is not None
-    n4 = cluster.client().show_node("n4").addr
+    n1 = cluster.client().show_node("n1").addr
     fetched = [e for e in _rank_events(tmp_path, "n5") if e["event"] == "transfer.fetched"]
-    assert any(e["rank"] == 2 and e["source"].split(":")[0] == n4 for e in fetched)
-    stored = [e for e in _rank_events(tmp_path, "n4") if e["event"] == "replica.stored"]
+    assert any(e["rank"] == 2 and e["source"].split(":")[0] == n1 for e in fetched)
+    stored = [e for e in _rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
     assert stored and max(e["nbytes"] for e in stored) < 64 * 1024
 
 
@@ -101,9 +102,9 @@ def _rank_events(run_dir, node):
 
 
 def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tmp_path):
-    """Forced replicated mode: every commit goes to the ring neighbour (n3's ranks to n4); after
-    n3 crashes, the spare pulls exactly rank 2's state (model, optimizer, data position) from
-    n4's replica, not from disk and not from another rank's copy."""
+    """Forced replicated mode: every commit goes to the ring holder half the ring away (n3's
+    ranks to n1); after n3 crashes, the spare pulls exactly rank 2's state (model, optimizer,
+    data position) from n1's replica, not from disk and not from another rank's copy."""
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--position"],
                  env={"HPCT_RECOVERY_MODE": "replicated"})
     wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="replicated")
@@ -115,10 +116,10 @@ def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tm
     assert registered and registered[0]["mode"] == "replicated"
     adopted = [e for e in _rank_events(tmp_path, "n5")
                if e["event"] == "rank.adopted" and e["restore_step"] >= 0]
-    n4 = cluster.client().show_node("n4").addr
-    assert len(adopted) == 1 and adopted[0]["source"].split(":")[0] == n4
-    stored = [e for e in _rank_events(tmp_path, "n4") if e["event"] == "replica.stored"]
-    assert {e["rank"] for e in stored} == {2}  # n4 holds n3's rank, nobody else's
+    n1 = cluster.client().show_node("n1").addr
+    assert len(adopted) == 1 and adopted[0]["source"].split(":")[0] == n1
+    stored = [e for e in _rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
+    assert {e["rank"] for e in stored} == {2}  # n1 holds n3's rank, nobody else's
 
 
 

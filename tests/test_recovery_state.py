@@ -273,6 +273,15 @@ def test_ring_placement_puts_every_replica_on_another_node(num_nodes, tpn):
     assert sorted(held) == list(range(num_nodes * tpn))  # each rank replicated exactly once
 
 
+@given(st.integers(min_value=4, max_value=64))
+def test_two_adjacent_nodes_never_hold_each_others_only_copy(num_nodes):
+    # issue 19: two neighbouring nodes lost together took a state and its replica with them
+    for node in range(num_nodes):
+        nxt = (node + 1) % num_nodes
+        assert replica_peer(node, num_nodes) not in (node, nxt)
+        assert replica_peer(nxt, num_nodes) != node
+
+
 def test_ring_placement_rejects_bad_input():
     with pytest.raises(HpctError, match="at least 2 nodes"):
         replica_peer(0, 1)

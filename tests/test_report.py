@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,35 @@ def test_status_of_the_demo_run_while_it_ran() -> None:
 
     st = build_status(_fixture_run(), now=T_DONE + 10)
     assert (st.state, st.generation, st.step, st.recoveries_done) == ("done", 1, 59, 1)
+
+
+def test_status_rank_is_each_processs_own_not_the_rank_its_last_event_names(tmp_path) -> None:
+    """n4 (rank 3) holds n5's rank-2 replica: its last events name rank 2."""
+    run = tmp_path / "hpct-2"
+    shutil.copytree(FIXTURE, run)
+    with open(run / "events" / "n4-0.jsonl", "a") as f:
+        f.write(json.dumps(_ev(T_DONE + 1, "replica.stored", source="n4/0", server_rank=3,
+                               rank=2, step=59, nbytes=120)) + "\n")
+        f.write(json.dumps(_ev(T_DONE + 2, "transfer.served", source="n4/0", server_rank=3,
+                               rank=2, step=59)) + "\n")
+    st = build_status(load_run(run), now=T_DONE + 10)
+    assert {r.process: r.rank for r in st.ranks} == {"n1-0": 0, "n2-0": 1, "n3-0": 2, "n4-0": 3,
+                                                     "n5-0": 2}
+    assert {r.process: r.last_event for r in st.ranks}["n4-0"] == "transfer.served"
+
+
+def test_status_says_when_a_fault_was_and_since_what(capsys) -> None:
+    assert main(["status", str(FIXTURE)]) == 0
+    fault = [ln for ln in capsys.readouterr().out.splitlines() if "fault" in ln]
+    t_fault = 1795318816.262941
+    clock = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t_fault))
+    assert fault == [f"  fault at {clock} ({t_fault - T_START:.2f} s after the job started)  "
+                     f"n3: connection lost"]
+    assert main(["report", str(FIXTURE)]) == 0
+    start = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(T_START))
+    assert f"started {start}: times below are seconds since then" in capsys.readouterr().out
+    assert main(["status", str(FIXTURE), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["start_unix"] == T_START
 
 
 # ---- synthetic logs for what the demo run lacks --------------------------------------------

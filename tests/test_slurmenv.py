@@ -64,7 +64,7 @@ def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("changes, message", [
     ({"SLURM_JOB_ID": None}, "SLURM_JOB_ID is not set: not inside a Slurm job"),
-    ({"SLURM_JOB_ID": "x1"}, "SLURM_JOB_ID 'x1' is not a non-negative integer"),
+    ({"SLURM_JOB_ID": "x1"}, "SLURM_JOB_ID 'x1' is not a Slurm job id"),
     ({"SLURM_PROCID": "-1"}, "SLURM_PROCID '-1' is not a non-negative integer"),
     ({"SLURM_LOCALID": ""}, "SLURM_LOCALID '' is not a non-negative integer"),
     ({"SLURM_NODEID": "٣"}, "SLURM_NODEID '٣' is not a non-negative integer"),

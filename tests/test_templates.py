@@ -67,3 +67,14 @@ def test_template_is_valid_bash(name):
     proc = subprocess.run(["bash", "-n", str(TEMPLATES / name)], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize("name", NAMES)
+def test_template_without_hpct_slurm_on_path_fails_with_one_clear_line(name):
+    proc = subprocess.run(["bash", str(TEMPLATES / name)], capture_output=True, text=True,
+                          timeout=30, env={"PATH": "/usr/bin:/bin", "HPCT_BIN": "no-such-hpct"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "'no-such-hpct' is not on this job's PATH (/usr/bin:/bin)" in proc.stderr
+    assert "export HPCT_BIN=" in proc.stderr

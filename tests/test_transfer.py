@@ -103,7 +103,7 @@ def test_corrupted_replica_is_detected_and_the_next_source_used(events, verify_o
 def test_no_source_left_falls_back_to_disk_and_says_so(tmp_path, events):
     model, state, step = trained_state()
     store = SnapshotStore(state)
-    persister = DiskPersister(store, tmp_path, rank=0, every=2, events=events.log)
+    persister = DiskPersister(store, tmp_path, rank=0, every=2, events=events.log, key=SECRET)
     for s in range(1, 6):
         step()
         store.commit(s)
@@ -130,7 +130,7 @@ def test_no_source_left_falls_back_to_disk_and_says_so(tmp_path, events):
 def test_disk_falls_back_to_the_previous_file_when_the_newest_is_corrupt(tmp_path, events):
     _, state, step = trained_state()
     store = SnapshotStore(state)
-    persister = DiskPersister(store, tmp_path, rank=3, every=1)
+    persister = DiskPersister(store, tmp_path, rank=3, every=1, key=SECRET)
     for s in (1, 2):
         step()
         store.commit(s)
@@ -141,28 +141,27 @@ def test_disk_falls_back_to_the_previous_file_when_the_newest_is_corrupt(tmp_pat
     raw = bytearray(newest.read_bytes())
     raw[-10] ^= 0xFF
     newest.write_bytes(raw)
-    step_, layout, data = load_latest(tmp_path, 3, events=events.log)
+    step_, layout, data = load_latest(tmp_path, 3, events=events.log, key=SECRET)
     assert step_ == 1 and isinstance(layout, Layout) and len(data) == layout.nbytes
     assert events.named("persist.corrupt")[0]["step"] == 2
     (rank_dir(tmp_path, 3) / "step1.bin").write_bytes(b"\0\0")
     with pytest.raises(HpctError, match="no intact snapshot of rank 3"):
-        load_latest(tmp_path, 3)
+        load_latest(tmp_path, 3, key=SECRET)
 
 
 def _push_raw(addr, msg: P.StateBlob, parts: list[bytes], digests: list[bytes],
               cut: int | None) -> P.Envelope | None:
     """Push a replica by hand; with `cut`, close after `cut` body bytes (a torn transfer)."""
-    chan = P.Channel(SECRET, JOB)
     body = b"".join(parts)
     with socket.create_connection(addr, timeout=5) as sock:
-        writer = P.FrameWriter(sock, msg, SECRET, chan.next_seq(), JOB, [len(p) for p in parts],
-                               digests, timeout=5)
+        chan = P.client_hello(sock, SECRET, JOB, timeout=5)
+        writer = chan.writer(sock, msg, [len(p) for p in parts], digests, timeout=5)
         if cut is not None:
             writer.write(body[:cut])
             return None
         writer.write(body)
         writer.finish()
-        return P.recv_msg(sock, SECRET, JOB, timeout=5)
+        return chan.recv(sock, timeout=5)
 
 
 def test_torn_or_bad_pushes_leave_the_previous_replica_intact(events):

@@ -66,6 +66,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     Every epoch is a permutation of range(num_samples) fixed by (seed, epoch), cut to a
     multiple of world_size and dealt round-robin, so shards are disjoint and equal in length.
+    The position is `epoch` and `offset`: the next sample is `epoch_indices(epoch)[offset]`.
+    `rank` is this shard (None until `assign` or a restored position sets it).
     """
 
     def __init__(self, num_samples: int, *, rank: int | None = 0, world_size: int = 1,
@@ -98,6 +100,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return self.num_samples // self.world_size
 
     def epoch_indices(self, epoch: int) -> np.ndarray:
+        """This rank's shard of `epoch`: `len(self)` dataset indices (numpy int64), in order."""
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         else:
@@ -115,6 +118,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch, self.offset = self.epoch + 1, 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` at its first sample."""
         self.epoch, self.offset = epoch, 0
 
     def state_dict(self) -> dict:

@@ -21,8 +21,9 @@ from typing import Callable, Mapping
 import numpy as np
 from filelock import FileLock, Timeout
 
-from ..errors import HpctError
+from ..errors import HpctError, describe
 from ..hooks.shm import check_name, job_dir, remove_tree_at
+from ..slurm.env import check_uint
 
 INDEX = "index.json"
 FORMAT_VERSION = 1
@@ -55,17 +56,38 @@ class CacheIndex:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str, where: Path) -> "CacheIndex":
+    def from_json(cls, text: str, where: Path, name: str) -> "CacheIndex":
+        """The index of cache `name`, read from `where`. Everything in it is checked, array
+        names above all: they become file paths, and `../../x` would load from outside."""
         try:
             d = json.loads(text)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
             if d.get("version") != FORMAT_VERSION:
                 raise ValueError(f"format version {d.get('version')!r}, not {FORMAT_VERSION}")
-            arrays = tuple(ArraySpec(a["name"], a["dtype"], tuple(a["shape"]), a["nbytes"])
-                           for a in d["arrays"])
-            return cls(d["name"], arrays, d["built_on"], d["build_s"], d["version"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HpctError(f"cache index {where} is unreadable ({exc}); remove "
+            if d["name"] != name:
+                raise ValueError(f"it names cache {d['name']!r}")
+            arrays = tuple(_array_spec(a) for a in d["arrays"])
+            return cls(name, arrays, str(d["built_on"]), float(d["build_s"]), FORMAT_VERSION)
+        except (ValueError, KeyError, TypeError, HpctError) as exc:
+            raise HpctError(f"cache index {where} is unreadable ({describe(exc)}); remove "
                             f"{where.parent} to rebuild it") from None
+
+
+def _array_spec(a: object) -> ArraySpec:
+    if not isinstance(a, dict):
+        raise ValueError(f"array entry {a!r} is not a JSON object")
+    name = check_name(a["name"], what="array name")
+    if not isinstance(a["dtype"], str) or len(a["dtype"]) > 32:
+        raise ValueError(f"array {name!r} has dtype {a['dtype']!r}, not a numpy dtype string")
+    dtype = np.dtype(a["dtype"])
+    if dtype.hasobject:  # np.load refuses to unpickle them anyway
+        raise ValueError(f"array {name!r} has dtype {a['dtype']!r}, which holds objects")
+    shape, nbytes = a["shape"], a["nbytes"]
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+            and type(nbytes) is int and nbytes >= 0):
+        raise ValueError(f"array {name!r} has shape {shape!r} and nbytes {nbytes!r}")
+    return ArraySpec(name, dtype.str, tuple(shape), nbytes)
 
 
 @dataclass
@@ -107,9 +129,7 @@ def budget_from_env(environ: Mapping[str, str]) -> int | None:
     raw = environ.get("HPCT_CACHE_MB")
     if raw is None or raw == "":
         return None
-    if not raw.isdecimal() or not raw.isascii():
-        raise HpctError(f"HPCT_CACHE_MB {raw!r} is not a non-negative integer")
-    return int(raw)
+    return check_uint(raw, "HPCT_CACHE_MB")
 
 
 class SharedCache:
@@ -176,7 +196,7 @@ class SharedCache:
                     continue
                 try:
                     out[entry] = CacheIndex.from_json((path / INDEX).read_text(),
-                                                      path / INDEX).nbytes
+                                                      path / INDEX, entry).nbytes
                 except (HpctError, OSError):
                     out[entry] = _files_bytes(fd, entry)
         finally:
@@ -228,10 +248,14 @@ class SharedCache:
 
     def _attach(self, name: str, built: bool, wait_s: float, t0: float) -> CacheEntry:
         path = self.directory / name
-        index = CacheIndex.from_json((path / INDEX).read_text(), path / INDEX)
+        index = CacheIndex.from_json((path / INDEX).read_text(), path / INDEX, name)
         arrays = {}
         for spec in index.arrays:
-            arr = np.load(path / f"{spec.name}.npy", mmap_mode="r")
+            try:
+                arr = np.load(path / f"{spec.name}.npy", mmap_mode="r")
+            except (OSError, ValueError) as exc:
+                raise HpctError(f"cache {name!r} array {spec.name!r} cannot be loaded "
+                                f"({describe(exc)}); remove {path} to rebuild it") from None
             if arr.dtype.str != spec.dtype or arr.shape != spec.shape:
                 raise HpctError(f"cache {name!r} array {spec.name!r} is {arr.dtype.str} "
                                 f"{arr.shape}, its index says {spec.dtype} {spec.shape}; "

@@ -38,6 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no warm spare left: requeue (restart from the disk snapshot), shrink "
                         "(survivors take over the lost data shards; needs Job.run(micro_step=))"
                         ", or fail")
+    p.add_argument("--want-spares", type=int, default=None,
+                   help="warm spares expected from the allocation (with --active); fewer is "
+                        "an event and a status line, or the end of the job with "
+                        "--on-few-spares refuse")
+    p.add_argument("--on-few-spares", choices=["warn", "refuse"], default="warn",
+                   help="fewer spares than --want-spares on a first start: warn, or refuse "
+                        "to start (a requeued job always starts)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 
@@ -53,10 +60,13 @@ def run(args: argparse.Namespace) -> int:
         progress_timeout = seconds_from_env(os.environ, "HPCT_PROGRESS_TIMEOUT_S", 300.0)
     elif not progress_timeout > 0:
         raise HpctError(f"--progress-timeout {progress_timeout:g} must be positive")
+    if args.want_spares is not None and args.want_spares < 0:
+        raise HpctError(f"--want-spares {args.want_spares} is negative")
     return main_from_env(cmd, args.run_dir, spares, args.tasks_per_node, store,
                          args.heartbeat_timeout, args.on_no_spare, args.active,
                          args.persist_every, args.pool_spares, args.pool_reservation,
-                         progress_timeout_s=progress_timeout)
+                         progress_timeout_s=progress_timeout,
+                         want_spares=args.want_spares, on_few_spares=args.on_few_spares)
 
 
 def defaults_from_spank(spares: int | None, store: str | None,

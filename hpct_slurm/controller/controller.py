@@ -22,12 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import protocol as P
-from ..errors import HpctError
+from ..errors import HpctError, describe
 from ..events import EventLog
+from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .policy import World, data_ranks, initial_shards, replace, restore_step, shrink
+from .policy import (Held, RestorePlan, World, data_ranks, initial_shards, plan_restore, replace,
+                     shrink)
 
 NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
+RANK_DIR_RE = re.compile(r"rank[0-9]{1,9}")  # ASCII digits: '²'.isdigit() but int('²') fails
+# The last line of a Python traceback (`FileNotFoundError: ...`), or an hpct error line.
+ERROR_LINE_RE = re.compile(r"^(\w+\.)*\w*(Error|Exception|Interrupt)\b|^HPCT: ")
 # A rank that caught a failure itself (an exception in its step, a failed restore) and is ready
 # for the next generation, while nothing else is known to be lost: its process is healthy, so it
 # restarts in place with everyone else instead of being replaced.
@@ -35,6 +40,19 @@ IN_PROCESS = "rank reported a fault"
 # How long a rank's own report waits for a harder cause (a peer's lost connection usually
 # arrives within milliseconds of the collective error that made the rank report).
 IN_PROCESS_GRACE_S = 0.5
+# What a rank may say in a heartbeat (recovery/job.py sets them); anything else is refused.
+HEARTBEAT_STATES = frozenset({"registering", "forming", "running", "collective", "ready",
+                              "unhealthy", "done"})
+# A rank's transfer address: an IPv4/IPv6 address or a host name, nothing else.
+HOST_ADDR_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}")
+# Connections that have not registered yet. At the cap the oldest is dropped for a newcomer,
+# so strangers holding connections open cannot lock the job's ranks out.
+MAX_UNREGISTERED = 256
+REGISTER_TIMEOUT_S = 30.0
+
+
+class ScriptError(HpctError):
+    """The training script itself fails (the same way wherever it runs): not requeued."""
 
 
 @dataclass
@@ -64,6 +82,12 @@ class Options:
     max_stalled_restarts: int = 3
     # Slurm's own view of the job's nodes, polled this often (sinfo --json, off the loop).
     node_poll_s: float = 5.0
+    # Warm spares the user asked for (with --active, the allocation decides how many it gets)
+    # and what to do with fewer on a first start: "warn" (an event and a status line) or
+    # "refuse" (end the job). A requeued job only warns: it lost the node it is short of.
+    want_spares: int | None = None
+    on_few_spares: str = "warn"
+    restart_count: int = 0
 
 
 @dataclass
@@ -75,7 +99,7 @@ class Conn:
     host_addr: str
     transfer_port: int
     writer: asyncio.StreamWriter
-    seq: int = 0
+    chan: P.Channel
     rank: int = -1
     generation: int = -1
     state: str = "registered"
@@ -84,6 +108,15 @@ class Conn:
     progress_at: float = field(default_factory=time.monotonic)  # last time `step` advanced
     reported_at: float | None = None  # when it reported a fault of its own (IN_PROCESS)
     gone: bool = False
+    # Generation and step of its last StepDone: within a generation steps only go forward.
+    done_generation: int = -1
+    done_step: int = -1
+    # Its last Holdings report (what it can restore from), cleared at every assignment.
+    held: Held | None = None
+    held_rank: int = -1
+    mode: str = "jit"
+    rank_state: bool = False
+    error: str = ""
 
 
 class Controller:
@@ -91,8 +124,10 @@ class Controller:
         self.o = opts
         self.slurm = client or SlurmClient()
         self.run_dir = opts.run_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        # Whoever can write into the run dir can run code as this user (companion.sbatch) and
+        # hand the job a training state (persisted snapshots): 0700, or refused (rundir.py).
+        for d in (self.run_dir, self.run_dir / "logs", self.run_dir / "events"):
+            private_dir(d)
         self.events = EventLog(self.run_dir / "controller.jsonl", source="controller")
         secret_path = self.run_dir / "secret"
         self.secret = (P.load_secret(secret_path) if secret_path.exists()
@@ -107,6 +142,7 @@ class Controller:
         self.shards = initial_shards(active)
         self.data_world = self.world.world_size  # the global batch never changes
         self.conns: dict[tuple[str, int], Conn] = {}
+        self.unregistered: dict[asyncio.StreamWriter, None] = {}  # oldest first
         self.steps: dict[str, asyncio.subprocess.Process] = {}
         self.dead_nodes: set[str] = set()
         self.expected_exits: set[int] = set()  # pids of steps we cancelled ourselves
@@ -114,6 +150,9 @@ class Controller:
         self.pool_nodes: set[str] = set()
         self.pending_faults: dict[str, str] = {}
         self.stalled_restarts = 0
+        self.trained = False  # some rank completed a step: failures since are not start-up's
+        self.start_failures: dict[str, str] = {}  # node -> its step's error, before any step
+        self.last_error: dict[str, str] = {}  # node -> the last error line its step printed
         self.fault_event = asyncio.Event()
         self.recovering = False
         self.recovery: dict | None = None
@@ -124,6 +163,14 @@ class Controller:
         # A requeued job (or one restarted by hand on the same run dir) starts from the last
         # intact persisted snapshot instead of step 0.
         self.initial_restore = self._persisted_step()
+        if opts.store == "tcpstore":
+            # Stock TCPStore has no authentication: say so where the admin and the user look.
+            warning = ("the tcpstore rendezvous is not authenticated: any host that reaches "
+                       "MASTER_PORT can read and overwrite its keys; use --store rootless on a "
+                       "shared network (docs/admin.md)")
+            self.events.emit("controller.store_unauthenticated", store="tcpstore",
+                             warning=warning)
+            print(f"hpct-slurm: warning: {warning}", file=sys.stderr)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def run(self) -> int:
@@ -139,6 +186,11 @@ class Controller:
                          store=self.o.store,
                          address=f"{self.address[0]}:{self.address[1]}",
                          command=self.o.command)
+        if self._spares_short():
+            self.exit_code = 1
+            self.events.emit("controller.exit", code=self.exit_code)
+            server.close()
+            return self.exit_code
         for node in self.world.members:
             self._launch(node, "active")
         for node in self.world.spares:
@@ -157,18 +209,33 @@ class Controller:
         self.events.emit("controller.exit", code=self.exit_code)
         return self.exit_code
 
+    def _spares_short(self) -> bool:
+        """Say it loudly when the allocation gave fewer warm spares than asked for; True when
+        the job must not start (--on-few-spares refuse, first start)."""
+        want, got = self.o.want_spares, len(self.world.spares)
+        if want is None or got >= want:
+            return False
+        refuse = self.o.on_few_spares == "refuse" and self.o.restart_count == 0
+        self.events.emit("controller.spares_short", wanted=want, got=got,
+                         action="refuse" if refuse else "warn",
+                         nodes=len(self.o.nodes), restart_count=self.o.restart_count)
+        if refuse:
+            self.events.emit("job.failed", cause="config",
+                             reason=f"asked for {want} warm spare(s), the allocation gave {got}")
+        return refuse
+
     def _persisted_step(self) -> int:
         from ..recovery.persist import list_steps, load_latest
 
         # Ranks with state of their own (a sampler position) persist it beside the shared
         # state; restore the newest step that every one of them has too.
         rank_root = self.run_dir / "persist-rank"
-        rank_dirs = sorted(d for d in rank_root.glob("rank*") if d.name[4:].isdigit()) \
+        rank_dirs = sorted(d for d in rank_root.glob("rank*") if RANK_DIR_RE.fullmatch(d.name)) \
             if rank_root.is_dir() else []
         step = None
         try:
             while True:
-                step, _, _ = load_latest(self.run_dir / "persist", 0, step)
+                step, _, _ = load_latest(self.run_dir / "persist", 0, step, key=self.secret)
                 missing = [d.name for d in rank_dirs
                            if step not in list_steps(rank_root, int(d.name[4:]))]
                 if not missing:
@@ -192,6 +259,8 @@ class Controller:
             "HPCT_STORE": self.o.store,
             "HPCT_COLLECTIVE_TIMEOUT_S": str(self.o.collective_timeout_s),
             "HPCT_PERSIST_EVERY": str(self.o.persist_every),
+            # the data-parallel world, for a DistributedSampler built before job.run
+            "HPCT_WORLD_SIZE": str(self.data_world),
         })
         return env
 
@@ -215,18 +284,38 @@ class Controller:
         async for raw in proc.stderr:
             log.write(raw)
             log.flush()
-            m = NODE_FAILURE_RE.search(raw.decode(errors="replace"))
+            line = raw.decode(errors="replace")
+            m = NODE_FAILURE_RE.search(line)
             if m:
                 self._fault(m.group(1), "srun: node failure")
+            elif ERROR_LINE_RE.match(line):
+                self.last_error[node] = line.strip()[:500]
         rc = await proc.wait()
         if self.steps.get(node) is proc:
             del self.steps[node]
-        self.events.emit("step.exit", node=node, role=role, code=rc)
+        self.events.emit("step.exit", node=node, role=role, code=rc,
+                         error=self.last_error.get(node, "") if rc else "")
+        if rc and not self.trained and not self.finished.is_set() \
+                and proc.pid not in self.expected_exits:
+            self._start_failure(node, rc)
         if not self.finished.is_set() and node not in self.dead_nodes \
                 and proc.pid not in self.expected_exits:
             # srun exits 0 even on node failure: any exit while training runs is a fault.
             if node in self.world.members or node in self.world.spares:
                 self._fault(node, f"step exited ({rc})")
+
+    def _start_failure(self, node: str, rc: int) -> None:
+        """A step that failed before the job completed any step. On one node that may be the
+        node (it is replaced like any fault); the same error from two nodes is the script's:
+        every replacement would fail the same way and a requeue would run it again, so the
+        job ends with that error."""
+        error = self.last_error.get(node) or f"exit code {rc}"
+        self.start_failures[node] = error
+        same = [n for n, e in self.start_failures.items() if e == error]
+        if len(same) >= min(2, len(self.world.members) + len(self.world.spares)):
+            asyncio.ensure_future(self._escalate(
+                f"the training command failed before its first step on {', '.join(same)}: "
+                f"{error}", script=True))
 
     async def _stop_steps(self, grace: float = 15.0) -> None:
         deadline = time.monotonic() + grace
@@ -240,16 +329,17 @@ class Controller:
     # ---- connections ---------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        chan = P.Channel(self.secret, self.job)
+        # Set only once the Register is accepted: a rejected connection (a stranger, a replay,
+        # a duplicate) must never touch the state of the rank it claimed to be.
         conn: Conn | None = None
+        self._admit(writer)
         try:
-            env = chan.accept(await asyncio.wait_for(
-                P.read_msg(reader, self.secret, self.job), timeout=30))
+            chan = await P.server_hello_async(writer, self.secret, self.job)
+            env = await asyncio.wait_for(chan.read(reader), timeout=REGISTER_TIMEOUT_S)
             if not isinstance(env.msg, P.Register):
                 raise P.ProtocolError(f"first message must be register, got {env.msg.TYPE}")
             r = env.msg
-            conn = Conn(r.node, r.local_rank, r.role, r.pid, r.host_addr, r.transfer_port,
-                        writer)
+            self._check_register(r)
             old = self.conns.get((r.node, r.local_rank))
             if old and not old.gone:
                 raise P.ProtocolError(f"{r.node}/{r.local_rank} is already registered")
@@ -259,31 +349,92 @@ class Controller:
                 self.pool_nodes.add(r.node)
                 self.world.spares.append(r.node)
                 self.events.emit("pool.spare_joined", node=r.node)
+            conn = Conn(r.node, r.local_rank, r.role, r.pid, r.host_addr, r.transfer_port,
+                        writer, chan)
+            self.unregistered.pop(writer, None)
             self.conns[(r.node, r.local_rank)] = conn
             self.events.emit("rank.register", node=r.node, local_rank=r.local_rank,
                              role=r.role, pid=r.pid)
             self._maybe_start()
             while True:
-                env = chan.accept(await P.read_msg(reader, self.secret, self.job))
+                env = await chan.read(reader)
                 self._on_message(conn, env.msg)
         except P.ConnectionClosed:
             pass
         except (HpctError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             # Unauthenticated or malformed input never gets further than this line.
-            self.events.emit("protocol.rejected", peer=str(peer), error=str(exc),
+            self.events.emit("protocol.rejected", peer=str(peer), error=describe(exc),
                              node=conn.node if conn else None)
         finally:
+            self.unregistered.pop(writer, None)
             writer.close()
             if conn is not None and not conn.gone:
                 conn.gone = True
                 if conn.state != "done" and not self.finished.is_set():
                     self._fault(conn.node, "connection lost")
 
+    def _admit(self, writer: asyncio.StreamWriter) -> None:
+        """Count a new connection as unregistered, dropping the oldest such one at the cap."""
+        if len(self.unregistered) >= MAX_UNREGISTERED:
+            oldest = next(iter(self.unregistered))
+            del self.unregistered[oldest]
+            oldest.transport.abort()  # its _serve sees the connection fail and logs it
+        self.unregistered[writer] = None
+
+    def _check_register(self, r: P.Register) -> None:
+        """Every field of a Register against what this controller knows; the error names the
+        field (authentic frames come from the job's own processes, so this catches bugs and
+        mixed-up launches rather than strangers)."""
+        tpn = self.o.tasks_per_node
+        if r.job_id != self.job:
+            raise P.ProtocolError(f"register.job_id {r.job_id!r:.40} is not this job ({self.job})")
+        if not 0 <= r.local_rank < tpn:
+            raise P.ProtocolError(f"register.local_rank {r.local_rank} is outside 0..{tpn - 1} "
+                                  f"({tpn} tasks per node)")
+        if r.pid <= 0:
+            raise P.ProtocolError(f"register.pid {r.pid} is not a process id")
+        if not 0 < r.transfer_port < 65536:
+            raise P.ProtocolError(f"register.transfer_port {r.transfer_port} is not a TCP port")
+        if not HOST_ADDR_RE.fullmatch(r.host_addr):
+            raise P.ProtocolError(f"register.host_addr {r.host_addr!r:.80} is not an address")
+        if r.role == "active" and r.node not in self.world.members:
+            raise P.ProtocolError(f"register.role 'active' from {r.node}, which is not an "
+                                  f"active member ({', '.join(self.world.members)})")
+
+    def _refuse(self, conn: Conn, msg, name: str, why: str) -> None:
+        """Drop a message from a registered rank whose field `name` contradicts what the
+        controller knows of that rank; the connection stays (the rank is authentic)."""
+        self.events.emit("protocol.rejected", node=conn.node, local_rank=conn.local_rank,
+                         type=msg.TYPE, field=name, error=f"{msg.TYPE}.{name} {why}")
+
+    def _current(self, conn: Conn, msg) -> bool:
+        """Whether a heartbeat or StepDone is for the rank and generation `conn` was assigned.
+        An older generation is stale and dropped quietly (a rank still finishing its last
+        one); a newer one, or another rank's number, is refused."""
+        if msg.generation < -1 or msg.generation > conn.generation:
+            self._refuse(conn, msg, "generation", f"{msg.generation} was never assigned to this "
+                                                  f"rank (its generation: {conn.generation})")
+            return False
+        if msg.generation < conn.generation:
+            return False
+        if msg.rank != conn.rank:
+            self._refuse(conn, msg, "rank", f"{msg.rank} is not this connection's rank "
+                                            f"({conn.rank})")
+            return False
+        return True
+
     def _on_message(self, conn: Conn, msg) -> None:
         conn.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
-            if msg.generation != conn.generation and conn.generation >= 0:
-                return  # stale: a fenced rank from an older generation
+            if msg.state not in HEARTBEAT_STATES:
+                self._refuse(conn, msg, "state", f"{msg.state!r:.40} is not one of "
+                                                 f"{sorted(HEARTBEAT_STATES)}")
+                return
+            if msg.step < -1:
+                self._refuse(conn, msg, "step", f"{msg.step} is below -1")
+                return
+            if not self._current(conn, msg):
+                return
             previous = conn.state
             conn.state, conn.step = msg.state, msg.step
             if msg.state == "done":
@@ -299,12 +450,28 @@ class Controller:
                         conn.reported_at = time.monotonic()
                 self.fault_event.set()
         elif isinstance(msg, P.StepDone):
-            if msg.generation == conn.generation:
-                if msg.step > conn.step:
-                    conn.progress_at = time.monotonic()
-                conn.step = msg.step
-                conn.state = "running"
-                self._track_first_step(msg.step)
+            if conn.rank < 0:
+                self._refuse(conn, msg, "generation", "before any assignment")
+                return
+            if not self._current(conn, msg):
+                return
+            if msg.step < 0 or (conn.done_generation == msg.generation
+                                and msg.step <= conn.done_step):
+                self._refuse(conn, msg, "step", f"{msg.step} does not follow step "
+                                                f"{conn.done_step} of generation {msg.generation}")
+                return
+            conn.done_generation, conn.done_step = msg.generation, msg.step
+            if msg.step > conn.step:
+                conn.progress_at = time.monotonic()
+            conn.step = msg.step
+            conn.state = "running"
+            self._track_first_step(msg.step)
+        elif isinstance(msg, P.Holdings):
+            if msg.generation == conn.generation and msg.rank == conn.rank:
+                conn.held = Held(frozenset(msg.own), frozenset(msg.rank_own),
+                                 {r: frozenset(v) for r, v in msg.replicas.items()})
+                conn.held_rank, conn.mode, conn.rank_state = msg.rank, msg.mode, msg.rank_state
+                conn.error = msg.error
         elif isinstance(msg, P.Goodbye):
             conn.state = "done" if msg.reason == "done" else conn.state
         else:
@@ -313,9 +480,8 @@ class Controller:
     async def _send(self, conn: Conn, msg) -> None:
         if conn.gone:
             return
-        conn.seq += 1
         try:
-            await P.write_msg(conn.writer, msg, self.secret, conn.seq, self.job)
+            await conn.chan.write(conn.writer, msg)
         except (HpctError, OSError, ConnectionError):
             conn.gone = True
 
@@ -343,6 +509,7 @@ class Controller:
         for c in members:
             c.generation, c.state, c.role = g, "assigned", "active"
             c.progress_at, c.reported_at = time.monotonic(), None
+            c.held, c.error = None, ""
             await self._send(c, P.Assign(
                 g, c.rank, self.world.world_size, list(self.world.members),
                 self.o.tasks_per_node, restore, sources,
@@ -416,7 +583,7 @@ class Controller:
                     why = exc.message if isinstance(exc, HpctError) else \
                         f"{type(exc).__name__}: {exc}"
                     self.events.emit("recovery.failed", error=why)
-                    await self._escalate(why)
+                    await self._escalate(why, script=isinstance(exc, ScriptError))
                 finally:
                     self.recovering = False
                 if self.pending_faults:
@@ -453,7 +620,7 @@ class Controller:
         for node in lost_active:
             await self._fence(node, lost[node])
         t_fenced = time.time()
-        ready_steps = await self._wait_ready(survivors)
+        await self._wait_ready(survivors)
         # a survivor that failed its health check or never answered is lost as well
         for c in survivors:
             if c.gone or c.state != "ready":
@@ -470,20 +637,9 @@ class Controller:
                     self.world.spares.remove(node)
             lost_active = [n for n in lost if n in self.world.members]
             survivors = [c for c in survivors if c.node not in lost]
-            ready_steps = {c.rank: c.step for c in survivors}
         t_ready = time.time()
         spares = [s for s in self.world.spares if self._node_ready(s)]
-        restore = restore_step(ready_steps)
-        # Restarts in place that keep failing at the same step (a failing restore, a step that
-        # raises every time) must not loop forever: after a few, escalate.
-        if not lost_active and self.recovery is not None \
-                and self.recovery["restore_step"] == restore:
-            self.stalled_restarts += 1
-        else:
-            self.stalled_restarts = 0
-        if self.stalled_restarts >= self.o.max_stalled_restarts:
-            raise HpctError(f"{self.stalled_restarts} restarts in place made no progress past "
-                            f"step {restore}")
+        old_rank = {c.node: c.rank for c in survivors}
         if len(spares) < len(lost_active) and self.o.on_no_spare == "shrink":
             rep, self.shards = shrink(self.world, lost_active, self.shards)
             self.events.emit("recovery.shrink", generation=rep.generation, lost=lost_active,
@@ -492,6 +648,20 @@ class Controller:
             rep = replace(self.world, lost_active, spares)
             for lost_node, spare in rep.taken.items():
                 self.shards[spare] = self.shards.pop(lost_node)
+        plan = await self._plan_restore(rep.members, survivors, old_rank)
+        # Restarts in place that keep failing at the same step (a failing restore, a step that
+        # raises every time) must not loop forever: after a few, the job ends with the
+        # script's error (requeueing would only run it into the same error again).
+        if not lost_active and self.recovery is not None \
+                and self.recovery["restore_step"] == plan.step:
+            self.stalled_restarts += 1
+        else:
+            self.stalled_restarts = 0
+        if self.stalled_restarts >= self.o.max_stalled_restarts:
+            errors = sorted({c.error for c in survivors if c.error})
+            raise ScriptError(f"{self.stalled_restarts} restarts in place made no progress "
+                              f"past step {plan.step}"
+                              + (f": {'; '.join(errors)}" if errors else ""))
         # A node fenced alive in this round may already be back as a fresh spare step
         # (_replenish): it is a spare now, not a lost member.
         back = [n for n in self.world.spares if n not in rep.spares and n not in rep.members
@@ -499,6 +669,7 @@ class Controller:
         self.world.members, self.world.spares = rep.members, rep.spares + back
         self.world.generation = rep.generation
         self.world.lost += lost_active
+        restore = plan.step
         # shared state is identical on every survivor: the controller lists them all, nearest
         # first, so a corrupted or vanished source costs one retry, not the recovery
         sources = {self.world.rank_of(c.node, c.local_rank): [(c.host_addr, c.transfer_port)]
@@ -510,19 +681,62 @@ class Controller:
                          "t_ready": t_ready, "t_assigned": time.time(),
                          "first_step": restore + 1, "done_ranks": set()}
         self.events.emit("recovery.assign", generation=rep.generation, restore_step=restore,
-                         taken=rep.taken, members=rep.members)
+                         taken=rep.taken, members=rep.members,
+                         newest_held=max((c.step for c in survivors), default=-1),
+                         sources={str(r): src for r, src in sorted(plan.sources.items())})
+        if plan.from_disk:
+            # Memory could not serve a consistent state for every rank: say so, with the
+            # steps this costs, instead of calling it an in-memory recovery.
+            self.events.emit("recovery.disk_fallback", generation=rep.generation,
+                             restore_step=restore, ranks=plan.from_disk,
+                             newest_held=max((c.step for c in survivors), default=-1))
         await self._assign(restore, sources)
         self._maybe_borrow()
 
-    async def _wait_ready(self, survivors: list[Conn]) -> dict[int, int]:
+    async def _wait_ready(self, survivors: list[Conn]) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s
         while time.monotonic() < deadline:
-            if all(c.gone or c.state in ("ready", "unhealthy") for c in survivors):
+            # ready counts once its Holdings report is in (it is sent just before)
+            if all(c.gone or c.state == "unhealthy" or (c.state == "ready" and c.held is not None)
+                   for c in survivors):
                 break
             if self.pending_faults:
                 await asyncio.sleep(0.05)  # a second fault: keep waiting for the rest
             await asyncio.sleep(0.02)
-        return {c.rank: c.step for c in survivors if not c.gone and c.state == "ready"}
+
+    async def _plan_restore(self, members: list[str], survivors: list[Conn],
+                            old_rank: dict[str, int]) -> RestorePlan:
+        """The restore step of the next generation: the newest one every rank can reach from
+        its own memory, a peer's, or disk (plan_restore). Raises when there is none."""
+        tpn = self.o.tasks_per_node
+        needs: dict[int, int] = {}
+        held: dict[int, Held] = {}
+        for i, node in enumerate(members):
+            for local in range(tpn):
+                rank = i * tpn + local
+                conn = self.conns.get((node, local))
+                survivor = conn is not None and not conn.gone and conn.held is not None \
+                    and node in old_rank
+                # positions never move on a replacement; a shrink renumbers the survivors
+                needs[rank] = conn.held_rank if survivor and conn.held_rank >= 0 else rank
+                if survivor and conn.held_rank >= 0:
+                    held[rank] = conn.held
+        reports = [c for c in survivors if c.held is not None]
+        mode = reports[0].mode if reports else "jit"
+        rank_state = any(c.rank_state for c in reports)
+        disk_shared, disk_rank = await asyncio.to_thread(self._persisted_steps)
+        return plan_restore(needs, held, mode=mode, rank_state=rank_state,
+                            disk_shared=disk_shared, disk_rank=disk_rank)
+
+    def _persisted_steps(self) -> tuple[set[int], dict[int, set[int]]]:
+        from ..recovery.persist import list_steps
+
+        shared = set(list_steps(self.run_dir / "persist", 0))
+        root = self.run_dir / "persist-rank"
+        ranks = {int(d.name[4:]): set(list_steps(root, int(d.name[4:])))
+                 for d in (root.glob("rank*") if root.is_dir() else [])
+                 if RANK_DIR_RE.fullmatch(d.name)}
+        return shared, ranks
 
     async def _fence(self, node: str, reason: str) -> None:
         """Make sure nothing of the lost node can rejoin: a dead or unreachable node goes DOWN
@@ -569,11 +783,11 @@ class Controller:
         if self.finished.is_set() or self.world.spares or \
                 len(self.borrowed) >= self.o.pool_spares:
             return
-        script = self.run_dir / "companion.sbatch"
-        if not script.exists():
-            script.write_text('#!/bin/bash\n# a warm spare lent by the hpct spare pool\n'
-                              'exec srun -N1 -n"$HPCT_TASKS_PER_NODE" --kill-on-bad-exit=0 '
-                              '-u "$@"\n')
+        # Written afresh each time: a file already there is never trusted, nor followed.
+        script = write_private(self.run_dir / "companion.sbatch",
+                               b'#!/bin/bash\n# a warm spare lent by the hpct spare pool\n'
+                               b'exec srun -N1 -n"$HPCT_TASKS_PER_NODE" --kill-on-bad-exit=0 '
+                               b'-u "$@"\n')
         env = self._step_env("spare")
         env.update({"HPCT_JOB_ID": str(self.o.job_id),
                     "HPCT_TASKS_PER_NODE": str(self.o.tasks_per_node)})
@@ -586,7 +800,7 @@ class Controller:
             out = SlurmClient(env=env).run(argv).stdout
             job = int(out.strip().split(";")[0])
         except (SlurmCommandError, ValueError) as exc:
-            self.events.emit("pool.borrow_failed", error=str(exc))
+            self.events.emit("pool.borrow_failed", error=describe(exc))
             return
         self.borrowed.append(job)
         self.events.emit("pool.borrow", companion_job=job,
@@ -628,6 +842,7 @@ class Controller:
                     self.slurm.cancel(self.o.job_id, int(step.split(".")[1]), signal="KILL")
 
     def _track_first_step(self, step: int) -> None:
+        self.trained = True
         rec = self.recovery
         if not rec or step != rec["first_step"]:
             return
@@ -645,15 +860,22 @@ class Controller:
                              recovery_s=now - rec["t_detect"], phases=phases)
             self.recovery = None
 
-    async def _escalate(self, why: str) -> None:
-        if self.o.on_no_spare == "requeue":
-            self.events.emit("escalate.requeue", reason=why)
+    async def _escalate(self, why: str, script: bool = False) -> None:
+        """End the job's run here. An infrastructure failure (nodes lost beyond the spares,
+        no consistent state in memory) requeues, per --on-no-spare; the script's own error
+        never does: it would only fail again."""
+        if self.finished.is_set():
+            return
+        if script:
+            self.events.emit("job.failed", cause="script", reason=why)
+        elif self.o.on_no_spare == "requeue":
+            self.events.emit("escalate.requeue", cause="infrastructure", reason=why)
             try:
                 await asyncio.to_thread(self.slurm.requeue, self.o.job_id)
             except SlurmCommandError as exc:
                 self.events.emit("slurm.error", error=exc.message)
         else:
-            self.events.emit("escalate.fail", reason=why)
+            self.events.emit("escalate.fail", cause="infrastructure", reason=why)
         self.exit_code = 1
         await self._goodbye_all(f"job escalated: {why}")
         self.finished.set()
@@ -709,7 +931,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
                   store: str, heartbeat_timeout_s: float, on_no_spare: str,
                   active: int | None = None, persist_every: int = 10,
                   pool_spares: int = 0, pool_reservation: str = "hpct_spares",
-                  progress_timeout_s: float = 300.0) -> int:
+                  progress_timeout_s: float = 300.0, want_spares: int | None = None,
+                  on_few_spares: str = "warn") -> int:
     from ..slurm.env import SlurmEnv
 
     env = SlurmEnv.from_environ()
@@ -723,7 +946,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
                    store=store, heartbeat_timeout_s=heartbeat_timeout_s,
                    on_no_spare=on_no_spare, active=active, persist_every=persist_every,
                    pool_spares=pool_spares, pool_reservation=pool_reservation,
-                   progress_timeout_s=progress_timeout_s)
+                   progress_timeout_s=progress_timeout_s, want_spares=want_spares,
+                   on_few_spares=on_few_spares, restart_count=env.restart_count)
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

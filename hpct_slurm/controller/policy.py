@@ -79,15 +79,6 @@ def replace(world: World, lost: list[str], ready_spares: list[str]) -> Replaceme
     return Replacement(world.generation + 1, members, spares, taken)
 
 
-def restore_step(ready_steps: dict[int, int]) -> int:
-    """The step every survivor can roll back to: the oldest of their newest snapshots. Ranks
-    move in lockstep through collectives, so these differ by at most one step, and every
-    survivor still holds the older one in its second snapshot slot."""
-    if not ready_steps:
-        raise HpctError("no survivor reported a snapshot: nothing to restore from memory")
-    return min(ready_steps.values())
-
-
 def initial_shards(members: list[str]) -> dict[str, list[int]]:
     """Data shards by node: node position i computes shard i (its ranks' data)."""
     return {n: [i] for i, n in enumerate(members)}
@@ -111,3 +102,106 @@ def shrink(world: World, lost: list[str], shards: dict[str, list[int]]
 
 def data_ranks(node_shards: list[int], local_rank: int, tasks_per_node: int) -> list[int]:
     return [pos * tasks_per_node + local_rank for pos in node_shards]
+
+
+# ---- where to restore from ------------------------------------------------------------------
+
+CREATION = -1  # the state a script had when its Job was built, before step 0
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one process can restore from (its `Holdings` report): `own` steps of its own
+    snapshot (the shared state in jit mode, the whole state in replicated mode), `rank_own`
+    steps of its own per-rank state, `replicas` rank -> steps of other ranks' state."""
+
+    own: frozenset[int] = frozenset()
+    rank_own: frozenset[int] = frozenset()
+    replicas: dict[int, frozenset[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    step: int
+    sources: dict[int, str]  # rank -> where its state comes from: own, peer, disk, creation
+
+    @property
+    def from_disk(self) -> list[int]:
+        return sorted(r for r, s in self.sources.items() if s == "disk")
+
+
+def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, rank_state: bool,
+                 disk_shared: set[int] | frozenset[int] = frozenset(),
+                 disk_rank: dict[int, set[int]] | None = None) -> RestorePlan:
+    """The newest step every rank of the next generation can reach, and from where.
+
+    `needs`: new rank -> the rank whose state it must take (its own for a survivor: positions
+    never move). `held`: new rank -> what the process at that rank holds, for processes that
+    hold state of their own (survivors; a newcomer holds nothing until its restore succeeded).
+    `disk_shared` / `disk_rank`: steps persisted for the shared state and for each rank's own.
+
+    A rank reaches step s from its own snapshot, from a peer (any process's own snapshot for
+    the shared state in jit mode; a ring replica of its rank otherwise), or from disk (jit mode:
+    shared state on disk, per-rank state on disk). A newcomer (a process that never trained)
+    stands at the state at creation (step -1) by itself: its script built the same model from
+    the same seed, and nothing has moved its per-rank state yet. Raises when no step is
+    reachable by every rank: the job must escalate (never train on from mixed state)."""
+    disk_rank = disk_rank or {}
+    shared_any: set[int] = set().union(*(h.own for h in held.values())) if held else set()
+    replicas: dict[int, set[int]] = {}
+    for h in held.values():
+        for r, steps in h.replicas.items():
+            replicas.setdefault(r, set()).update(steps)
+
+    def source(rank: int, step: int) -> str | None:
+        old = needs[rank]
+        mine = held.get(rank)
+        if mine is not None and not (mine.own or mine.rank_own):
+            mine = None  # nothing of its own yet: a newcomer whose restore never finished
+        if mode == "replicated":
+            if mine is not None and step in mine.own:
+                return "own"
+            if step in replicas.get(old, ()):
+                return "peer"
+            return "creation" if step == CREATION and mine is None else None
+        if mine is not None and step in mine.own:
+            shared = "own"
+        elif step == CREATION and mine is None:
+            shared = "creation"
+        elif step in shared_any:
+            shared = "peer"
+        elif step in disk_shared:
+            shared = "disk"
+        else:
+            return None
+        if not rank_state:
+            return shared
+        if mine is not None and step in mine.rank_own:
+            own = "own"
+        elif step in replicas.get(old, ()):
+            own = "peer"
+        elif step in disk_rank.get(old, ()):
+            own = "disk"
+        elif step == CREATION and mine is None:
+            own = "creation"
+        else:
+            return None
+        # report the costliest of the two copies
+        order = ["own", "creation", "peer", "disk"]
+        return max(shared, own, key=order.index)
+
+    # CREATION is reachable only where every rank is a newcomer or still holds it (a fault
+    # before or during step 0): never a restart from scratch in the middle of a run.
+    candidates: set[int] = set(shared_any) | set(disk_shared) | {CREATION}
+    for h in held.values():
+        candidates |= h.rank_own
+    for steps in [*replicas.values(), *disk_rank.values()]:
+        candidates |= set(steps)
+    for step in sorted(candidates, reverse=True):
+        sources = {r: source(r, step) for r in needs}
+        if all(s is not None for s in sources.values()):
+            return RestorePlan(step, {r: s for r, s in sources.items() if s is not None})
+    newest = max(candidates)
+    lacking = sorted(r for r in needs if source(r, newest) is None)
+    raise HpctError(f"no step is held for every rank: at step {newest} (the newest held) "
+                    f"rank(s) {lacking} have no copy in memory or on disk")

@@ -67,6 +67,12 @@ def main() -> None:
                     help="test: block the training thread forever in this step on "
                          "--fault-rank (the process and its heartbeats stay alive)")
     ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--slow-at", type=int, default=None, metavar="STEP",
+                    help="test: every rank sleeps --slow-s in this step, after moving its data "
+                         "position and before the collective (a window to crash a node in)")
+    ap.add_argument("--slow-s", type=float, default=2.0)
+    ap.add_argument("--fail-before-start", action="store_true",
+                    help="test: raise before building the Job, on every rank (a script error)")
     ap.add_argument("--position", action="store_true",
                     help="register a per-rank data position (rank state kept on the ring "
                          "neighbour); a rank lost after its last collective of a step then "
@@ -74,6 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    if args.fail_before_start:
+        raise FileNotFoundError("injected: the dataset cache is missing")
     model, opt = build(args.hidden, args.layers)
     position = DataPosition()
     extra = {"sampler": position} if args.position else {}
@@ -90,6 +98,8 @@ def main() -> None:
     def train_step(step: int) -> float:  # hpct: one optimizer step
         inject(step)
         position.advance(job.rank, args.batch)
+        if step == args.slow_at and job.generation == 0:
+            time.sleep(args.slow_s)
         if args.ddp:  # plain DDP: the wrapper re-creates it for every generation
             return one_step(job.ddp, opt, args.batch, lambda: None, args.step_sleep)
         return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)

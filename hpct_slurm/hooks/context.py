@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..errors import HpctError
+from ..slurm.env import check_uint
 from .shm import check_job_id, shm_root
 
 
@@ -14,9 +15,7 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     raw = environ.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdecimal() or not raw.isascii():
-        raise HpctError(f"{name} {raw!r} is not a non-negative integer")
-    return int(raw)
+    return check_uint(raw, name)
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,6 @@ class JobContext:
             raise HpctError(f"SLURM_JOB_UID/SLURM_JOB_GID {environ.get('SLURM_JOB_UID')!r}/"
                             f"{environ.get('SLURM_JOB_GID')!r} are not set")
         requested = environ.get("SPANK_HPCT_CACHE_MB")
-        return cls(job_id=check_job_id(job), uid=uid, gid=gid, node=node,
+        return cls(job_id=check_job_id(job, "SLURM_JOB_ID"), uid=uid, gid=gid, node=node,
                    requested_cache_mb=(_env_int(environ, "SPANK_HPCT_CACHE_MB", 0)
                                        if requested else None))

@@ -1,16 +1,25 @@
 """Epilog (root, on every node of a job, after it ends): remove the job's shm dir."""
 from __future__ import annotations
 
+from ..errors import HpctError, describe
 from ..events import EventLog
 from .context import HookConfig, JobContext
 from .shm import ShmRoot
 
 EVENT_JOB_DIR_REMOVED = "hook_job_dir_removed"
+EVENT_JOB_DIR_REMOVE_FAILED = "hook_job_dir_remove_failed"
 
 
 def epilog(job: JobContext, cfg: HookConfig, log: EventLog) -> bool:
-    """Remove the job's dir; True when there was one."""
+    """Remove the job's dir; True when there was one and it is gone. A dir that cannot be
+    removed (its user made it a trap) is logged and left for the next prolog's sweep: a failed
+    epilog would drain the node."""
     with ShmRoot(cfg.shm_root, create=True) as root, root.locked():  # not mid-sweep
-        found = root.remove_job(job.job_id)
+        try:
+            found = root.remove_job(job.job_id)
+        except (HpctError, OSError) as exc:
+            log.emit(EVENT_JOB_DIR_REMOVE_FAILED, node=job.node, job_id=job.job_id,
+                     error=describe(exc))
+            return False
     log.emit(EVENT_JOB_DIR_REMOVED, node=job.node, job_id=job.job_id, found=found)
     return found

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import HpctError
+from ..errors import HpctError, describe
 from ..events import EventLog
 from .context import HookConfig, JobContext
 from .health import HealthConfig, default_checks, run_checks
@@ -23,6 +23,7 @@ EVENT_HEALTH_FAILED = "hook_health_failed"
 EVENT_DRAIN_FAILED = "hook_drain_failed"
 EVENT_STALE_REMOVED = "hook_stale_removed"
 EVENT_STALE_SKIPPED = "hook_stale_skipped"
+EVENT_STALE_REMOVE_FAILED = "hook_stale_remove_failed"
 EVENT_JOB_DIR = "hook_job_dir"
 
 DRAIN_PREFIX = "hpct: health: "
@@ -52,9 +53,16 @@ def sweep_stale(root: ShmRoot, keep: set[int], slurm: NodeSlurm, log: EventLog) 
         log.emit(EVENT_STALE_SKIPPED, reason="slurm job list unavailable",
                  present=sorted(present))
         return []
-    removed = sorted(present - active)
-    for job_id in removed:
-        root.remove_job(job_id)
+    removed = []
+    for job_id in sorted(present - active):
+        try:
+            root.remove_job(job_id)
+        except (HpctError, OSError) as exc:
+            # What a job's user left behind must not fail this job's prolog (and drain the
+            # node): the dir stays, the next sweep tries again.
+            log.emit(EVENT_STALE_REMOVE_FAILED, job_id=job_id, error=describe(exc))
+            continue
+        removed.append(job_id)
     if removed:
         log.emit(EVENT_STALE_REMOVED, jobs=removed)
     return removed

@@ -7,7 +7,8 @@ Layout under the root (default /dev/shm/hpct, owned by root, mode 0755):
                       two jobs starting on one node cannot both be granted the same MB
 Nothing else in the root is ever touched. Every operation works relative to an fd of the root
 opened with O_NOFOLLOW, and removal walks directories by fd, so a symlink planted anywhere
-(the root, a job dir, inside a job dir) is removed as a link and never followed.
+(the root, a job dir, inside a job dir) is removed as a link and never followed. Removal is
+iterative with a bounded number of fds, however deep a job's user nests directories.
 """
 from __future__ import annotations
 
@@ -15,32 +16,26 @@ import contextlib
 import errno
 import fcntl
 import os
+import pwd
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from ..errors import HpctError
+from ..errors import HpctError, shown
+# One job id rule for the hooks, the tasks and `hpct-slurm env` (re-exported from here).
+from ..slurm.env import JOB_ID_RE, check_job_id
 
 DEFAULT_SHM_ROOT = Path("/dev/shm/hpct")
 SHM_ROOT_ENV = "HPCT_SHM_ROOT"
 BUDGET_SUFFIX = ".budget"
 LOCK_NAME = ".lock"
 
-# Slurm job ids are uint32; a leading zero would give one job two names.
-_JOB_ID_RE = re.compile(r"[1-9][0-9]{0,9}")
 # A single path component: no separators, no leading dot (so never '.' or '..').
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def check_job_id(value: str | int) -> int:
-    text = str(value)
-    if not _JOB_ID_RE.fullmatch(text) or int(text) > 0xFFFFFFFF:
-        raise HpctError(f"job id {text!r} is not a Slurm job id (a decimal number 1..4294967295)")
-    return int(text)
 
 
 def check_name(value: str, what: str = "cache name") -> str:
@@ -67,6 +62,36 @@ class JobDirInfo:
     replaced: bool  # an entry that was not the job's own directory stood there
 
 
+def _planted(path: Path, parent_fd: int) -> str:
+    """Why the entry at `path` cannot be the shm root, saying what it is and whose: the node is
+    drained with this line, and an admin must be able to tell a planted trap from a mistake."""
+    try:
+        st = os.stat(path.name, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError as exc:
+        return f"shm root {path} cannot be examined ({exc.strerror}): remove it"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            what = f"a symlink to {shown(os.readlink(path.name, dir_fd=parent_fd), 200)}"
+        except OSError:
+            what = "a symlink"
+    else:
+        what = _KINDS.get(stat.S_IFMT(st.st_mode), "an unknown kind of file")
+    try:
+        owner = f"uid {st.st_uid} ({pwd.getpwuid(st.st_uid).pw_name})"
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    return (f"shm root {path} is {what} owned by {owner} with mode "
+            f"{stat.S_IMODE(st.st_mode):04o}, not a directory owned by uid {os.geteuid()} "
+            f"that only it can write: it was there before the prolog made it (the hooks never "
+            f"follow or reuse it); find out who made it, remove it (rm -r {path}) and resume "
+            f"the node")
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFREG: "a regular file", stat.S_IFIFO: "a fifo",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
 class ShmRoot:
     """An open handle on the shm root. Use as a context manager."""
 
@@ -83,18 +108,15 @@ class ShmRoot:
                 self.fd = os.open(path.name, _DIR_FLAGS, dir_fd=parent)
             except FileNotFoundError:
                 raise HpctError(f"shm root {path} does not exist") from None
-            except (NotADirectoryError, OSError) as exc:
-                raise HpctError(f"shm root {path} is not a directory (a symlink or a file: "
-                                f"{exc.strerror}); remove it") from None
+            except OSError:
+                raise HpctError(_planted(path, parent)) from None
+            st = os.fstat(self.fd)
+            # Anyone who could write into the root could plant entries the prolog then chowns.
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                os.close(self.fd)
+                raise HpctError(_planted(path, parent))
         finally:
             os.close(parent)
-        st = os.fstat(self.fd)
-        # Anyone who could write into the root could plant entries the prolog then chowns.
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            os.close(self.fd)
-            raise HpctError(f"shm root {path} is owned by uid {st.st_uid} with mode "
-                            f"{stat.S_IMODE(st.st_mode):o}; it must be owned by uid "
-                            f"{os.geteuid()} and not group/other-writable: remove it")
         if create and stat.S_IMODE(st.st_mode) != 0o755:
             os.fchmod(self.fd, 0o755)
 
@@ -135,7 +157,7 @@ class ShmRoot:
         ids = set()
         for name in os.listdir(self.fd):
             base = name[:-len(BUDGET_SUFFIX)] if name.endswith(BUDGET_SUFFIX) else name
-            if _JOB_ID_RE.fullmatch(base):
+            if JOB_ID_RE.fullmatch(base):
                 ids.add(int(base))
         return ids
 
@@ -210,24 +232,109 @@ class ShmRoot:
         remove_tree_at(self.fd, name)
 
 
-def remove_tree_at(dir_fd: int, name: str) -> None:
-    """rm -r of one entry relative to dir_fd, never following a symlink (Python 3.10 has no
-    shutil.rmtree(dir_fd=...)). The job's user owns what is inside a job dir and may swap
-    entries while we walk: O_NOFOLLOW makes a swapped-in symlink fail to open, and it is then
-    unlinked as the link it is."""
+# A directory found refilled this many times while we empty it is left for the next sweep.
+_MAX_SCANS = 3
+
+
+@dataclass
+class _Level:
+    """A directory on the way down: its name in its parent, its (st_dev, st_ino), and the
+    subdirectories still to empty."""
+
+    name: str
+    ident: tuple[int, int]
+    pending: list[str] = field(default_factory=list)
+    scans: int = 0
+
+
+def _open_subdir(dir_fd: int, name: str) -> int | None:
+    """`name` opened as a directory, never through a symlink; a symlink or any other
+    non-directory is unlinked as itself instead (None)."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
-        os.unlink(name, dir_fd=dir_fd)
+    os.unlink(name, dir_fd=dir_fd)
+    return None
+
+
+def _scan(fd: int) -> list[str]:
+    """Unlink every entry of directory `fd` that is not a directory; the names of those that
+    are."""
+    subdirs = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                subdirs.append(entry.name)
+                continue
+            try:
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:  # swapped for a directory since the listing
+                subdirs.append(entry.name)
+    return subdirs
+
+
+def remove_tree_at(dir_fd: int, name: str) -> None:
+    """rm -r of one entry relative to dir_fd, never following a symlink; FileNotFoundError if
+    there is none.
+
+    Iterative with at most two directory fds open at a time, however deep the tree: the job's
+    user decides how deep a job dir goes, and a recursive walk (one frame and one fd a level)
+    let 1,100 nested dirs kill the epilog with a RecursionError. It climbs back up through
+    '..' and checks that it arrived in the very directory it came down from, so a directory
+    moved away mid-walk cannot lead it out of the tree. The user may also swap entries while
+    we walk: O_NOFOLLOW makes a swapped-in symlink fail to open, and it is then unlinked as
+    the link it is. Raises HpctError (and leaves the rest in place) for a mount point, a
+    directory moved mid-walk, or one refilled faster than it is emptied."""
+    fd = _open_subdir(dir_fd, name)
+    if fd is None:
         return
+    top_dev = os.fstat(dir_fd).st_dev
     try:
+        st = os.fstat(fd)
         # Same device only: a mount inside a job dir is not ours to empty.
-        if os.fstat(fd).st_dev != os.fstat(dir_fd).st_dev:
+        if st.st_dev != top_dev:
             raise HpctError(f"refusing to remove {name}: it is a mount point")
-        for child in os.listdir(fd):
-            remove_tree_at(fd, child)
+        levels = [_Level(name, (st.st_dev, st.st_ino))]
+        while levels:
+            level = levels[-1]
+            if level.pending:  # go down into the next subdirectory
+                sub = level.pending.pop()
+                try:
+                    child = _open_subdir(fd, sub)
+                except FileNotFoundError:
+                    continue
+                if child is None:
+                    continue
+                st = os.fstat(child)
+                if st.st_dev != top_dev:
+                    os.close(child)
+                    raise HpctError(f"refusing to remove {name}: {sub} in it is a mount point")
+                os.close(fd)
+                fd = child
+                levels.append(_Level(sub, (st.st_dev, st.st_ino)))
+                continue
+            if level.scans == _MAX_SCANS:
+                raise HpctError(f"gave up removing {name}: a directory in it is refilled "
+                                f"while it is being emptied")
+            level.scans += 1
+            level.pending = _scan(fd)
+            if level.pending:
+                continue
+            levels.pop()  # this level is empty: climb to its parent and remove it
+            if not levels:
+                break
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != levels[-1].ident:
+                raise HpctError(f"gave up removing {name}: a directory in it was moved while "
+                                f"it was being removed")
+            os.rmdir(level.name, dir_fd=fd)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
@@ -263,4 +370,4 @@ def job_dir(environ: Mapping[str, str]) -> Path:
     if not job:
         raise HpctError("SLURM_JOB_ID is not set: not inside a Slurm job, so there is no "
                         "per-job shm dir (pass the cache a directory instead)")
-    return shm_root(environ) / str(check_job_id(job))
+    return shm_root(environ) / str(check_job_id(job, "SLURM_JOB_ID"))

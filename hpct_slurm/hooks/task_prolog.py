@@ -24,7 +24,7 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
     if not environ.get("SLURM_JOB_ID"):
         return out
-    job_id = check_job_id(environ["SLURM_JOB_ID"])
+    job_id = check_job_id(environ["SLURM_JOB_ID"], "SLURM_JOB_ID")
     out["HPCT_SHM_DIR"] = str(job_dir(environ))
     granted = read_budget(shm_root(environ), job_id)
     if granted is not None:

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .. import protocol as P
 from ..errors import HpctError
@@ -40,13 +41,15 @@ class CoordinationClient:
                  events: EventLog | None = None, connect_timeout: float = 60.0):
         self.secret, self.job_id = secret, job_id
         self.events = events or EventLog()
-        self._chan = P.Channel(secret, job_id)
         self._send_lock = threading.Lock()
-        self._sock = self._connect(address, connect_timeout)
+        self._sock, self._chan = self._connect(address, secret, job_id, connect_timeout)
         self.assignments: "queue.Queue[P.Assign | P.Goodbye]" = queue.Queue()
         self.stop_event = threading.Event()
         self.stop_reason = ""
         self.stop_generation = -1
+        # Called from the receiving thread when a STOP arrives: a rank blocked forming its
+        # group (not at a step boundary) is interrupted through it (the store's abort).
+        self.on_stop: Callable[[], None] | None = None
         self.closed = threading.Event()
         self.rank = -1
         self.generation = -1
@@ -56,15 +59,22 @@ class CoordinationClient:
         self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="hpct-coord-hb")
 
     @staticmethod
-    def _connect(address: ControllerAddress, timeout: float) -> socket.socket:
+    def _connect(address: ControllerAddress, secret: bytes, job_id: str,
+                 timeout: float) -> tuple[socket.socket, P.Channel]:
         deadline = time.monotonic() + timeout
         while True:
             try:
                 sock = socket.create_connection((address.host, address.port), timeout=5)
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
-            except OSError as exc:
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    # The controller's nonce binds every frame to this connection.
+                    chan = P.client_hello(sock, secret, job_id, timeout=5)
+                    sock.settimeout(None)
+                except BaseException:
+                    sock.close()
+                    raise
+                return sock, chan
+            except (P.ProtocolError, OSError) as exc:
                 if time.monotonic() > deadline:
                     raise HpctError(f"cannot reach the controller at {address.host}:"
                                     f"{address.port}: {exc}") from exc
@@ -75,7 +85,7 @@ class CoordinationClient:
         # send would also end its (legitimately long) wait for the next message. Sends are
         # small and go to the kernel buffer; a dead controller shows up as an error instead.
         with self._send_lock:
-            P.send_msg(self._sock, msg, self.secret, self._chan.next_seq(), self.job_id)
+            self._chan.send(self._sock, msg)
 
     def register(self, node: str, local_rank: int, role: str, host_addr: str,
                  transfer_port: int) -> None:
@@ -87,6 +97,12 @@ class CoordinationClient:
     def heartbeat_now(self) -> None:
         try:
             self.send(P.Heartbeat(self.rank, self.generation, self.step, self.state))
+        except (HpctError, OSError):
+            self.closed.set()
+
+    def report_holdings(self, msg: "P.Holdings") -> None:
+        try:
+            self.send(msg)
         except (HpctError, OSError):
             self.closed.set()
 
@@ -124,13 +140,16 @@ class CoordinationClient:
     def _read_loop(self) -> None:
         try:
             while True:
-                env = self._chan.accept(P.recv_msg(self._sock, self.secret, self.job_id))
+                env = self._chan.recv(self._sock)
                 msg = env.msg
                 if isinstance(msg, P.Stop):
                     if msg.generation >= self.generation:
                         self.stop_reason = msg.reason
                         self.stop_generation = msg.generation
                         self.stop_event.set()
+                        interrupt = self.on_stop
+                        if interrupt is not None:
+                            interrupt()
                 elif isinstance(msg, (P.Assign, P.Goodbye)):
                     self.assignments.put(msg)
                 elif isinstance(msg, P.Ack):

@@ -7,6 +7,15 @@
         return loss.item()
     job.run(train_step, total_steps)
 
+or, keeping the script's own loop (one optimizer step per batch; see loop.py):
+
+    def train():                                       # called again after every restore
+        for epoch in job.epochs(n_epochs):             # from the restored epoch
+            sampler.set_epoch(epoch)                   # hpct_slurm.recovery.DistributedSampler
+            for x, y in job.steps(loader):             # from the restored batch
+                ...
+    job.run(train)
+
 On a fault the wrapper leaves the failed step's `except` block (the traceback would keep the
 broken group's sockets open), tears the group down, runs health checks, tells the controller it
 is ready with the steps it holds, waits for the next generation, re-forms the group, restores
@@ -29,7 +38,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -41,15 +50,17 @@ from ..events import EventLog
 from ..rendezvous import derive as rdv
 from ..rendezvous import pg
 from ..rendezvous.store import make_store, serve_shard
-from ..slurm.env import SlurmEnv
+from ..slurm.env import SlurmEnv, check_job_id
 from .client import ControllerAddress, CoordinationClient
 from .health import health_check
+from .loop import StepLoop
 from .persist import DiskPersister
-from .snapshot import ReplicaStore, SnapshotStore, choose_mode, ranks_held_by, replica_peer_rank
+from .snapshot import ReplicaStore, SnapshotStore, choose_mode, replica_peer_rank
 from .state import TrainState
 from .transfer import ReplicaPusher, TransferServer, fetch_state
 
 STEP_SEED_DOMAIN = b"hpct-step-seed"
+T = TypeVar("T")
 LOST = "controller connection lost"
 TEARDOWN_TIMEOUT_S = 20.0
 TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up  # the client's Goodbye reason when the socket died
@@ -77,7 +88,15 @@ def seed_everything(seed: int) -> None:
 
 
 class Job:
-    """One rank (or warm spare) of an hpct-slurm job."""
+    """One rank (or warm spare) of an hpct-slurm job: registers the training state, forms the
+    process group of every generation and restarts the training in place after a fault.
+
+    What a script reads, set once this process holds a rank (inside `run`) and kept after it:
+    `rank` (-1 while it never held one), `world_size`, `generation` (0 at the first start, one
+    more after every recovery), `losses` (step -> the loss this process recorded for it),
+    `state` (the registered `TrainState`; `state.extras` takes small values of this rank's
+    own), `run_dir` (the job's run directory, $HPCT_RUN_DIR).
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, *, seed: int = 0, persist_every: int = 0,
@@ -92,9 +111,8 @@ class Job:
         # job: its ports, messages and secret are the main job's.
         served = env.get("HPCT_JOB_ID")
         if served is not None:
-            if not served.isdigit():
-                raise HpctError(f"HPCT_JOB_ID {served!r} is not a job id")
-            self.slurm = dataclasses.replace(self.slurm, job_id=int(served))
+            self.slurm = dataclasses.replace(self.slurm,
+                                             job_id=check_job_id(served, "HPCT_JOB_ID"))
         self.seed = seed
         self.role = env.get("HPCT_ROLE", "active")
         self.run_dir = Path(_require(env, "HPCT_RUN_DIR"))
@@ -107,6 +125,11 @@ class Job:
         self.state = TrainState(model=model, optimizer=optimizer, **extra_state)
         if lr_scheduler is not None:
             self.state.register(lr_scheduler=lr_scheduler)
+        # The position of a loop the script writes itself (job.epochs / job.steps): the same
+        # on every rank, so shared state, restored with the model.
+        self.loop = StepLoop(self._seed_step, self._check_stop, self._end_step,
+                             self._shard)
+        self.state.register(scope="shared", hpct_loop=self.loop.position)
         # Plain data parallelism: every rank holds the whole model and optimizer, so the
         # just-in-time path applies: no steady-state copies of the big state to a peer, a
         # replacement pulls the shared state from any survivor; RNGs are rederived from
@@ -129,7 +152,6 @@ class Job:
         self.replicas = ReplicaStore()
         self.pusher: ReplicaPusher | None = None
         self.rank_persister: DiskPersister | None = None
-        self._held: list[int] = []   # ranks whose replicas this rank holds in this generation
         self._peers: dict[int, tuple[str, int]] = {}
         self.secret = P.load_secret(_require(env, "HPCT_SECRET_FILE"))
         self.job_id = str(self.slurm.job_id)
@@ -186,23 +208,65 @@ class Job:
                     dist.all_reduce(p.grad)
                     p.grad.div_(self.data_world)
 
-    # ---- the loop -----------------------------------------------------------------------
-    def run(self, train_step: Callable[[int], Any] | None, total_steps: int, *,
-            micro_step: Callable[[int], Any] | None = None) -> bool:
-        """Train until `total_steps` steps are done; True when this process trained to the end,
-        False when it stayed a spare that was never needed, or left before the end (fenced,
-        the job escalated or was terminated): then its state is not the final one.
+    @property
+    def step(self) -> int:
+        """The index of the optimizer step in progress (counting from 0 over the whole run,
+        the same on every rank): `job.losses[job.step] = loss.item()` records a loss."""
+        return self.loop.step
 
-        Give either `train_step(step)` (one whole optimizer step) or, for jobs that may shrink
-        when no spare is left, `micro_step(step)`: forward and backward of this rank's batch
-        only; the wrapper then zeroes gradients, runs it once per data shard it owns (reseeded
-        per shard), averages over the original world and steps the optimizer."""
-        if (train_step is None) == (micro_step is None):
-            raise HpctError("Job.run needs exactly one of train_step or micro_step")
-        if micro_step is not None:
-            step_fn = self._accumulating_step(micro_step)
+    def epochs(self, n: int) -> Iterator[int]:
+        """For a loop function given to `job.run(train)`: the epochs of `n` still to run,
+        from the one the restored step is in (0 on a fresh start)."""
+        return self.loop.epochs(n)
+
+    def steps(self, loader: Iterable[T]) -> Iterator[T]:
+        """For a loop function given to `job.run(train)`: this epoch's batches of `loader`
+        still to run, from the restored one; each is one optimizer step. A step ends when the
+        loop asks for the next batch, or, for an epoch's last, for the next epoch (the code
+        after the batches belongs to that step): then it is snapshotted and reported, and a
+        stop from the controller is honoured. Its randomness is seeded from (seed, rank, step)
+        before its batch is fetched. A `hpct_slurm.recovery.DistributedSampler` as the
+        loader's `sampler` is given this rank's shard and started at the restored sample; any
+        other loader is fast-forwarded by fetching and dropping the batches already done."""
+        return self.loop.steps(loader)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self, train_step: Callable[..., Any] | None, total_steps: int | None = None, *,
+            micro_step: Callable[[int], Any] | None = None) -> bool:
+        """Train to the end. True when this process trained to the end; False when it stayed a
+        spare that was never needed, or left before the end (fenced, the job escalated or was
+        terminated): then its state is not the final one.
+
+        Three forms; in each, a step's randomness is seeded from (seed, rank, step) first:
+        * `job.run(train)`: `train()` is the script's own loop, over `job.epochs(n)` and
+          `job.steps(loader)` (one optimizer step per batch). It is called once, and again
+          after every restore, when those two continue right after the restored step; the
+          training ends when it returns.
+        * `job.run(train_step, total_steps)`: `train_step(step)` is one whole optimizer step,
+          called for each step up to `total_steps - 1`; what it returns, if a number, is
+          recorded in `job.losses[step]`.
+        * `job.run(None, total_steps, micro_step=micro_step)`, for jobs that may shrink when no
+          spare is left: `micro_step(step)` is forward and backward of this rank's batch
+          only; the wrapper then zeroes gradients, runs it once per data shard it owns
+          (reseeded per shard), averages over the original world and steps the optimizer."""
+        if total_steps is None:
+            if train_step is None or micro_step is not None:
+                raise HpctError("Job.run(train) takes the loop function alone; train_step "
+                                "and micro_step need total_steps")
+            loop_fn = train_step
+
+            def train(start: int) -> int:
+                return self._run_loop(loop_fn, start)
         else:
-            step_fn = self._single_shard_step(train_step)
+            if (train_step is None) == (micro_step is None):
+                raise HpctError("Job.run needs exactly one of train_step or micro_step")
+            step_fn = (self._accumulating_step(micro_step) if micro_step is not None
+                       else self._single_shard_step(train_step))  # type: ignore[arg-type]
+            total: int = total_steps
+
+            def train(start: int) -> int:
+                self._train(step_fn, start, total)
+                return total - 1
         trained = False
         while True:
             msg = self.client.next_assignment()
@@ -216,11 +280,11 @@ class Job:
             failure = None
             try:
                 self._adopt(msg)
-                self._train(step_fn, msg.restore_step + 1, total_steps)
+                last = train(msg.restore_step + 1)
             except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if failure is None:
-                self.events.emit("rank.finished", rank=self.rank, step=total_steps - 1)
+                self.events.emit("rank.finished", rank=self.rank, step=last)
                 self.client.state = "done"  # report first: tearing down is local work
                 self.client.heartbeat_now()
                 try:
@@ -231,21 +295,47 @@ class Job:
             # Outside the except block from here on: the failed group can now really close.
             self._recover(failure)
 
-    def _train(self, train_step: Callable[[int], Any], start: int, total: int) -> None:
+    def _run_loop(self, train: Callable[[], Any], start: int) -> int:
+        """The script's loop function, continuing at step `start`; the last step it ran."""
+        self.loop.enter(start - 1)
+        self.client.state = "running"
+        train()
+        self.loop.finish()  # the last step, if the loop left without asking for more
+        return self.loop.step - 1
+
+    def _train(self, step_fn: Callable[[int], Any], start: int, total: int) -> None:
         self.client.state = "running"
         for step in range(start, total):
-            if self.client.stop_event.is_set():
-                raise _Stopped(self.client.stop_reason)
-            if self.client.closed.is_set():
-                raise _Stopped(LOST)
-            out = train_step(step)
-            if isinstance(out, (int, float)):
-                self.losses[step] = float(out)
-            if self.snapshots.after_step(step) is not None:
-                self._after_commit(step)
-            self.client.step_done(step)
-            self.events.emit("rank.step", rank=self.rank, generation=self.generation,
-                             step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
+            self._check_stop()
+            self.loop.step = step
+            self._end_step(step, step_fn(step))
+
+    def _check_stop(self) -> None:
+        """Leave at this step boundary if the controller asked, or is gone."""
+        if self.client.stop_event.is_set():
+            raise _Stopped(self.client.stop_reason)
+        if self.client.closed.is_set():
+            raise _Stopped(LOST)
+
+    def _seed_step(self, step: int) -> None:
+        seed_everything(step_seed(self.seed, self._shard()[0], step))
+
+    def _end_step(self, step: int, out: Any = None) -> None:
+        """After a step: its snapshot when one is due, the report to the controller."""
+        if isinstance(out, (int, float)):
+            self.losses[step] = float(out)
+        if self.snapshots.after_step(step) is not None:
+            self._after_commit(step)
+        self.client.step_done(step)
+        self.events.emit("rank.step", rank=self.rank, generation=self.generation,
+                         step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
+
+    def _shard(self) -> tuple[int, int]:
+        """This rank's data shard and the number of shards, for scripts that train one."""
+        if len(self.data_ranks) != 1:
+            raise HpctError("the group shrank but this script trains one data shard per rank: "
+                            "pass micro_step to Job.run to allow shrinking")
+        return self.data_ranks[0], self.data_world
 
     def _after_commit(self, step: int) -> None:
         if self.rank_snaps is not None:
@@ -258,26 +348,9 @@ class Job:
             self.pusher.after_commit(step)
             self.pusher.flush()  # bounded by the pusher's timeout; a failure is an event
 
-    def _ready_step(self) -> int:
-        """The newest step this rank can restore and, if it holds ring replicas, that it holds
-        for those ranks too: the controller restores the group to the oldest of these."""
-        latest = self.snapshots.latest()
-        step = latest.step if latest else -1
-        if self.rank_snaps is not None:
-            own = self.rank_snaps.latest()
-            step = min(step, own.step if own else -1)
-        for r in self._held:
-            rep = self.replicas.latest(r)
-            if rep is not None:  # a rank that never pushed has nothing to wait for
-                step = min(step, rep.step)
-        return step
-
     def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:
         def step_fn(step: int) -> Any:
-            if len(self.data_ranks) != 1:
-                raise HpctError("the group shrank but this script trains with train_step: pass "
-                                "micro_step to Job.run to allow shrinking")
-            seed_everything(step_seed(self.seed, self.data_ranks[0], step))
+            self._seed_step(step)
             return train_step(step)
         return step_fn
 
@@ -308,7 +381,10 @@ class Job:
             healthy, detail = health_check()
         except _TeardownHung as exc:
             healthy, detail = False, str(exc)
-        self.client.step = self._ready_step()
+        latest = self.snapshots.latest()
+        self.client.step = latest.step if latest else -1
+        # Holdings first: the controller chooses the restore step once every survivor is ready.
+        self.client.report_holdings(self._holdings(failure))
         self.client.state = "ready" if healthy else "unhealthy"
         self.client.heartbeat_now()
         self.events.emit("rank.ready", rank=self.rank, healthy=healthy, detail=detail,
@@ -320,7 +396,9 @@ class Job:
     # ---- generations --------------------------------------------------------------------
     def _adopt(self, a: P.Assign) -> None:
         t0 = time.time()
-        previous_rank = self.rank
+        # Own snapshots exist only once this process trained or restored for its position
+        # (see _hold_restored): then it restores from itself first.
+        held_state = bool(self.snapshots.slots.steps())
         # A STOP for the generation being adopted can overtake the adoption (a second fault
         # right after the assignment): it must survive, or this rank would wait for the dead
         # peer in init. Only older STOPs are done with.
@@ -348,31 +426,65 @@ class Job:
         if self.store_kind == "rootless" and info.local_rank == 0:
             shard = serve_shard(info, self.secret, events=self.events)
         store = make_store(self.store_kind, info, self.secret)
-        pg.init(info, store, "gloo", shard=shard,
-                init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
-                collective_timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        # A STOP while the group forms (a member lost meanwhile) must interrupt the formation,
+        # as it interrupts a collective: the rootless store aborts its pending requests. (Stock
+        # TCPStore cannot be interrupted: such a rank waits out the init timeout.)
+        self.client.on_stop = getattr(store, "abort", None)
+        try:
+            if self.client.stop_event.is_set() and self.client.on_stop is not None:
+                self.client.on_stop()  # the STOP arrived before the hook was in place
+            pg.init(info, store, "gloo", shard=shard,
+                    init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
+                    collective_timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        finally:
+            self.client.on_stop = None
         t_formed = time.time()
-        source = "fresh"
-        if a.restore_step >= 0:
-            # a survivor holds the restore step itself, whatever its new rank (shared state
-            # is the same on every rank); only a newcomer pulls it from a peer
-            source = self._restore(a, survivor=previous_rank >= 0)
+        source = "creation"
+        if a.restore_step >= 0 or a.generation > 0:
+            # Every recovery restores, a fault during step 0 included (to the state at
+            # creation, step -1): survivors may have moved their own state (a sampler position)
+            # before it failed. A survivor holds the restore step itself, whatever its new
+            # rank (shared state is the same on every rank); a newcomer pulls it from a peer.
+            source = self._restore(a, survivor=held_state)
+        self._hold_restored(a.restore_step)
+        dropped = self.replicas.forget_after(a.restore_step)
+        if dropped:
+            self.events.emit("replica.rolled_back", ranks=dropped, step=a.restore_step)
         if self._want_ddp:
             self._ddp = _fixed_order_ddp(self.model, self.client)
         # One copy on disk is enough: the shared state is the same on every rank.
         if self.persist_every and self.persister is None and self.rank == 0:
             self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
-                                           self.persist_every, self.events)
+                                           self.persist_every, self.events, key=self.secret)
         if self.persist_every and self.rank_snaps is not None and \
                 (self.rank_persister is None or self.rank_persister.rank != self.rank):
             if self.rank_persister:
                 self.rank_persister.close()
             self.rank_persister = DiskPersister(self.rank_snaps, self.run_dir / "persist-rank",
-                                                self.rank, self.persist_every, self.events)
+                                                self.rank, self.persist_every, self.events,
+                                                key=self.secret)
         self._ring(a)
         self.events.emit("rank.adopted", rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)
+
+    def _hold_restored(self, step: int) -> None:
+        """Make this process's own snapshots hold the step it now stands at (the state at
+        creation, step -1, on a first start): a newcomer that pulled its state from peers or
+        disk is then a source itself if the next fault comes before its first commit, and a
+        fault during step 0 has a state at creation to roll back to."""
+        for store in (self.snapshots, self.rank_snaps):
+            if store is not None and step not in store.slots.steps():
+                store.commit(step)
+
+    def _holdings(self, error: str) -> P.Holdings:
+        """What this process can restore from, for the controller's choice of restore step.
+        Its snapshots always belong to the position it holds (a newcomer has none until its
+        restore succeeded), so every step listed here is one it can really serve."""
+        rank_steps = self.rank_snaps.slots.steps() if self.rank_snaps is not None else []
+        return P.Holdings(self.rank, self.generation, self.mode, self.rank_snaps is not None,
+                          self.snapshots.slots.steps(), rank_steps,
+                          {r: self.replicas.steps(r) for r in self.replicas.ranks()}, error)
 
     def _ring(self, a: P.Assign) -> None:
         """Point the replica pusher at this generation's ring neighbour (the same local rank on
@@ -383,10 +495,7 @@ class Job:
             self.pusher.close()
             self.pusher = None
         if self._pushed is None or n < 2 or not self.data_ranks == [self.rank]:
-            self._held = []
             return  # no ring of one node; after a shrink positions move: disk is the copy
-        node_index = self.rank // a.tasks_per_node
-        self._held = ranks_held_by(node_index, n, a.tasks_per_node)
         peer = replica_peer_rank(self.rank, n, a.tasks_per_node)
         if peer not in self._peers:
             raise HpctError(f"the assignment names no transfer address for rank {peer}, "
@@ -403,6 +512,10 @@ class Job:
 
     def _restore(self, a: P.Assign, survivor: bool) -> str:
         step = a.restore_step
+        if step == -1 and not survivor:
+            # Never trained: this process stands at the state at creation (its script built
+            # the same model from the same seed; nothing moved its per-rank state yet).
+            return "creation"
         if survivor:
             with self.snapshots.lease(step) as snap:
                 if snap is not None and snap.verify():
@@ -429,7 +542,7 @@ class Job:
             except HpctError:
                 continue
             self.state.restore_from(got.layout, got.data, scopes=("shared",))
-            self._restore_rank_state(a, own=False)
+            self._restore_rank_state(a, own=survivor)
             return got.source
         got = fetch_state([], 0, self.secret, self.job_id, step=step,
                           disk_dir=str(self.run_dir / "persist"), events=self.events)
@@ -437,7 +550,7 @@ class Job:
             raise HpctError(f"disk holds step {got.step}, the group restores step "
                             f"{step}: the job must restart from disk")
         self.state.restore_from(got.layout, got.data, scopes=("shared",))
-        self._restore_rank_state(a, own=False, disk=True)
+        self._restore_rank_state(a, own=survivor, disk=True)
         return got.source
 
     def _restore_rank_state(self, a: P.Assign, own: bool, disk: bool = False) -> None:

@@ -2,14 +2,19 @@
 
 One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
 
-    u32 big-endian meta length | meta JSON {"step", "digest", "layout"} | flat data
+    "HPCTSNP2" | u32 big-endian meta length | meta JSON {"rank", "step", "digest", "layout"}
+    | 32-byte MAC | flat data
 
-written to a temp file, fsynced, then renamed, so a crash leaves either the old file or the new
-one. `digest` is the snapshot's own (hex), so saving hashes nothing new. The last two are kept;
-`load_latest` falls back to the older if the newer fails its digest.
+written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
+either the old file or the new one. `digest` is the snapshot's own (hex) and covers the data,
+so saving hashes nothing new; the MAC is HMAC-SHA256 over everything before it, keyed with the
+job's secret: a plain digest anyone can compute would let whoever can write a file here hand
+the job a training state. Sizes are checked against the file before anything is allocated.
+The last two are kept; `load_latest` falls back to the older if the newer fails its checks.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -22,14 +27,18 @@ from pathlib import Path
 import torch
 
 from .. import protocol as P
-from ..errors import HpctError
+from ..errors import HpctError, describe
 from ..events import EventLog
+from ..rundir import replacing
 from .snapshot import SnapshotStore
 from .state import Layout, as_memoryview
 
 KEEP = 2
+MAGIC = b"HPCTSNP2"
 _LEN = struct.Struct(">I")
-_NAME = re.compile(r"^step(\d+)\.bin$")
+_MAC_LEN = hashlib.sha256().digest_size
+_HEADER = len(MAGIC) + _LEN.size
+_NAME = re.compile(r"step([0-9]{1,18})\.bin")
 
 EV_SAVED = "persist.saved"
 EV_SAVE_FAILED = "persist.save_failed"
@@ -40,27 +49,27 @@ def rank_dir(root: str | os.PathLike, rank: int) -> Path:
     return Path(root) / f"rank{rank}"
 
 
+def _mac(key: bytes, head: bytes) -> bytes:
+    # A key of its own, derived from the job secret: a snapshot MAC can never be replayed as,
+    # or confused with, a protocol frame's.
+    subkey = hmac.new(key, b"hpct persisted snapshot", hashlib.sha256).digest()
+    return hmac.new(subkey, head, hashlib.sha256).digest()
+
+
 def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout,
-                   data: memoryview, digest: bytes) -> Path:
-    """Durably write one snapshot and prune all but the newest `KEEP`."""
+                   data: memoryview, digest: bytes, *, key: bytes) -> Path:
+    """Durably write one snapshot, MACed with `key` (the job secret), and prune all but the
+    newest `KEEP`."""
     d = rank_dir(root, rank)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = d / f"step{step}.bin"
-    tmp = d / f".step{step}.bin.tmp{os.getpid()}"
-    meta = json.dumps({"step": step, "digest": digest.hex(), "layout": json.loads(layout.to_json())},
-                      separators=(",", ":")).encode()
-    with open(tmp, "wb") as f:
-        f.write(_LEN.pack(len(meta)))
-        f.write(meta)
+    meta = json.dumps({"rank": rank, "step": step, "digest": digest.hex(),
+                       "layout": json.loads(layout.to_json())}, separators=(",", ":")).encode()
+    head = MAGIC + _LEN.pack(len(meta)) + meta
+    with replacing(final, durable=True) as f:
+        f.write(head)
+        f.write(_mac(key, head))
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # make the rename itself durable
-    finally:
-        os.close(dfd)
     for old in list_steps(root, rank)[:-KEEP]:
         (d / f"step{old}.bin").unlink(missing_ok=True)
     return final
@@ -70,36 +79,62 @@ def list_steps(root: str | os.PathLike, rank: int) -> list[int]:
     d = rank_dir(root, rank)
     if not d.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _NAME.match(p.name)))
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _NAME.fullmatch(p.name)))
 
 
-def read_snapshot(path: Path) -> tuple[int, Layout, bytearray, bytes]:
-    """(step, layout, data, digest) of one file; raises HpctError if damaged."""
+def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, bytearray, bytes]:
+    """(step, layout, data, digest) of `rank`'s snapshot file; raises HpctError if it is
+    damaged, not written with `key`, or another rank's. Nothing is allocated beyond what the
+    file holds."""
     try:
         with open(path, "rb") as f:
-            (mlen,) = _LEN.unpack(f.read(_LEN.size))
-            meta = json.loads(f.read(mlen))
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_HEADER)
+            if len(head) < _HEADER or not head.startswith(MAGIC):
+                raise HpctError(f"snapshot file '{path}' is not an hpct snapshot of this "
+                                f"version (it does not start with {MAGIC!r})")
+            (mlen,) = _LEN.unpack(head[len(MAGIC):])
+            if _HEADER + mlen + _MAC_LEN > size:
+                raise HpctError(f"snapshot file '{path}' is truncated: its header claims "
+                                f"{mlen} bytes of metadata, the file has {size} bytes")
+            meta_raw = f.read(mlen)
+            mac = f.read(_MAC_LEN)
+            if not hmac.compare_digest(_mac(key, head + meta_raw), mac):
+                raise HpctError(f"snapshot file '{path}' was not written with this job's "
+                                f"secret, or was changed since")
+            meta = json.loads(meta_raw)
             layout = Layout.from_json(json.dumps(meta["layout"]))
             digest = bytes.fromhex(meta["digest"])
+            step = int(meta["step"])
+            if meta["rank"] != rank:
+                raise HpctError(f"snapshot file '{path}' holds rank {meta['rank']}'s state, "
+                                f"not rank {rank}'s")
+            have = size - (_HEADER + mlen + _MAC_LEN)
+            if layout.nbytes != have:
+                raise HpctError(f"snapshot file '{path}' is damaged: its layout needs "
+                                f"{layout.nbytes} data bytes, the file holds {have}")
             data = bytearray(layout.nbytes)
             got = f.readinto(data)
     except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
-        raise HpctError(f"snapshot file '{path}' is unreadable: {exc}") from None
+        raise HpctError(f"snapshot file '{path}' is unreadable: {describe(exc)}") from None
     if got != layout.nbytes:
         raise HpctError(f"snapshot file '{path}' is truncated: {got} of {layout.nbytes} data bytes")
     if not hmac.compare_digest(P.part_digest(data), digest):
         raise HpctError(f"snapshot file '{path}' fails its digest")
-    return int(meta["step"]), layout, data, digest
+    return step, layout, data, digest
 
 
 def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,
-                events: EventLog | None = None) -> tuple[int, Layout, bytearray]:
-    """The newest intact snapshot of `rank` (at or before `max_step`), older ones as fallback."""
+                events: EventLog | None = None, *, key: bytes) -> tuple[int, Layout, bytearray]:
+    """The newest intact snapshot of `rank` (at or before `max_step`) written with `key`,
+    older ones as fallback."""
     steps = [s for s in list_steps(root, rank) if max_step is None or s <= max_step]
     for step in reversed(steps):
         path = rank_dir(root, rank) / f"step{step}.bin"
         try:
-            got_step, layout, data, _ = read_snapshot(path)
+            got_step, layout, data, _ = read_snapshot(path, rank, key=key)
+            if got_step != step:
+                raise HpctError(f"snapshot file '{path}' holds step {got_step}")
             return got_step, layout, data
         except HpctError as exc:
             if events:
@@ -122,11 +157,12 @@ class DiskPersister:
     """
 
     def __init__(self, store: SnapshotStore, root: str | os.PathLike, rank: int, every: int,
-                 events: EventLog | None = None):
+                 events: EventLog | None = None, *, key: bytes):
         if every < 1:
             raise HpctError(f"persist interval every={every} must be >= 1 step")
         self.store, self.root, self.rank, self.every = store, Path(root), rank, every
         self.events = events
+        self.key = key  # the job secret, which MACs every file written
         self.last_saved: int | None = None
         self._last_commit: int | None = None
         self._buf: torch.Tensor | None = None
@@ -159,13 +195,15 @@ class DiskPersister:
                     data = as_memoryview(self._buf)[:n]
                     data[:] = snap.data
                     layout, digest = snap.layout, snap.digest()
-                path = write_snapshot(self.root, self.rank, step, layout, data, digest)
+                path = write_snapshot(self.root, self.rank, step, layout, data, digest,
+                                      key=self.key)
                 self.last_saved = step
                 if self.events:
                     self.events.emit(EV_SAVED, rank=self.rank, step=step, path=str(path), nbytes=n)
             except (OSError, HpctError) as exc:
                 if self.events:
-                    self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step, error=str(exc))
+                    self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step,
+                                     error=describe(exc))
             finally:
                 self._due.task_done()
 

@@ -132,18 +132,25 @@ class DoubleBuffer:
         The caller must end with `publish` or `abandon`.
         """
         self._writer.acquire()
-        with self._cond:
-            idx = self._target()
-            old = self._snaps[idx]
-            if old is not None:
-                old.superseded.set()
-            self._cond.wait_for(lambda: self._leases[idx] == 0)
-            self._snaps[idx] = None
-            buf = self._bufs[idx]
-            if nbytes is not None and (buf is None or buf.numel() < nbytes):
-                # Allocated once per size change; never shrunk, so steady state allocates nothing.
-                buf = self._bufs[idx] = torch.empty(nbytes, dtype=torch.uint8)
-            return idx, buf
+        try:
+            with self._cond:
+                idx = self._target()
+                old = self._snaps[idx]
+                if old is not None:
+                    old.superseded.set()
+                self._cond.wait_for(lambda: self._leases[idx] == 0)
+                self._snaps[idx] = None
+                buf = self._bufs[idx]
+                if nbytes is not None and (buf is None or buf.numel() < nbytes):
+                    # Allocated once per size change; never shrunk, so steady state allocates
+                    # nothing.
+                    buf = self._bufs[idx] = torch.empty(nbytes, dtype=torch.uint8)
+                return idx, buf
+        except BaseException:
+            # A failed allocation must not leave the writer lock held: every later write
+            # would hang.
+            self._writer.release()
+            raise
 
     def publish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
                 digest: bytes | None) -> Snapshot:
@@ -260,28 +267,69 @@ class ReplicaStore:
         with self._lock:
             return sorted(r for r, db in self._ranks.items() if db.latest() is not None)
 
-    def begin(self, rank: int, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A writable slot of at least `nbytes` for an incoming replica of `rank`."""
-        idx, buf = self._slots(rank).acquire_target(nbytes)
+    def begin(self, rank: int, nbytes: int, step: int | None = None) -> tuple[int, torch.Tensor]:
+        """A writable slot of at least `nbytes` for an incoming replica of `rank` at `step`.
+
+        A step older than the newest one held is refused here, before the older slot is given up
+        for it (`finish` checks again, under the writer lock); so is a size that cannot be
+        allocated. Either way nothing stays held."""
+        slots = self._slots(rank)
+        if step is not None:
+            self._refuse_older(rank, step, slots)
+        try:
+            idx, buf = slots.acquire_target(nbytes)
+        except (RuntimeError, MemoryError) as exc:  # what torch raises when it cannot allocate
+            raise HpctError(f"cannot allocate {nbytes} bytes for a replica of rank {rank}: "
+                            f"{exc}") from None
         assert buf is not None
         return idx, buf
+
+    def forget_after(self, step: int) -> list[int]:
+        """Drop every rank's replicas newer than `step`: the group rolled back to it (a restore
+        from disk), so the next pushes legitimately carry older steps than those held, and the
+        newer copies belong to a history that no longer happens. The ranks dropped."""
+        with self._lock:
+            dropped = [r for r, db in self._ranks.items()
+                       if db.latest() is not None and db.latest().step > step]
+            for r in dropped:
+                del self._ranks[r]
+        return dropped
+
+    @staticmethod
+    def _refuse_older(rank: int, step: int, slots: DoubleBuffer) -> None:
+        # Replicas only move forward: an older one arriving is stale or replayed, and taking it
+        # would roll the holder back.
+        held = slots.latest()
+        if held is not None and step < held.step:
+            raise HpctError(f"replica of rank {rank} at step {step} is older than step "
+                            f"{held.step} held; refused")
 
     def finish(self, rank: int, idx: int, buf: torch.Tensor, step: int, layout: Layout,
                digest: bytes, checked: bool = False) -> Snapshot:
         """Make a received replica current, only if its bytes match `digest` (`checked`: the
-        protocol already verified them while receiving, so they are not hashed twice)."""
+        protocol already verified them while receiving, so they are not hashed twice) and it is
+        not older than the newest held."""
+        slots = self._slots(rank)
+        try:
+            self._refuse_older(rank, step, slots)
+        except HpctError:
+            self.abandon(rank, idx)
+            raise
         if not checked and not hmac.compare_digest(P.part_digest(as_memoryview(buf)[:layout.nbytes]),
                                                    digest):
             self.abandon(rank, idx)
             raise HpctError(f"replica of rank {rank} at step {step} does not match the sender's "
                             f"digest {digest.hex()[:16]}...; kept the previous replica")
-        return self._slots(rank).publish(idx, buf, step, layout, digest)
+        return slots.publish(idx, buf, step, layout, digest)
 
     def abandon(self, rank: int, idx: int) -> None:
         self._slots(rank).abandon(idx)
 
     def latest(self, rank: int) -> Snapshot | None:
         return self._slots(rank).latest()
+
+    def steps(self, rank: int) -> list[int]:
+        return self._slots(rank).steps()
 
     def lease(self, rank: int, step: int | None = None) -> contextlib.AbstractContextManager[Snapshot | None]:
         return self._slots(rank).lease(step)
@@ -292,19 +340,27 @@ class ReplicaStore:
 
 # --- placement (pure) --------------------------------------------------------------------------
 
+def ring_offset(num_nodes: int) -> int:
+    """How far along the node order a node's replicas live: half the ring. Neighbours in the
+    node order (n2, n3) tend to share a rack, a switch or a power feed, so the copy of a node's
+    state goes to the node farthest from it; two adjacent nodes lost together then never take
+    a state and its only replica with them."""
+    return max(1, num_nodes // 2)
+
+
 def replica_peer(node_index: int, num_nodes: int) -> int:
-    """The node that holds replicas of `node_index`'s ranks: the next one on the ring."""
+    """The node that holds replicas of `node_index`'s ranks: half the ring away."""
     if num_nodes < 2:
         raise HpctError(f"replicas need at least 2 nodes, got num_nodes={num_nodes}")
     if not 0 <= node_index < num_nodes:
         raise HpctError(f"node_index {node_index} is outside 0..{num_nodes - 1}")
-    return (node_index + 1) % num_nodes
+    return (node_index + ring_offset(num_nodes)) % num_nodes
 
 
 def replica_source_node(node_index: int, num_nodes: int) -> int:
-    """The node whose ranks' replicas `node_index` holds (the previous one on the ring)."""
+    """The node whose ranks' replicas `node_index` holds (half the ring back)."""
     replica_peer(node_index, num_nodes)
-    return (node_index - 1) % num_nodes
+    return (node_index - ring_offset(num_nodes)) % num_nodes
 
 
 def replica_peer_rank(rank: int, num_nodes: int, tasks_per_node: int) -> int:

@@ -23,7 +23,8 @@ Scope = Literal["shared", "rank"]
 # `shared`: identical on every rank under plain data parallelism (model, optimizer, scheduler),
 # so a replacement can take it from any survivor. `rank`: this rank's own (data position, RNG).
 DEFAULT_SCOPES: dict[str, Scope] = {"model": "shared", "optimizer": "shared",
-                                    "lr_scheduler": "shared", "sampler": "rank"}
+                                    "lr_scheduler": "shared", "scheduler": "shared",
+                                    "sampler": "rank"}
 RNG_KEY = "rng"
 EXTRAS_KEY = "extras"
 

@@ -16,6 +16,8 @@ then stops offering a rotten copy) at the price of hashing every byte twice per 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import queue
 import socket
 import threading
@@ -39,11 +41,35 @@ EV_BAD_FRAME = "transfer.bad_frame"
 EV_REPLICA_STORED = "replica.stored"
 EV_REPLICA_REJECTED = "replica.rejected"
 EV_PUSH_FAILED = "replica.push_failed"
+EV_CONN_EVICTED = "transfer.connection_evicted"
+EV_CONN_REFUSED = "transfer.connection_refused"
+EV_ACCEPT_FAILED = "transfer.accept_failed"
 
-LATEST = -1
+# "The newest step held". Not -1: that is a real step, the state at creation (before step 0),
+# which a fault during the first step restores.
+LATEST = -(2**62)
 LAYOUT_MAX = 64 * 1024 * 1024
 SOCK_BUF = 4 * 1024 * 1024  # measured: 4 MB socket buffers reach loopback's 2.4-2.9 GB/s
 Address = tuple[str, int]
+# A new connection is a stranger until its first frame authenticates: its header must arrive
+# within AUTH_TIMEOUT, and at MAX_CONNECTIONS the oldest stranger makes room for a newcomer.
+# Legitimate peers are few (the ring neighbour's pusher, a replacement or two fetching) and
+# send their first header at once.
+AUTH_TIMEOUT = 5.0
+MAX_CONNECTIONS = 64
+# Longest pause between accept retries while the process is out of descriptors or memory.
+ACCEPT_BACKOFF_MAX = 1.0
+# A refused push (stale, or too big to allocate) up to this size is read and thrown away, so
+# the connection stays usable; a bigger one is cut off.
+REFUSED_DRAIN_MAX = 64 * 1024 * 1024
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this host: no snapshot or replica can be larger, whatever a header says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 40
 
 
 def _tune(sock: socket.socket) -> None:
@@ -71,9 +97,8 @@ def _send_blob(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot,
         check = P.PartHasher(len(snap.data))
         for off in range(0, len(snap.data), P.CHUNK):
             check.add(snap.data[off:off + P.CHUNK])
-    writer = P.FrameWriter(sock, msg, chan.secret, chan.next_seq(), chan.job_id,
-                           [len(layout_json), snap.layout.nbytes],
-                           [P.part_digest(layout_json), digest], timeout)  # type: ignore[list-item]
+    writer = chan.writer(sock, msg, [len(layout_json), snap.layout.nbytes],
+                         [P.part_digest(layout_json), digest], timeout)  # type: ignore[list-item]
     writer.write(layout_json)
     tail = min(len(snap.data), P.CHUNK)
     writer.write(snap.data[:len(snap.data) - tail])
@@ -86,12 +111,19 @@ def _send_blob(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot,
 
 
 class TransferServer:
-    """Serves this rank's snapshots and stores pushed replicas (one thread per connection)."""
+    """Serves this rank's snapshots and stores pushed replicas (one thread per connection, at
+    most `max_connections`).
+
+    `io_timeout`: a peer that stalls mid-frame, or sends nothing for this long, is dropped.
+    `max_replica_bytes` (default: the host's RAM) bounds a pushed replica before anything is
+    allocated for it.
+    """
 
     def __init__(self, secret: bytes, job_id: str, rank: int, own: SnapshotStore | None = None,
                  replicas: ReplicaStore | None = None, host: str = "127.0.0.1", port: int = 0,
                  events: EventLog | None = None, verify_on_serve: bool = False,
-                 max_replica_bytes: int = 1 << 40, io_timeout: float = 60.0):
+                 max_replica_bytes: int | None = None, io_timeout: float = 60.0,
+                 auth_timeout: float = AUTH_TIMEOUT, max_connections: int = MAX_CONNECTIONS):
         self.secret, self.job_id, self.rank = secret, job_id, rank
         self.own, self.replicas = own, replicas
         self.events = events
@@ -100,12 +132,17 @@ class TransferServer:
         # this server serves, once, after its digest was sealed, as failing memory would.
         self.corrupt_on_serve = False
         self._rotted: set[int] = set()
-        self.max_replica_bytes = max_replica_bytes
+        self.max_replica_bytes = physical_memory() if max_replica_bytes is None \
+            else max_replica_bytes
         self.io_timeout = io_timeout
+        self.auth_timeout = auth_timeout
+        self.max_connections = max_connections
         self._listener = socket.create_server((host, port), backlog=64)
         self.address: Address = self._listener.getsockname()[:2]
         self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
+        self._freed = threading.Event()  # a connection ended: a paused accept may go on
+        # Open connections, oldest first -> whether one of its frames has authenticated.
+        self._conns: dict[socket.socket, bool] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name=f"hpct-transfer-r{rank}",
                                         daemon=True)
@@ -113,6 +150,7 @@ class TransferServer:
 
     def close(self) -> None:
         self._closed.set()
+        self._freed.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -133,55 +171,115 @@ class TransferServer:
             self.events.emit(event, server_rank=self.rank, **fields)
 
     def _accept_loop(self) -> None:
+        backoff = 0.0
         while not self._closed.is_set():
             try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
+                conn, peer = self._listener.accept()
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                # Out of descriptors (EMFILE/ENFILE) or memory, or a connection that died in
+                # the backlog: the listener itself is fine. Returning would leave this rank
+                # unable to serve its state for good; wait a little and accept again.
+                if backoff == 0.0 and exc.errno != errno.ECONNABORTED:
+                    self._emit(EV_ACCEPT_FAILED, error=f"{exc.strerror or exc} "
+                                                       f"(errno {exc.errno}); retrying")
+                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2 or 0.01)
+                self._freed.wait(backoff)
+                self._freed.clear()
+                continue
+            backoff = 0.0
+            self._admit(conn, f"{peer[0]}:{peer[1]}")
+
+    def _admit(self, conn: socket.socket, peer: str) -> None:
+        """Give `conn` a thread, making room at the cap by dropping the oldest connection that
+        has not authenticated: strangers holding connections open cannot lock out the job."""
+        with self._lock:
+            if len(self._conns) >= self.max_connections:
+                stranger = next((c for c, known in self._conns.items() if not known), None)
+                if stranger is None:
+                    conn.close()
+                    self._emit(EV_CONN_REFUSED, peer=peer,
+                               error=f"{self.max_connections} authenticated connections open")
+                    return
+                del self._conns[stranger]
+                with contextlib.suppress(OSError):
+                    stranger.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
+                self._emit(EV_CONN_EVICTED, peer=peer,
+                           error=f"at the cap of {self.max_connections} connections: dropped the "
+                                 f"oldest one that had not authenticated")
+            self._conns[conn] = False
+        try:
             _tune(conn)
-            with self._lock:
-                self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name=f"hpct-transfer-r{self.rank}-conn").start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+            self._emit(EV_CONN_REFUSED, peer=peer, error=str(exc))
 
     def _serve(self, conn: socket.socket) -> None:
-        chan = P.Channel(self.secret, self.job_id)
+        known = False
         try:
+            # The stall limit for everything on this connection; the nonce binds its frames.
+            chan = P.server_hello(conn, self.secret, self.job_id, self.io_timeout)
             while not self._closed.is_set():
                 pending: dict[str, Any] = {}
                 try:
-                    env = chan.accept(P.recv_msg(conn, self.secret, self.job_id, timeout=None,
-                                                 max_body=self.max_replica_bytes + LAYOUT_MAX,
-                                                 body_sink=self._replica_sink(pending)))
+                    env = chan.recv(conn, max_body=self.max_replica_bytes + LAYOUT_MAX,
+                                    body_sink=self._replica_sink(pending),
+                                    header_timeout=None if known else self.auth_timeout)
                 except P.ConnectionClosed:
                     return
                 except P.DigestMismatch as exc:
                     # The frame was read whole, so the connection is still usable: say why.
                     self._reject_replica(conn, chan, exc.msg, pending, exc.message)
                     continue
-                except P.ProtocolError as exc:
-                    if "idx" in pending:
-                        self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
-                    self._emit(EV_REPLICA_REJECTED if pending else EV_BAD_FRAME,
-                               error=exc.message)
+                except HpctError as exc:
+                    self._refuse(conn, chan, pending, exc.message)
                     return
+                if not known:
+                    known = True
+                    with self._lock:
+                        if conn in self._conns:
+                            self._conns[conn] = True
                 msg = env.msg
                 if isinstance(msg, P.FetchState):
                     if not self._serve_fetch(conn, chan, msg):
                         return
+                elif isinstance(msg, P.StateBlob) and "refused" in pending:
+                    self._emit(EV_REPLICA_REJECTED, rank=msg.rank, step=msg.step,
+                               error=pending["refused"])
+                    chan.send(conn, P.Ack(False, pending["refused"]), timeout=self.io_timeout)
                 elif isinstance(msg, P.StateBlob):
                     self._store_replica(conn, chan, msg, env.digests[1], pending)
                 elif isinstance(msg, P.Goodbye):
                     return
                 else:
-                    P.send_msg(conn, P.Ack(False, f"transfer server does not handle {msg.TYPE}"),
-                               self.secret, chan.next_seq(), self.job_id, timeout=self.io_timeout)
+                    chan.send(conn, P.Ack(False, f"transfer server does not handle {msg.TYPE}"),
+                              timeout=self.io_timeout)
         except P.ProtocolError:
             return
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
+            self._freed.set()
+
+    def _refuse(self, conn: socket.socket, chan: P.Channel, pending: dict[str, Any],
+                why: str) -> None:
+        """A frame that failed part-way (before the connection is dropped): an authentic push
+        is told why, anything else is only logged."""
+        if "idx" in pending:
+            self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
+        msg = pending.get("msg")
+        if msg is None:
+            self._emit(EV_BAD_FRAME, error=why)
+            return
+        self._emit(EV_REPLICA_REJECTED, rank=msg.rank, step=msg.step, error=why)
+        with contextlib.suppress(HpctError, OSError):
+            chan.send(conn, P.Ack(False, why), timeout=self.io_timeout)
 
     # --- fetch -------------------------------------------------------------------------------
 
@@ -198,9 +296,9 @@ class TransferServer:
         with (found[0]() if found else contextlib.nullcontext()) as snap:
             if snap is None:
                 have = self.replicas.ranks() if self.replicas else []
-                P.send_msg(conn, P.Ack(False, f"rank {self.rank} has no snapshot of rank {msg.rank} "
-                                              f"at step {msg.step} (replicas held: {have})"),
-                           self.secret, chan.next_seq(), self.job_id, timeout=self.io_timeout)
+                chan.send(conn, P.Ack(False, f"rank {self.rank} has no snapshot of rank {msg.rank} "
+                                             f"at step {msg.step} (replicas held: {have})"),
+                          timeout=self.io_timeout)
                 return True
             if self.corrupt_on_serve and len(snap.data) and id(snap) not in self._rotted:
                 self._rotted.add(id(snap))
@@ -224,17 +322,27 @@ class TransferServer:
             self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
             why = f"replica of rank {rank} at step {msg.step}: {why}; kept the previous replica"
         self._emit(EV_REPLICA_REJECTED, rank=rank, error=why)
-        P.send_msg(conn, P.Ack(False, why), self.secret, chan.next_seq(), self.job_id,
-                   timeout=self.io_timeout)
+        chan.send(conn, P.Ack(False, why), timeout=self.io_timeout)
 
     def _replica_sink(self, pending: dict[str, Any]) -> P.BodySink:
         def sink(msg: Any, sizes: Any) -> list[memoryview]:
             if not isinstance(msg, P.StateBlob):
+                if sum(sizes) > P.DEFAULT_MAX_BODY:
+                    raise P.ProtocolError(f"{msg.TYPE} with a {sum(sizes)}-byte body")
                 return [memoryview(bytearray(n)) for n in sizes]
-            if self.replicas is None:
-                raise P.ProtocolError(f"rank {self.rank} holds no replicas")
-            _check_blob_parts(msg, sizes)
-            idx, buf = self.replicas.begin(msg.rank, msg.nbytes)
+            pending["msg"] = msg  # authentic: if it is refused from here on, the pusher is told
+            try:
+                if self.replicas is None:
+                    raise P.ProtocolError(f"rank {self.rank} holds no replicas")
+                _check_blob_parts(msg, sizes)
+                idx, buf = self.replicas.begin(msg.rank, msg.nbytes, msg.step)
+            except HpctError as exc:
+                if sum(sizes) > REFUSED_DRAIN_MAX:
+                    raise
+                # Read a small refused body into scratch, so the connection stays in step and
+                # the pusher gets the reason in an Ack rather than a broken pipe.
+                pending["refused"] = exc.message
+                return [memoryview(bytearray(n)) for n in sizes]
             pending.update(rank=msg.rank, idx=idx, buf=buf, layout=bytearray(msg.layout_nbytes))
             return [memoryview(pending["layout"]), as_memoryview(buf)[:msg.nbytes]]
         return sink
@@ -254,12 +362,10 @@ class TransferServer:
                                  digest, checked=True)
         except HpctError as exc:
             self._emit(EV_REPLICA_REJECTED, rank=msg.rank, step=msg.step, error=exc.message)
-            P.send_msg(conn, P.Ack(False, exc.message), self.secret, chan.next_seq(), self.job_id,
-                       timeout=self.io_timeout)
+            chan.send(conn, P.Ack(False, exc.message), timeout=self.io_timeout)
             return
         self._emit(EV_REPLICA_STORED, rank=msg.rank, step=msg.step, nbytes=msg.nbytes)
-        P.send_msg(conn, P.Ack(True, ""), self.secret, chan.next_seq(), self.job_id,
-                   timeout=self.io_timeout)
+        chan.send(conn, P.Ack(True, ""), timeout=self.io_timeout)
 
 
 
@@ -289,21 +395,24 @@ def _fetch_one(addr: Address, rank: int, secret: bytes, job_id: str, step: int,
         _check_blob_parts(msg, sizes)
         buf = into
         if buf is None or as_flat_u8(buf).numel() < msg.nbytes:
-            buf = torch.empty(msg.nbytes, dtype=torch.uint8)
+            try:
+                buf = torch.empty(msg.nbytes, dtype=torch.uint8)
+            except (RuntimeError, MemoryError) as exc:
+                raise P.ProtocolError(f"cannot allocate {msg.nbytes} bytes for the state: "
+                                      f"{exc}") from None
         holder.update(buf=buf, layout=bytearray(msg.layout_nbytes))
         return [memoryview(holder["layout"]), as_memoryview(as_flat_u8(buf))[:msg.nbytes]]
 
-    chan = P.Channel(secret, job_id)
     with _connect(addr, timeout) as sock:
-        P.send_msg(sock, P.FetchState(rank, step, "any"), secret, chan.next_seq(), job_id,
-                   timeout=timeout)
+        chan = P.client_hello(sock, secret, job_id, timeout)
+        chan.send(sock, P.FetchState(rank, step, "any"), timeout=timeout)
         try:
-            env = chan.accept(P.recv_msg(sock, secret, job_id, timeout=timeout,
-                                         max_body=(1 << 40) + LAYOUT_MAX, body_sink=sink))
+            env = chan.recv(sock, timeout=timeout, max_body=physical_memory() + LAYOUT_MAX,
+                            body_sink=sink)
         except P.DigestMismatch as exc:
             raise HpctError(f"digest mismatch: {exc.message}") from None
         with contextlib.suppress(P.ProtocolError):
-            P.send_msg(sock, P.Goodbye("done"), secret, chan.next_seq(), job_id, timeout=timeout)
+            chan.send(sock, P.Goodbye("done"), timeout=timeout)
     msg = env.msg
     if isinstance(msg, P.Ack):
         raise HpctError(f"source refused: {msg.detail}")
@@ -347,7 +456,7 @@ def fetch_state(sources: list[Address], rank: int, secret: bytes, job_id: str,
     if disk_dir is not None:
         try:
             got_step, layout, data = load_latest(disk_dir, rank, None if step == LATEST else step,
-                                                 events)
+                                                 events, key=secret)
         except HpctError as exc:
             failures.append(f"disk {disk_dir} ({exc.message})")
         else:
@@ -365,7 +474,7 @@ def push_replica(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot
                  timeout: float = 60.0) -> None:
     """Send `snap` as `rank`'s replica over an open connection and wait for the holder's Ack."""
     _send_blob(sock, chan, rank, snap, timeout, verify=False)
-    env = chan.accept(P.recv_msg(sock, chan.secret, chan.job_id, timeout=timeout))
+    env = chan.recv(sock, timeout=timeout)
     if not isinstance(env.msg, P.Ack) or not env.msg.ok:
         detail = env.msg.detail if isinstance(env.msg, P.Ack) else env.msg.TYPE
         raise HpctError(f"replica holder refused rank {rank} step {snap.step}: {detail}")
@@ -412,7 +521,7 @@ class ReplicaPusher:
     def _push(self, snap: Snapshot) -> None:
         if self._sock is None:
             self._sock = _connect(self.peer, self.timeout)
-            self._chan = P.Channel(self.secret, self.job_id)
+            self._chan = P.client_hello(self._sock, self.secret, self.job_id, self.timeout)
         assert self._chan is not None
         push_replica(self._sock, self._chan, self.rank, snap, self.timeout)
 
@@ -429,8 +538,7 @@ class ReplicaPusher:
         self.flush()
         self._due.put(None)
         self._thread.join()
-        if self._sock is not None:
+        if self._sock is not None and self._chan is not None:
             with contextlib.suppress(P.ProtocolError, OSError):
-                P.send_msg(self._sock, P.Goodbye("closing"), self.secret, self._chan.next_seq(),  # type: ignore[union-attr]
-                           self.job_id, timeout=self.timeout)
+                self._chan.send(self._sock, P.Goodbye("closing"), timeout=self.timeout)
         self._drop()

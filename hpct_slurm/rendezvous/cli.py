@@ -1,4 +1,5 @@
-"""`hpct-slurm rendezvous env [--format export|json] [--generation G]`.
+"""`hpct-slurm rendezvous env [--format export|json] [--generation G]` and
+`hpct-slurm rendezvous secret PATH`.
 
 The export form is what a TaskProlog (or the SPANK plugin) prints: Slurm reads each
 `export NAME=value` line into the task's environment, taking the value literally.
@@ -21,6 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--generation", type=int, default=None,
                    help="generation (default: $HPCT_GENERATION or 0)")
     e.set_defaults(func=_env)
+    s = actions.add_parser("secret", help="create a per-job secret file for the rootless store "
+                                          "(tier 1 under plain srun: HPCT_SECRET_FILE)")
+    s.add_argument("path", help="the file to create (it must not exist): 32 random bytes as "
+                                "64 hex digits and a newline, mode 0600")
+    s.set_defaults(func=_secret)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -35,4 +41,12 @@ def _env(args: argparse.Namespace) -> int:
         if any(c.isspace() for c in value):
             raise HpctError(f"derived {name} {value!r} holds whitespace: it cannot be exported")
         print(f"export {name}={value}")
+    return 0
+
+
+def _secret(args: argparse.Namespace) -> int:
+    from ..protocol import new_secret_file
+
+    new_secret_file(args.path)
+    print(args.path)
     return 0

@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as dist_c10d
 from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
 
 from ..errors import HpctError
@@ -71,8 +72,14 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
             os.environ.setdefault(name, env[name])
     prefixed = dist.PrefixStore(generation_prefix(info.generation), store)
     kwargs = {} if device_id is None else {"device_id": device_id}
-    dist.init_process_group(backend, store=prefixed, rank=info.rank,
-                            world_size=info.world_size, timeout=init_timeout, **kwargs)
+    try:
+        dist.init_process_group(backend, store=prefixed, rank=info.rank,
+                                world_size=info.world_size, timeout=init_timeout, **kwargs)
+    except BaseException:
+        # A failed formation (aborted by a STOP, a member gone, a timeout) must leave nothing
+        # behind: no store connections, no shard server, and no advanced group counter.
+        _release(_Formed(info, store, shard))
+        raise
     group = dist.group.WORLD
     if collective_timeout != init_timeout:
         _set_pg_timeout(collective_timeout, group)
@@ -100,8 +107,24 @@ def teardown() -> None:
     # The group's destructor is what closes gloo's sockets: make sure it runs now.
     gc.collect()
     if formed is not None:
-        close = getattr(formed.store, "close", None)
-        if close is not None:
-            close()
-        if formed.shard is not None:
-            formed.shard.stop()
+        _release(formed)
+    _reset_group_count()
+
+
+def _release(formed: _Formed) -> None:
+    close = getattr(formed.store, "close", None)
+    if close is not None:
+        close()
+    if formed.shard is not None:
+        formed.shard.stop()
+    _reset_group_count()
+
+
+def _reset_group_count() -> None:
+    """torch names unnamed groups by a process-wide counter that only destroy_process_group()
+    resets, and only when a group exists. A formation that failed half-way advances it
+    anyway; the survivors of that attempt would then rendezvous under other key names
+    (".../gen2/1//...") than a fresh spare (".../gen2/0//...") and never meet. Every
+    generation therefore starts from 0, whatever happened to the last one."""
+    if not dist.is_initialized():
+        dist_c10d._world.group_count = 0

@@ -14,6 +14,11 @@ Wire protocol (TCP, one request in flight per connection):
   response body = `tag(32) | status(u8) | fields`, tag = HMAC-SHA256(secret, "R" nonce seq ...)
   fields = repeated `u32 length | bytes`; seq counts the requests on the connection, so a
   recorded request replayed on this or any other connection fails authentication.
+
+Nothing is authenticated before a whole frame has arrived, so a connection is a stranger until
+its first request passes: its frames may be at most PREAUTH_MAX_FRAME bytes, it must pass within
+PREAUTH_TIMEOUT_S, and at most MAX_STRANGERS of them are held (the oldest makes room for a
+newcomer). A client whose first request is larger sends a small one first.
 """
 from __future__ import annotations
 
@@ -50,10 +55,20 @@ NONCE_BYTES = 16
 TAG_BYTES = 32
 MAX_FRAME = 16 << 20
 LISTEN_BACKLOG = 4096
+PREAUTH_MAX_FRAME = 64 << 10
+PREAUTH_TIMEOUT_S = 10.0
+MAX_STRANGERS = 256
+# Every connection, authenticated or not; a rank holds one per store (and clone) per shard.
+MAX_CONNECTIONS = 16384
+# A frame that stops arriving half-way for this long holds a buffer for nothing: dropped.
+STALL_TIMEOUT_S = 30.0
+# Longest pause in accepting while the process is out of descriptors (EMFILE/ENFILE).
+ACCEPT_BACKOFF_MAX = 1.0
 
 EVENT_AUTH_REJECTED = "store.auth_rejected"
 EVENT_SHARD_STARTED = "store.shard_started"
 EVENT_SHARD_STOPPED = "store.shard_stopped"
+EVENT_ACCEPT_FAILED = "store.accept_failed"
 
 OP_SET, OP_GET, OP_ADD, OP_CAS, OP_CHECK, OP_WAIT, OP_DELETE, OP_NUM_KEYS, OP_STATS = range(1, 10)
 OP_NAMES = {OP_SET: "set", OP_GET: "get", OP_ADD: "add", OP_CAS: "compare_set",
@@ -149,7 +164,7 @@ class ShardStats:
 
 class _Conn:
     __slots__ = ("sock", "peer", "nonce", "seq", "rbuf", "wbuf", "wait_keys", "wait_op",
-                 "deadline")
+                 "deadline", "authed", "progress_at")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes):
         self.sock = sock
@@ -161,6 +176,8 @@ class _Conn:
         self.wait_keys: list[bytes] | None = None
         self.wait_op = 0
         self.deadline: float | None = None
+        self.authed = False  # one of its requests has passed authentication
+        self.progress_at = time.monotonic()  # when its last bytes arrived
 
 
 class ShardServer:
@@ -180,6 +197,11 @@ class ShardServer:
         self._data: dict[bytes, bytes] = {}
         self._waiters: dict[bytes, set[_Conn]] = {}
         self._parked: set[_Conn] = set()
+        self._conns: set[_Conn] = set()
+        self._strangers: dict[_Conn, float] = {}  # not authenticated yet -> deadline, oldest first
+        self._accept_resume: float | None = None  # listener paused (out of fds) until then
+        self._accept_backoff = 0.0
+        self._next_sweep = 0.0
         self._stats = ShardStats()
         self._stats_lock = threading.Lock()
         self._sel = selectors.DefaultSelector()
@@ -251,11 +273,18 @@ class ShardServer:
         finally:
             for key in list(self._sel.get_map().values()):
                 key.fileobj.close()
+            self._listener.close()  # not registered while accepting is paused
             self._sel.close()
             self._wake_w.close()
 
     def _next_timeout(self) -> float | None:
         deadlines = [c.deadline for c in self._parked if c.deadline is not None]
+        if self._strangers:
+            deadlines.append(next(iter(self._strangers.values())))
+        if self._accept_resume is not None:
+            deadlines.append(self._accept_resume)
+        if self._conns:
+            deadlines.append(self._next_sweep)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -267,21 +296,49 @@ class ShardServer:
             try:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                self._accept_backoff = 0.0
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    return
-                raise
+                if exc.errno == errno.ECONNABORTED:
+                    continue
+                self._pause_accept(exc)
+                return
+            peer_name = f"{peer[0]}:{peer[1]}"
+            if len(self._strangers) >= MAX_STRANGERS or len(self._conns) >= MAX_CONNECTIONS:
+                if not self._strangers:
+                    sock.close()
+                    self._events.emit(EVENT_AUTH_REJECTED, shard=self.name, peer=peer_name,
+                                      reason=f"{len(self._conns)} connections open, all "
+                                             f"authenticated: refused")
+                    continue
+                self._reject(next(iter(self._strangers)),
+                             "dropped for a newer connection: no authenticated request yet")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}", secrets.token_bytes(NONCE_BYTES))
+            conn = _Conn(sock, peer_name, secrets.token_bytes(NONCE_BYTES))
             conn.wbuf += conn.nonce
             with self._stats_lock:
                 self._stats.connections += 1
+            self._conns.add(conn)
+            self._strangers[conn] = time.monotonic() + PREAUTH_TIMEOUT_S
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self._flush(conn)
 
+    def _pause_accept(self, exc: OSError) -> None:
+        """Out of descriptors (or memory): the listener stays readable, so selecting on it at
+        once again would spin a core. Leave it alone for a while, longer each time in a row."""
+        if self._accept_backoff == 0.0:
+            self._events.emit(EVENT_ACCEPT_FAILED, shard=self.name,
+                              error=f"{exc.strerror or exc} (errno {exc.errno}); retrying")
+        self._accept_backoff = min(ACCEPT_BACKOFF_MAX, self._accept_backoff * 2 or 0.01)
+        self._accept_resume = time.monotonic() + self._accept_backoff
+        self._sel.unregister(self._listener)
+
     def _close(self, conn: _Conn) -> None:
+        self._conns.discard(conn)
+        self._strangers.pop(conn, None)
+        if self._accept_resume is not None:
+            self._accept_resume = time.monotonic()  # a descriptor is free again: accept now
         self._unpark(conn)
         try:
             self._sel.unregister(conn.sock)
@@ -300,10 +357,13 @@ class ShardServer:
             self._close(conn)
             return
         conn.rbuf += chunk
+        conn.progress_at = time.monotonic()
         while len(conn.rbuf) >= 4:
             (n,) = _U32.unpack_from(conn.rbuf, 0)
-            if n > MAX_FRAME or n < TAG_BYTES + 1:
-                self._reject(conn, f"frame length {n}")
+            limit = MAX_FRAME if conn.authed else PREAUTH_MAX_FRAME
+            if n > limit or n < TAG_BYTES + 1:
+                self._reject(conn, f"frame length {n} outside {TAG_BYTES + 1}..{limit}"
+                                   + ("" if conn.authed else " (not authenticated yet)"))
                 return
             if len(conn.rbuf) < 4 + n:
                 return
@@ -323,6 +383,9 @@ class ShardServer:
         if not hmac.compare_digest(tag, _tag(self._secret, b"Q", conn.nonce, conn.seq, payload)):
             self._reject(conn, "bad request tag")
             return False
+        if not conn.authed:
+            conn.authed = True
+            del self._strangers[conn]
         if conn.wait_keys is not None:
             self._reject(conn, "request while another is pending")
             return False
@@ -424,6 +487,19 @@ class ShardServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        if self._accept_resume is not None and now >= self._accept_resume:
+            self._accept_resume = None
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+        while self._strangers:
+            conn, deadline = next(iter(self._strangers.items()))
+            if deadline > now:
+                break
+            self._reject(conn, f"no authenticated request within {PREAUTH_TIMEOUT_S:g} s")
+        if now >= self._next_sweep:
+            self._next_sweep = now + 1.0
+            for conn in [c for c in self._conns
+                         if c.rbuf and now - c.progress_at > STALL_TIMEOUT_S]:
+                self._reject(conn, f"frame stalled for {STALL_TIMEOUT_S:g} s")
         for conn in [c for c in self._parked if c.deadline is not None and c.deadline <= now]:
             missing = next(k for k in conn.wait_keys if k not in self._data)
             self._unpark(conn)
@@ -459,10 +535,12 @@ class ShardServer:
 class _Shard:
     """One client connection to one shard; requests on it are serialized by a lock."""
 
-    def __init__(self, host: str, port: int, secret: bytes):
+    def __init__(self, host: str, port: int, secret: bytes,
+                 aborted: threading.Event | None = None):
         self.host = host
         self.port = port
         self._secret = secret
+        self._aborted = aborted or threading.Event()
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._nonce = b""
@@ -475,16 +553,34 @@ class _Shard:
                 self._sock.close()
                 self._sock = None
 
+    def abort(self) -> None:
+        """Wake a request blocked on this shard (another thread holds the lock): shutdown,
+        unlike close, makes its pending recv return at once."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _check_aborted(self, what: str) -> None:
+        if self._aborted.is_set():
+            raise dist.DistStoreError(f"store {what} on shard {self.host}:{self.port} aborted: "
+                                      f"the controller stopped this generation")
+
     def _connect(self, deadline: float | None) -> socket.socket:
         # The node's shard server may start a moment after this rank does: retry refusals
         # until it has answered once. After that a refusal means its node is gone, and waiting
         # out the timeout would only keep the survivors from re-forming.
+        # Connect attempts are short so an abort (a STOP while the group forms) is seen within
+        # a second even when the shard's host is gone without a trace (no refusal, no reset).
         delay = 0.01
         while True:
+            self._check_aborted("connect")
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                sock.settimeout(30.0)
+                sock.settimeout(1.0)
                 sock.connect((self.host, self.port))
                 self._nonce = _recv_exact(sock, NONCE_BYTES)
                 self._seq = 0
@@ -493,8 +589,9 @@ class _Shard:
                 return sock
             except OSError as exc:
                 sock.close()
-                if self._reached or (deadline is not None
-                                     and time.monotonic() + delay > deadline):
+                unreachable = self._reached and not isinstance(exc, socket.timeout)
+                if unreachable or (deadline is not None
+                                   and time.monotonic() + delay > deadline):
                     raise dist.DistNetworkError(
                         f"store shard {self.host}:{self.port} unreachable: {exc}") from None
                 time.sleep(delay)
@@ -504,33 +601,44 @@ class _Shard:
                 what: str) -> tuple[int, list[bytes]]:
         payload = bytes([op]) + _pack_fields(fields)
         with self._lock:
+            self._check_aborted(what)
             if self._sock is None:
                 self._sock = self._connect(deadline)
-            sock = self._sock
-            tag = _tag(self._secret, b"Q", self._nonce, self._seq, payload)
-            try:
-                sock.sendall(_U32.pack(TAG_BYTES + len(payload)) + tag + payload)
-                (n,) = _U32.unpack(_recv_exact(sock, 4))
-                if n > MAX_FRAME or n < TAG_BYTES + 1:
-                    raise OSError(f"bad response length {n}")
-                body = _recv_exact(sock, n)
-            except OSError as exc:
-                sock.close()
-                self._sock = None
-                raise dist.DistNetworkError(
-                    f"store shard {self.host}:{self.port} failed during {what}: {exc} (a shard "
-                    f"also hangs up on requests that fail authentication: check the secret)"
-                ) from None
-            resp_tag, resp = body[:TAG_BYTES], body[TAG_BYTES:]
-            if not hmac.compare_digest(resp_tag, _tag(self._secret, b"R", self._nonce,
-                                                      self._seq, resp)):
-                sock.close()
-                self._sock = None
-                raise dist.DistNetworkError(
-                    f"store shard {self.host}:{self.port} sent an unauthenticated reply to "
-                    f"{what} (wrong secret?)")
-            self._seq += 1
+            if self._seq == 0 and TAG_BYTES + len(payload) > PREAUTH_MAX_FRAME:
+                # The shard takes no frame this big before the connection has authenticated.
+                self._exchange(bytes([OP_NUM_KEYS]), what)
+            resp = self._exchange(payload, what)
         return resp[0], _unpack_fields(memoryview(resp)[1:])
+
+    def _exchange(self, payload: bytes, what: str) -> bytes:
+        """One request and its authenticated response on the open connection (lock held)."""
+        sock = self._sock
+        assert sock is not None
+        tag = _tag(self._secret, b"Q", self._nonce, self._seq, payload)
+        try:
+            sock.sendall(_U32.pack(TAG_BYTES + len(payload)) + tag + payload)
+            (n,) = _U32.unpack(_recv_exact(sock, 4))
+            if n > MAX_FRAME or n < TAG_BYTES + 1:
+                raise OSError(f"bad response length {n}")
+            body = _recv_exact(sock, n)
+        except OSError as exc:
+            sock.close()
+            self._sock = None
+            self._check_aborted(what)
+            raise dist.DistNetworkError(
+                f"store shard {self.host}:{self.port} failed during {what}: {exc} (a shard "
+                f"also hangs up on requests that fail authentication: check the secret)"
+            ) from None
+        resp_tag, resp = body[:TAG_BYTES], body[TAG_BYTES:]
+        if not hmac.compare_digest(resp_tag, _tag(self._secret, b"R", self._nonce,
+                                                  self._seq, resp)):
+            sock.close()
+            self._sock = None
+            raise dist.DistNetworkError(
+                f"store shard {self.host}:{self.port} sent an unauthenticated reply to "
+                f"{what} (wrong secret?)")
+        self._seq += 1
+        return resp
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -557,13 +665,17 @@ class RootlessStore(dist.Store):
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], secret: bytes,
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=300)):
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+                 aborted: threading.Event | None = None):
         super().__init__()
         if not endpoints:
             raise HpctError("RootlessStore needs at least one shard endpoint")
         self._endpoints = [(str(h), int(p)) for h, p in endpoints]
         self._secret = secret
-        self._shards = [_Shard(h, p, secret) for h, p in self._endpoints]
+        # Shared with clones (gloo clones the store per group): one abort reaches them all.
+        self._aborted = aborted or threading.Event()
+        self._shards = [_Shard(h, p, secret, self._aborted) for h, p in self._endpoints]
+        self._clones: list[RootlessStore] = []
         self.set_timeout(timeout)
 
     @property
@@ -574,8 +686,19 @@ class RootlessStore(dist.Store):
         for s in self._shards:
             s.close()
 
+    def abort(self) -> None:
+        """End every pending and future request of this store and its clones with
+        DistStoreError: a STOP must interrupt a rank blocked forming its group, or it would
+        wait out the init timeout for a member that is gone. Callable from any thread."""
+        self._aborted.set()
+        for store in [self, *self._clones]:
+            for shard in store._shards:
+                shard.abort()
+
     def clone(self) -> "RootlessStore":
-        return RootlessStore(self._endpoints, self._secret, self.timeout)
+        clone = RootlessStore(self._endpoints, self._secret, self.timeout, self._aborted)
+        self._clones.append(clone)
+        return clone
 
     def _shard(self, key: str | bytes) -> _Shard:
         return self._shards[shard_of(key, len(self._shards))]

@@ -149,9 +149,15 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _clock(unix: float) -> str:
+    """A wall-clock time on this machine's clock and time zone."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(unix))
+
+
 def format_report(rep: Report, png: str | None = None) -> str:
     lines = [f"job {rep.job_id}  {rep.run_dir}  outcome: {rep.outcome}"
              f"{f'  attempts: {rep.attempts}' if rep.attempts > 1 else ''}",
+             f"started {_clock(rep.start_unix)}: times below are seconds since then",
              f"wall {rep.wall_s:.2f} s (startup before it {_s(rep.startup_s)} s)  productive "
              f"{rep.productive_s:.2f} s  goodput "
              f"{'-' if rep.goodput is None else f'{100 * rep.goodput:.1f}%'}",
@@ -194,5 +200,7 @@ def format_status(st: Status) -> str:
                      f"{'-' if r.step is None else r.step:>6}  {r.last_event} "
                      f"{r.last_seen_s:.1f} s ago")
     for f in st.faults:
-        lines.append(f"  fault {f.t_s:8.2f} s  {f.node}: {f.reason}")
+        lines.append(f"  fault at {_clock(st.start_unix + f.t_s)} ({f.t_s:.2f} s after the "
+                     f"job started)  {f.node}: {f.reason}")
+    lines.extend(st.notes)
     return "\n".join(lines)

@@ -6,6 +6,9 @@ Inputs are the records of `<run dir>/controller.jsonl` and `<run dir>/events/<no
   takes over a rank in a later generation, so ranks come from the `rank` field of the events.
 * `rank.adopted` carries the restore source in a field named `source`, which overwrites the
   record's own `source` (the emitter); the emitter is therefore taken from the file name.
+* Only the process's own reports, the `rank.*` events, carry its own rank in `rank`; the others
+  name the rank they concern (`replica.stored`: the neighbour whose replica arrived;
+  `transfer.*`: the rank whose state was fetched or served).
 
 A requeued job appends to the same run dir and starts again at generation 0: every
 `controller.start` opens a new attempt, and rank events belong to the attempt whose
@@ -144,7 +147,8 @@ class Report:
 class RankStatus:
     process: str              # the rank file's stem: node-localrank
     node: str
-    rank: int | None          # the rank this process held last (None: a spare never used)
+    rank: int | None          # this process's own rank, the last it held (None: a spare
+                              # never used)
     generation: int | None
     step: int | None          # its latest completed step
     last_event: str
@@ -155,6 +159,7 @@ class RankStatus:
 class Status:
     run_dir: str
     job_id: int | None
+    start_unix: float         # the first controller.start: the origin of every `*_s` time
     state: str                # starting, running, recovering, or the outcome once it ended
     attempt: int
     generation: int | None
@@ -166,6 +171,10 @@ class Status:
     recoveries_done: int
     last_controller_event: str
     last_controller_event_s: float  # seconds before `now`
+    # One line each: how the job ended and whose failure it was (the script's: not requeued;
+    # the infrastructure's: requeued), and what it could not guarantee (too few spares, a
+    # restore from disk).
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -473,9 +482,9 @@ def build_status(run: RunEvents, now: float) -> Status:
         if not evs:
             continue
         node, _, _ = name.rpartition("-")
-        with_rank = [e for e in evs if "rank" in e and e["event"] != "transfer.fetched"]
+        own = [e for e in evs if e["event"].startswith("rank.") and "rank" in e]
         last_step = [e for e in evs if e["event"] == "rank.step"]
-        rank = int(with_rank[-1]["rank"]) if with_rank and with_rank[-1]["rank"] >= 0 else None
+        rank = int(own[-1]["rank"]) if own and own[-1]["rank"] >= 0 else None
         ranks.append(RankStatus(
             process=name, node=node or name, rank=rank,
             generation=int(last_step[-1]["generation"]) if last_step else None,
@@ -486,9 +495,34 @@ def build_status(run: RunEvents, now: float) -> Status:
     every_member = set(members) <= {r.node for r in in_gen}
     report_faults, _, _ = _faults_and_recoveries(run, ctl, att, t0)
     return Status(
-        run_dir=run.run_dir, job_id=_job_id(run), state=state, attempt=current,
+        run_dir=run.run_dir, job_id=_job_id(run), start_unix=t0, state=state, attempt=current,
         generation=generation, members=members, spares=spares,
         step=min(r.step for r in in_gen) if in_gen and every_member else None,
         ranks=ranks, faults=report_faults,
         recoveries_done=names.count("recovery.done"),
-        last_controller_event=mine[-1]["event"], last_controller_event_s=now - mine[-1]["t"])
+        last_controller_event=mine[-1]["event"], last_controller_event_s=now - mine[-1]["t"],
+        notes=_notes(mine))
+
+
+def _notes(ctl: list[dict]) -> list[str]:
+    notes = []
+    for e in ctl:
+        ev, why = e["event"], e.get("reason", "")
+        if ev == "job.failed" and e.get("cause") == "script":
+            notes.append(f"ended: the training script's own error, not requeued: {why}")
+        elif ev == "job.failed":
+            notes.append(f"ended, not requeued: {why}")
+        elif ev == "escalate.requeue":
+            notes.append(f"requeued: infrastructure failure: {why}")
+        elif ev == "escalate.fail":
+            notes.append(f"ended: infrastructure failure, not requeued (--on-no-spare fail): "
+                         f"{why}")
+        elif ev == "controller.spares_short":
+            notes.append(f"warning: asked for {e.get('wanted')} warm spare(s), the allocation "
+                         f"gave {e.get('got')}")
+        elif ev == "recovery.disk_fallback":
+            notes.append(f"warning: generation {e.get('generation')} restored step "
+                         f"{e.get('restore_step')} from disk (memory held no consistent copy "
+                         f"for rank(s) {e.get('ranks')}; newest held {e.get('newest_held')}): "
+                         f"the steps since are recomputed")
+    return notes

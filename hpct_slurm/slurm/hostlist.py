@@ -11,7 +11,9 @@ details that are easy to get wrong:
 
 Where Slurm quietly guesses (`n[1-` becomes the host `n]`, `n[1-]` means `n1`, spaces inside
 brackets count as padding) this module refuses with an error instead: a node list that needs
-guessing is a bug upstream, and the earliest clear error is the cheapest.
+guessing is a bug upstream, and the earliest clear error is the cheapest. Numbers are ASCII
+digits only (as in Slurm), and a list is measured before it is built: more than MAX_HOSTS hosts
+or names longer than MAX_HOST_NAME are refused, so one argument cannot exhaust memory.
 
 `compress` keeps order and duplicates, so `expand(compress(hosts)) == hosts` always holds; its
 text may differ from `scontrol show hostlist` (which merges differently) but expands the same.
@@ -19,23 +21,31 @@ text may differ from `scontrol show hostlist` (which merges differently) but exp
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..errors import HpctError
+from ..errors import HpctError, shown
 
 # Slurm's MAX_RANGE: a larger range is taken as a typo rather than a real cluster.
 MAX_RANGE = 64 * 1024
+# The most hosts one hostlist may name, however it is written (a product of bracket groups,
+# many tokens): counted before anything is built, so one argument cannot take gigabytes.
+MAX_HOSTS = MAX_RANGE
+# A DNS name is at most 255 characters; longer "host names" are garbage (and int() of thousands
+# of digits is slow, then refused by Python itself).
+MAX_HOST_NAME = 255
 
 _SEPARATORS = ", \t"
-_RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
-_TRAILING_NUMBER_RE = re.compile(r"(.*?)(\d+)")
+# ASCII digits only: \d, str.isdigit and int() also take '١' and '１', which Slurm refuses.
+_RANGE_RE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_TRAILING_NUMBER_RE = re.compile(r"(.*?)([0-9]+)")
 _FORBIDDEN_IN_HOST = set("[]" + _SEPARATORS + "\n")
 
 
 def _bad(hostlist: str, why: str) -> HpctError:
-    return HpctError(f"hostlist {hostlist!r} is not a hostlist: {why}")
+    return HpctError(f"hostlist {shown(hostlist)} is not a hostlist: {why}")
 
 
 def _tokens(hostlist: str) -> list[str]:
@@ -59,6 +69,8 @@ def _tokens(hostlist: str) -> list[str]:
             continue
         elif ch == "\n":
             raise _bad(hostlist, "it contains a newline")
+        elif (ch < " " and ch != "\t") or ch == "\x7f":
+            raise _bad(hostlist, f"it contains the control character {ch!r}")
         elif ch in _SEPARATORS and ch != ",":
             raise _bad(hostlist, "whitespace inside '[...]'")
         current.append(ch)
@@ -69,59 +81,109 @@ def _tokens(hostlist: str) -> list[str]:
     return tokens
 
 
-def _range_values(hostlist: str, body: str) -> list[str]:
-    """The formatted numbers of one bracket body such as `01-03,7`."""
-    values: list[str] = []
+@dataclass(frozen=True)
+class _Range:
+    """lo..hi of one bracket part, each number printed with at least `width` digits."""
+
+    lo: int
+    hi: int
+    width: int
+
+    @property
+    def count(self) -> int:
+        return self.hi - self.lo + 1
+
+    @property
+    def max_len(self) -> int:
+        return max(self.width, len(str(self.hi)))
+
+
+def _parse_ranges(hostlist: str, body: str) -> list[_Range]:
+    """The parts of one bracket body such as `01-03,7`, checked, not yet expanded."""
+    ranges: list[_Range] = []
     for part in body.split(","):
         m = _RANGE_RE.fullmatch(part)
         if not m:
-            raise _bad(hostlist, f"range {part!r} is not N or N-M with decimal numbers")
-        lo_text, hi_text = m.group(1), m.group(2)
-        lo = int(lo_text)
-        hi = int(hi_text) if hi_text is not None else lo
+            raise _bad(hostlist, f"range {shown(part)} is not N or N-M with decimal numbers "
+                                 f"(ASCII digits 0-9)")
+        lo_text, hi_text = m.group(1), m.group(2) or m.group(1)
+        if max(len(lo_text), len(hi_text)) > MAX_HOST_NAME:
+            raise _bad(hostlist, f"range {shown(part)} has a number longer than "
+                                 f"{MAX_HOST_NAME} digits")
+        lo, hi = int(lo_text), int(hi_text)
         if lo > hi:
-            raise _bad(hostlist, f"range {part!r} counts down")
+            raise _bad(hostlist, f"range {shown(part)} counts down")
         if hi - lo + 1 > MAX_RANGE:
-            raise _bad(hostlist, f"range {part!r} has more than {MAX_RANGE} hosts")
-        width = len(lo_text)
-        values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return values
+            raise _bad(hostlist, f"range {shown(part)} has more than {MAX_RANGE} hosts")
+        # Zero padding comes from the low bound's text only.
+        ranges.append(_Range(lo, hi, len(lo_text)))
+    return ranges
 
 
-def _expand_token(hostlist: str, token: str) -> list[str]:
+@dataclass(frozen=True)
+class _Token:
+    """One top-level item, checked, not yet expanded: literal texts and bracket groups
+    alternating, literal first (with groups, the last literal is the empty one after ']')."""
+
+    literals: list[str]
+    groups: list[list[_Range]]
+
+    @property
+    def count(self) -> int:
+        return math.prod(sum(r.count for r in group) for group in self.groups)
+
+    @property
+    def max_name_len(self) -> int:
+        return (sum(len(lit) for lit in self.literals)
+                + sum(max(r.max_len for r in group) for group in self.groups))
+
+    def hosts(self) -> list[str]:
+        if not self.groups:
+            return ["".join(self.literals)]
+        values = [[str(n).zfill(r.width) for r in group for n in range(r.lo, r.hi + 1)]
+                  for group in self.groups]
+        k = len(self.groups)
+        # Slurm's loop order, outermost first: group k-1, k-2, ..., 1, then group k innermost.
+        order = list(range(k - 2, -1, -1)) + [k - 1]
+        hosts = []
+        for combo in itertools.product(*(values[i] for i in order)):
+            chosen = [""] * k
+            for i, v in zip(order, combo):
+                chosen[i] = v
+            hosts.append("".join(lit + num for lit, num in zip(self.literals, chosen)))
+        return hosts
+
+
+def _parse_token(hostlist: str, token: str) -> _Token:
     pieces = re.split(r"\[([^\]]*)\]", token)
     # pieces alternates literal, group, literal, ...; a token with groups ends with a group.
     literals, groups = pieces[0::2], pieces[1::2]
-    if not groups:
-        return [token]
-    if literals[-1]:
-        raise _bad(hostlist, f"text {literals[-1]!r} follows the last ']' in {token!r}")
-    values = [_range_values(hostlist, g) for g in groups]
-    k = len(groups)
-    # Slurm's loop order, outermost first: group k-1, k-2, ..., 1, then group k innermost.
-    order = list(range(k - 2, -1, -1)) + [k - 1]
-    hosts = []
-    for combo in itertools.product(*(values[i] for i in order)):
-        chosen = [""] * k
-        for i, v in zip(order, combo):
-            chosen[i] = v
-        hosts.append("".join(lit + num for lit, num in zip(literals, chosen)))
-    return hosts
+    if groups and literals[-1]:
+        raise _bad(hostlist, f"text {shown(literals[-1])} follows the last ']' in "
+                             f"{shown(token)}")
+    parsed = _Token(literals, [_parse_ranges(hostlist, g) for g in groups])
+    if parsed.max_name_len > MAX_HOST_NAME:
+        raise _bad(hostlist, f"{shown(token)} makes host names longer than {MAX_HOST_NAME} "
+                             f"characters")
+    return parsed
 
 
 def expand(hostlist: str) -> list[str]:
     """All host names of a Slurm hostlist, in Slurm's order, duplicates kept.
 
-    Raises HpctError naming the hostlist for anything Slurm would reject or would have to guess.
+    Raises HpctError naming the hostlist for anything Slurm would reject or would have to
+    guess, and for lists of more than MAX_HOSTS hosts (counted before any is built).
     """
     if not isinstance(hostlist, str):
         raise HpctError(f"hostlist {hostlist!r} is not a string")
-    hosts: list[str] = []
-    for token in _tokens(hostlist):
-        hosts.extend(_expand_token(hostlist, token))
-    if not hosts:
+    tokens = [_parse_token(hostlist, t) for t in _tokens(hostlist)]
+    total = sum(t.count for t in tokens)
+    if total > MAX_HOSTS:
+        raise _bad(hostlist, f"it names {total} hosts, more than the {MAX_HOSTS} one "
+                             f"hostlist may name")
+    if not total:
         raise _bad(hostlist, "it names no host")
-    return hosts
+    return [host for t in tokens for host in t.hosts()]
 
 
 @dataclass
@@ -139,8 +201,11 @@ class _Run:
 
 
 def _run_of(host: str) -> _Run:
-    if not host or _FORBIDDEN_IN_HOST & set(host):
-        raise HpctError(f"host name {host!r} cannot be written in a hostlist")
+    if (not host or len(host) > MAX_HOST_NAME or _FORBIDDEN_IN_HOST & set(host)
+            or any(ch < " " or ch == "\x7f" for ch in host)):
+        raise HpctError(f"host name {shown(host)} cannot be written in a hostlist (empty, "
+                        f"longer than {MAX_HOST_NAME} characters, or holding a separator, "
+                        f"a bracket or a control character)")
     m = _TRAILING_NUMBER_RE.fullmatch(host)
     if not m:
         return _Run(prefix=host)

@@ -211,6 +211,9 @@ class Stop:
     TYPE: ClassVar[str] = "stop"
     generation: int
     reason: str
+    # The lost nodes' addresses: a rank cuts its own connections to them (gloo has no abort,
+    # and a crashed or partitioned peer sends no FIN to end a blocked collective).
+    lost_addrs: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,14 @@ def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):
     assert recomputed_steps(tmp_path) == 0
     assert _fenced(tmp_path)["n3"] == "node down"
     assert cluster.client().show_node("n3").reason.startswith("hpct:")
+    # Issue 19: a partitioned peer sends no FIN, so survivors blocked in a collective with it
+    # were held until the 10 s collective timeout (7 s of survivors_ready). The STOP names the
+    # lost address and survivors cut their own connections to it: they are ready at once.
+    done = [e for e in _events(tmp_path) if e["event"] == "recovery.done"]
+    assert len(done) == 1 and done[0]["phases"]["survivors_ready"] < 5.0, done
+    severed = [e for f in (tmp_path / "events").glob("n[124]-*.jsonl")
+               for e in read_events(f) if e["event"] == "rank.severed"]
+    assert severed
 
 
 def test_second_fault_during_recovery(cluster, reference, tmp_path):

@@ -29,7 +29,7 @@ MESSAGES = st.one_of(
     st.builds(P.Register, job_id=text, node=text, local_rank=nat,
               role=st.sampled_from(["active", "spare"]), pid=nat, host_addr=text, transfer_port=nat),
     st.builds(P.Heartbeat, rank=nat, generation=nat, step=ints, state=text),
-    st.builds(P.Stop, generation=nat, reason=text),
+    st.builds(P.Stop, generation=nat, reason=text, lost_addrs=st.lists(text, max_size=3)),
     st.builds(P.Assign, generation=nat, rank=nat, world_size=nat, members=st.lists(text, max_size=5),
               tasks_per_node=nat, restore_step=ints,
               sources=st.dictionaries(nat, st.lists(addr, max_size=3), max_size=4)),

@@ -197,6 +197,31 @@ def test_get_blocks_until_another_client_sets(shards):
     other.close()
 
 
+@pytest.mark.parametrize("via_clone", [False, True])
+def test_abort_ends_a_blocked_get_at_once(shards, via_clone):
+    """A STOP while the group forms: the rank's pending store requests (its clones' too: gloo
+    clones the store) end with DistStoreError instead of waiting out the init timeout."""
+    _, store = shards
+    blocked = store.clone() if via_clone else store
+    errors: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            blocked.get("never-set")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+    t = threading.Thread(target=get, daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # parked on the shard: the key does not exist
+    store.abort()
+    t.join(2)
+    assert not t.is_alive()
+    assert isinstance(errors[0], dist.DistStoreError) and "aborted" in str(errors[0])
+    with pytest.raises(dist.DistStoreError, match="aborted"):
+        store.clone().set("after", b"1")  # later clones and requests fail at once too
+
+
 def test_wait_timeout_names_the_missing_key(shards):
     _, store = shards
     store.set("here", b"1")

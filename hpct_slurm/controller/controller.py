@@ -612,9 +612,11 @@ class Controller:
                              generation=self.world.generation)
         g = self.world.generation
         survivors = [c for n in self.world.members if n not in lost for c in self._live(n)]
+        lost_addrs = sorted({c.host_addr for (n, _), c in self.conns.items() if n in lost_active})
         for c in survivors:
             await self._send(c, P.Stop(g, f"{', '.join(lost_active)}: "
-                                          f"{'; '.join(lost[n] for n in lost_active)}"))
+                                          f"{'; '.join(lost[n] for n in lost_active)}",
+                                       lost_addrs))
         t_stop = time.time()
         self.events.emit("fault.stop_sent", generation=g, survivors=len(survivors))
         for node in lost_active:

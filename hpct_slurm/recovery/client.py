@@ -17,6 +17,7 @@ from typing import Callable
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import EventLog
+from .sever import sever
 
 HEARTBEAT_S = 0.5
 
@@ -50,6 +51,7 @@ class CoordinationClient:
         # Called from the receiving thread when a STOP arrives: a rank blocked forming its
         # group (not at a step boundary) is interrupted through it (the store's abort).
         self.on_stop: Callable[[], None] | None = None
+        self.host_addr = ""
         self.closed = threading.Event()
         self.rank = -1
         self.generation = -1
@@ -89,6 +91,7 @@ class CoordinationClient:
 
     def register(self, node: str, local_rank: int, role: str, host_addr: str,
                  transfer_port: int) -> None:
+        self.host_addr = host_addr
         self.send(P.Register(self.job_id, node, local_rank, role, os.getpid(), host_addr,
                              transfer_port))
         self._reader.start()
@@ -105,6 +108,17 @@ class CoordinationClient:
             self.send(msg)
         except (HpctError, OSError):
             self.closed.set()
+
+    def _sever(self, addrs: list[str]) -> None:
+        """Cut our connections to the lost nodes (sever.py): a collective blocked on one of
+        them fails now instead of at its timeout. Never this node's own address."""
+        try:
+            cut = sever(addrs, keep={self.host_addr})
+        except ValueError as exc:  # an address that is not one: nothing to cut
+            self.events.emit("rank.sever_failed", addrs=addrs, error=str(exc))
+            return
+        if cut:
+            self.events.emit("rank.severed", addrs=addrs, connections=cut)
 
     def step_done(self, step: int) -> None:
         self.step = step
@@ -147,6 +161,7 @@ class CoordinationClient:
                         self.stop_reason = msg.reason
                         self.stop_generation = msg.generation
                         self.stop_event.set()
+                        self._sever(msg.lost_addrs)
                         interrupt = self.on_stop
                         if interrupt is not None:
                             interrupt()

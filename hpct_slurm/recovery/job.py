@@ -474,7 +474,15 @@ class Job:
         disk is then a source itself if the next fault comes before its first commit, and a
         fault during step 0 has a state at creation to roll back to."""
         for store in (self.snapshots, self.rank_snaps):
-            if store is not None and step not in store.slots.steps():
+            if store is None:
+                continue
+            # After a rollback (a restore from disk) newer snapshots belong to a history that
+            # no longer happens: offering them in the next fault would mix two histories.
+            for newer in [s for s in store.slots.steps() if s > step]:
+                with store.lease(newer) as snap:
+                    if snap is not None:
+                        store.slots.discard(snap)
+            if step not in store.slots.steps():
                 store.commit(step)
 
     def _holdings(self, error: str) -> P.Holdings:
@@ -487,8 +495,8 @@ class Job:
                           {r: self.replicas.steps(r) for r in self.replicas.ranks()}, error)
 
     def _ring(self, a: P.Assign) -> None:
-        """Point the replica pusher at this generation's ring neighbour (the same local rank on
-        the next node) and note whose replicas this rank holds."""
+        """Point the replica pusher at this generation's ring holder (the same local rank on
+        the node half the ring away: snapshot.replica_peer)."""
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
         n = len(a.members)
         if self.pusher is not None:

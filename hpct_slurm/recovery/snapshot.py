@@ -364,7 +364,7 @@ def replica_source_node(node_index: int, num_nodes: int) -> int:
 
 
 def replica_peer_rank(rank: int, num_nodes: int, tasks_per_node: int) -> int:
-    """The rank that holds `rank`'s replica: same local rank on the ring-next node."""
+    """The rank that holds `rank`'s replica: same local rank on the node half the ring away."""
     node, local = divmod(rank, tasks_per_node)
     return replica_peer(node, num_nodes) * tasks_per_node + local
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 SECRET_ENV = "HPCT_SECRET_FILE"
 MIN_SECRET_BYTES = 16
+ABORT_POLL_S = 0.2
 NONCE_BYTES = 16
 TAG_BYTES = 32
 MAX_FRAME = 16 << 20
@@ -585,7 +586,9 @@ class _Shard:
                 self._nonce = _recv_exact(sock, NONCE_BYTES)
                 self._seq = 0
                 self._reached = True
-                sock.settimeout(None)
+                # Reads wake up this often to look at the abort flag: shutdown() from the
+                # aborting thread can miss a socket that was still connecting.
+                sock.settimeout(ABORT_POLL_S)
                 return sock
             except OSError as exc:
                 sock.close()
@@ -617,10 +620,10 @@ class _Shard:
         tag = _tag(self._secret, b"Q", self._nonce, self._seq, payload)
         try:
             sock.sendall(_U32.pack(TAG_BYTES + len(payload)) + tag + payload)
-            (n,) = _U32.unpack(_recv_exact(sock, 4))
+            (n,) = _U32.unpack(_recv_exact(sock, 4, self._aborted))
             if n > MAX_FRAME or n < TAG_BYTES + 1:
                 raise OSError(f"bad response length {n}")
-            body = _recv_exact(sock, n)
+            body = _recv_exact(sock, n, self._aborted)
         except OSError as exc:
             sock.close()
             self._sock = None
@@ -641,12 +644,21 @@ class _Shard:
         return resp
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, aborted: threading.Event | None = None) -> bytes:
+    """`n` bytes; with `aborted`, the socket has a short timeout and the wait ends (OSError)
+    once the event is set, else a timeout only means "nothing yet"."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        r = sock.recv_into(view[got:])
+        try:
+            r = sock.recv_into(view[got:])
+        except socket.timeout:
+            if aborted is None:
+                raise
+            if aborted.is_set():
+                raise ConnectionAbortedError("aborted while waiting for the shard") from None
+            continue
         if r == 0:
             raise ConnectionResetError("connection closed by the shard server")
         got += r

@@ -1,0 +1,97 @@
+"""Cut this process's TCP connections to lost nodes, so a collective blocked on them fails now.
+
+Stock gloo has no abort. A peer that died with its kernel (a node crash) or behind a cut link
+sends no FIN or RST, so a survivor blocked in a collective with it waits for the collective
+timeout (10 s by default) before it can tear down. The controller names the lost nodes'
+addresses in its STOP; shutting down our own end of every connection to them makes gloo's
+pending reads fail at once ("connection closed"), exactly as if the peer had died cleanly.
+Only sockets of this process are touched, found through /proc/self.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Iterable
+
+# /proc/net/tcp connection states worth cutting: established, SYN sent, close-wait, etc.
+# (0A, listening, is never a connection to a peer)
+_LISTEN = "0A"
+
+
+def _decode_addr(hex_addr: str) -> str:
+    """'0100007F:1F90' (IPv4) or a 32-digit IPv6 address, as /proc/net/tcp* writes them
+    (each 32-bit word in host byte order), to the address text without the port."""
+    host = hex_addr.split(":", 1)[0]
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    if len(raw) == 16:
+        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        addr = ipaddress.IPv6Address(words)
+        return str(addr.ipv4_mapped or addr)
+    raise ValueError(f"not a /proc/net/tcp address: {hex_addr!r}")
+
+
+def socket_inodes_to(table: str, remotes: set[str]) -> set[int]:
+    """Inodes of the connections in a /proc/net/tcp or tcp6 `table` whose remote address is in
+    `remotes` (pure: the table's text in, inodes out)."""
+    out = set()
+    for line in table.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 10 or f[3] == _LISTEN:
+            continue
+        try:
+            remote = _decode_addr(f[2])
+            inode = int(f[9])
+        except ValueError:
+            continue
+        if remote in remotes and inode:
+            out.add(inode)
+    return out
+
+
+def _own_socket_fds() -> dict[int, int]:
+    """inode -> fd for every socket this process holds."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            fds[int(target[8:-1])] = int(name)
+    return fds
+
+
+def sever(addresses: Iterable[str], keep: Iterable[str] = ()) -> int:
+    """Shut down every TCP connection of this process to `addresses` (but never to `keep`,
+    e.g. this node's own address, which in a one-host test cluster every node shares).
+    Returns how many were cut. Never raises: a failure here only costs the old wait."""
+    remotes = {str(ipaddress.ip_address(a)) for a in addresses} - {str(k) for k in keep}
+    if not remotes:
+        return 0
+    inodes: set[int] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                inodes |= socket_inodes_to(f.read(), remotes)
+        except OSError:
+            continue
+    cut = 0
+    for inode, fd in _own_socket_fds().items():
+        if inode not in inodes:
+            continue
+        try:
+            # a duplicate of the fd: shutdown acts on the shared socket, close only on the copy
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return cut

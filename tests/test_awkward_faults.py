@@ -73,6 +73,13 @@ def _start(cluster, run_dir: Path, active: int, extra: tuple[str, ...] = (),
                        "HPCT_SPARE_NODES": str(5 - active), **(env or {})})
 
 
+def _wait_gone(cluster, jid: int, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while cluster.run(["squeue", "-h", "-j", str(jid)]).stdout.strip():
+        assert time.monotonic() < deadline, f"{what} never ended"
+        time.sleep(0.3)
+
+
 def _assert_clean_end(cluster, jid: int, run_dir: Path) -> None:
     evs = _controller(run_dir)
     assert not [e for e in evs if e["event"].startswith("escalate.")], evs[-5:]
@@ -176,10 +183,7 @@ def test_a_script_that_fails_before_its_first_step_ends_the_job(cluster, tmp_pat
     """Issue 18.2: the same error on every rank before any step is the script's: the job
     ends (not requeued) with that error, and `status` says so in one line."""
     jid = _start(cluster, tmp_path, 4, ("--fail-before-start",))
-    deadline = time.monotonic() + 120
-    while cluster.run(["squeue", "-h", "-j", str(jid)]).stdout.strip():
-        assert time.monotonic() < deadline, "the failing job never ended"
-        time.sleep(0.5)
+    _wait_gone(cluster, jid, 120, "the failing job")
     evs = _controller(tmp_path)
     failed = [e for e in evs if e["event"] == "job.failed"]
     assert failed and failed[0]["cause"] == "script"
@@ -200,13 +204,42 @@ def test_fewer_spares_than_asked_is_loud_and_refusable(cluster, tmp_path):
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--fail-before-start"], nodes=4,
                  env={"HPCT_ACTIVE_NODES": "4", "HPCT_SPARE_NODES": "1",
                       "HPCT_ON_FEW_SPARES": "refuse"})
-    deadline = time.monotonic() + 60
-    while cluster.run(["squeue", "-h", "-j", str(jid)]).stdout.strip():
-        assert time.monotonic() < deadline, "the refused job never ended"
-        time.sleep(0.3)
+    _wait_gone(cluster, jid, 60, "the refused job")
     evs = _controller(tmp_path)
     short = [e for e in evs if e["event"] == "controller.spares_short"]
     assert short and short[0]["wanted"] == 1 and short[0]["got"] == 0
     assert short[0]["action"] == "refuse"
     assert not [e for e in evs if e["event"] == "step.launch"]  # nothing was started
     assert cluster.client().show_job(jid).state == "FAILED"
+
+
+def test_requeued_after_losing_its_spares_it_starts_on_the_nodes_left(cluster, reference,
+                                                                      tmp_path):
+    """Issue 19: `--nodes=3-4` gets 3 active + 1 spare; the spare dies, then an active node:
+    no spare is left, the job requeues and must start again on the 3 healthy nodes left (a
+    fixed --nodes=4 would wait for ever) — even with --on-few-spares refuse, which applies to
+    a first start only — and end bit-identical at the same world size."""
+    ref = reference(3)
+    jid = submit(cluster, tmp_path, TEMPLATE, TRAIN, nodes="3-4",
+                 env={"HPCT_ACTIVE_NODES": "3", "HPCT_SPARE_NODES": "1",
+                      "HPCT_ON_FEW_SPARES": "refuse"})
+    start = _when("the controller's start", lambda: _controller(tmp_path),
+                  lambda e: e["event"] == "controller.start")
+    assert len(start["spares"]) == 1  # Slurm gave the range's maximum: a warm spare
+    spare = start["spares"][0]
+    _when("step 6", lambda: _rank_events(tmp_path),
+          lambda e: e["event"] == "rank.step" and e["step"] >= 6)
+    cluster.kill_node(spare)
+    _when("the spare's loss", lambda: _controller(tmp_path),
+          lambda e: e["event"] == "fault.detected" and e["node"] == spare)
+    victim = [n for n in start["active"] if n != start["active"][0]][-1]  # not the batch host
+    cluster.kill_node(victim)
+    wait_job(cluster, jid, tmp_path, 400, label="requeue-on-fewer")
+    got = collect(tmp_path, 3)
+    assert bitwise_equal(ref, got, tmp_path)
+    evs = _controller(tmp_path)
+    assert [e for e in evs if e["event"] == "escalate.requeue"]
+    starts = [e for e in evs if e["event"] == "controller.start"]
+    assert len(starts) == 2 and victim not in starts[1]["active"] + starts[1]["spares"]
+    short = [e for e in evs if e["event"] == "controller.spares_short"]
+    assert short and short[-1]["action"] == "warn" and short[-1]["restart_count"] >= 1

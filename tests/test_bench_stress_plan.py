@@ -317,7 +317,7 @@ def test_pause_counts_only_from_when_a_spare_was_ready():
                                               (45.0, 60.0), (60.0, 70.0)]
     # (45, 60): a spare was ready when it began (relaunched at 50): all of it counts
     assert [p for _, _, p in pauses] == [0.0, 14.0, 15.0, 15.0, 0.0]
-    assert S.spare_timeline(ctl) == [(6.0, 1), (9.0, 0), (30.0, 1), (50.0, 0)]
+    assert S.spare_timeline(ctl) == [(0.0, 0), (6.0, 1), (9.0, 0), (30.0, 1), (50.0, 0)]
     assert S.pauses_with_spare([], [1.0], 2.0) == []
 
 
@@ -330,8 +330,8 @@ def test_recomputed_steps_go_to_the_fault_before_them():
 
 
 def test_latest_pid_and_view_generation():
-    evs = [{"event": "rank.register", "node": "n2", "pid": 1},
+    evs = [{"event": "rank.register", "node": "n2", "pid": 1, "role": "spare"},
            {"event": "generation.start", "generation": 3, "t": 0},
-           {"event": "rank.register", "node": "n2", "pid": 7}]
+           {"event": "rank.register", "node": "n2", "pid": 7, "role": "spare"}]
     assert S.latest_pid(evs, "n2") == 7 and S.latest_pid(evs, "n9") is None
     assert S.view(evs).generation == 3

@@ -229,6 +229,33 @@ def test_requeued_job_counts_attempts_and_redone_steps() -> None:
     first = RunEvents("syn", controller[:6], {"a-0": ranks["a-0"][:3]})
     assert build_report(first).outcome == "requeued"
     assert build_status(first, now=5.0).state == "requeued"
+    assert build_status(first, now=5.0).notes == [
+        "requeued: infrastructure failure: 1 node(s) lost (a) but only 0 warm spare(s)"]
+
+
+def test_status_says_whose_failure_ended_the_job_and_what_was_not_exact() -> None:
+    """Issues 18 and 19: a script error (not requeued), too few spares, and a restore that
+    had to come from disk are each one line of `status`, never silent."""
+    controller = [
+        _ev(0.0, "controller.start", job_id=9, active=["a", "b"], spares=[]),
+        _ev(0.0, "controller.spares_short", wanted=1, got=0, action="warn", nodes=2,
+            restart_count=0),
+        _ev(1.0, "generation.start", generation=0, members=["a", "b"], restore_step=-1),
+        _ev(2.0, "recovery.assign", generation=1, restore_step=10, taken={}, members=["a", "b"],
+            newest_held=14, sources={"0": "disk", "1": "disk"}),
+        _ev(2.0, "recovery.disk_fallback", generation=1, restore_step=10, ranks=[0, 1],
+            newest_held=14),
+        _ev(3.0, "job.failed", cause="script",
+            reason="the training command failed before its first step on a, b: "
+                   "FileNotFoundError: x"),
+        _ev(3.5, "controller.exit", code=1),
+    ]
+    st = build_status(RunEvents("syn", controller, {}), now=4.0)
+    assert st.state == "failed"
+    assert st.notes[0] == "warning: asked for 1 warm spare(s), the allocation gave 0"
+    assert "restored step 10 from disk" in st.notes[1] and "recomputed" in st.notes[1]
+    assert st.notes[2].startswith("ended: the training script's own error, not requeued:")
+    assert "FileNotFoundError: x" in st.notes[2]
 
 
 # ---- parsing and bad input ---------------------------------------------------------------

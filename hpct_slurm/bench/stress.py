@@ -443,8 +443,11 @@ class _Injector:
             members = start["members"]
             node = members[self._aim(fault.index, members, spare_batch_host)]
             rec["waited_for"] = _waited(start)
-            kills.append(self._signal(fault.kind, node, latest_pid(self.tail.events, node),
-                                      signal.SIGKILL, "formation"))
+            pid = latest_pid(self.tail.events, node)
+            if pid is None:
+                rec["skipped_second"] = f"no registered process of {node} to kill"
+            else:
+                kills.append(self._signal(fault.kind, node, pid, signal.SIGKILL, "formation"))
         else:
             node = self.rng.choice(ranks)
             sig = signal.SIGSTOP if fault.kind == "hang_rank" else signal.SIGKILL

@@ -63,3 +63,17 @@ def test_own_address_is_never_cut():
     assert cli.recv(1) == b"x"
     for s in (srv, cli, conn):
         s.close()
+
+
+def test_the_controller_connection_is_spared_when_the_batch_hosts_rank_is_lost():
+    """The batch host's rank dies but its node (and the controller on it) lives: connections
+    to that address are cut, except the control connection itself."""
+    srv, ctl, _ctl_peer = _pair("127.0.0.2")
+    data = socket.create_connection(srv.getsockname())
+    data_peer, _ = srv.accept()
+    assert sever(["127.0.0.2"], keep_fds={ctl.fileno()}) == 1
+    assert data.recv(1) == b""  # cut
+    _ctl_peer.sendall(b"c")
+    assert ctl.recv(1) == b"c"  # spared
+    for s in (srv, ctl, _ctl_peer, data, data_peer):
+        s.close()

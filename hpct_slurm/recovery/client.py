@@ -113,7 +113,7 @@ class CoordinationClient:
         """Cut our connections to the lost nodes (sever.py): a collective blocked on one of
         them fails now instead of at its timeout. Never this node's own address."""
         try:
-            cut = sever(addrs, keep={self.host_addr})
+            cut = sever(addrs, keep={self.host_addr}, keep_fds={self._sock.fileno()})
         except ValueError as exc:  # an address that is not one: nothing to cut
             self.events.emit("rank.sever_failed", addrs=addrs, error=str(exc))
             return

@@ -399,6 +399,12 @@ class Job:
         # Own snapshots exist only once this process trained or restored for its position
         # (see _hold_restored): then it restores from itself first.
         held_state = bool(self.snapshots.slots.steps())
+        # The rank and generation first: whatever happens next, this process reports (ready,
+        # holdings) as the rank it was assigned, which is what the controller waits for.
+        self.rank, self.world_size, self.generation = a.rank, a.world_size, a.generation
+        self.data_ranks = list(a.data_ranks) or [a.rank]
+        self.data_world = a.data_world or a.world_size
+        self.client.rank, self.client.generation = a.rank, a.generation
         # A STOP for the generation being adopted can overtake the adoption (a second fault
         # right after the assignment): it must survive, or this rank would wait for the dead
         # peer in init. Only older STOPs are done with.
@@ -407,10 +413,6 @@ class Job:
             self.client.stop_reason = ""
         elif self.client.stop_event.is_set():
             raise _Stopped(self.client.stop_reason)
-        self.rank, self.world_size, self.generation = a.rank, a.world_size, a.generation
-        self.data_ranks = list(a.data_ranks) or [a.rank]
-        self.data_world = a.data_world or a.world_size
-        self.client.rank, self.client.generation = a.rank, a.generation
         self.client.state = "forming"
         self.transfer.rank = a.rank
         self.transfer.corrupt_on_serve = str(a.rank) in self._corrupt_serve

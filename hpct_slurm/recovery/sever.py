@@ -64,10 +64,13 @@ def _own_socket_fds() -> dict[int, int]:
     return fds
 
 
-def sever(addresses: Iterable[str], keep: Iterable[str] = ()) -> int:
+def sever(addresses: Iterable[str], keep: Iterable[str] = (),
+          keep_fds: Iterable[int] = ()) -> int:
     """Shut down every TCP connection of this process to `addresses` (but never to `keep`,
-    e.g. this node's own address, which in a one-host test cluster every node shares).
-    Returns how many were cut. Never raises: a failure here only costs the old wait."""
+    e.g. this node's own address, which in a one-host test cluster every node shares, and
+    never the sockets `keep_fds`: the connection to the controller, which lives on the batch
+    host, a node whose rank may be the one lost). Returns how many were cut. Raises only
+    ValueError for an address that is not one; a failure to cut costs only the old wait."""
     remotes = {str(ipaddress.ip_address(a)) for a in addresses} - {str(k) for k in keep}
     if not remotes:
         return 0
@@ -79,8 +82,9 @@ def sever(addresses: Iterable[str], keep: Iterable[str] = ()) -> int:
         except OSError:
             continue
     cut = 0
+    spared = set(keep_fds)
     for inode, fd in _own_socket_fds().items():
-        if inode not in inodes:
+        if inode not in inodes or fd in spared:
             continue
         try:
             # a duplicate of the fd: shutdown acts on the shared socket, close only on the copy

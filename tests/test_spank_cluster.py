@@ -203,7 +203,7 @@ def test_failed_health_check_drains_the_node_with_a_reason(hpct):
             out = hpct.run(["sinfo", "-h", "-n", "n4", "-o", "%T|%E"]).stdout.strip()
             return out if out.startswith("drain") else None
         state, why = _wait(reason, what=f"n4 drained by job {job}'s prolog").split("|", 1)
-        assert why.startswith(DRAIN_PREFIX) and "/dev/shm/hpct" in why and "mode 777" in why
+        assert why.startswith(DRAIN_PREFIX) and "/dev/shm/hpct" in why and "mode 0777" in why
         # the job never ran there: once the failed prolog is reported, Slurm requeues it held
         held = _wait(lambda: hpct.run(["squeue", "-h", "-j", str(job), "-o", "%T|%r"])
                      .stdout.strip().startswith("PENDING") and

@@ -40,6 +40,8 @@ IN_PROCESS = "rank reported a fault"
 # How long a rank's own report waits for a harder cause (a peer's lost connection usually
 # arrives within milliseconds of the collective error that made the rank report).
 IN_PROCESS_GRACE_S = 0.5
+# How long an escalation before the first step waits for more nodes failing the same way.
+START_FAILURE_GRACE_S = 3.0
 # What a rank may say in a heartbeat (recovery/job.py sets them); anything else is refused.
 HEARTBEAT_STATES = frozenset({"registering", "forming", "running", "collective", "ready",
                               "unhealthy", "done"})
@@ -866,6 +868,11 @@ class Controller:
         """End the job's run here. An infrastructure failure (nodes lost beyond the spares,
         no consistent state in memory) requeues, per --on-no-spare; the script's own error
         never does: it would only fail again."""
+        if not script and not self.trained:
+            # Before any step, one node's failure may be the first sight of the script's own
+            # error on every node (their steps exit within moments of each other): give the
+            # others' exits time to arrive, so that _start_failure can call it the script's.
+            await asyncio.sleep(START_FAILURE_GRACE_S)
         if self.finished.is_set():
             return
         if script:

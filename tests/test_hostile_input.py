@@ -33,6 +33,7 @@ from hpct_slurm.hooks import shm
 from hpct_slurm.slurm import env as slurm_env
 from hpct_slurm.slurm.env import SlurmEnv, parse_tasks_per_node
 from hpct_slurm.slurm.hostlist import compress, expand
+from test_hooks import RecordingSlurm  # the same stand-in for slurmctld
 
 HPCT = Path(sys.executable).parent / "hpct-slurm"
 NOBODY = 65534
@@ -318,18 +319,6 @@ def test_fuzzed_slurm_environments_parse_or_are_refused_cleanly(changes: dict) -
 
 
 # ---- the hooks: a job's own user against every node it runs on -----------------------------
-
-class RecordingSlurm:
-    def __init__(self, active: set[int] | None = frozenset()):
-        self.active = None if active is None else set(active)
-        self.drained: list[tuple[str, str]] = []
-
-    def active_job_ids(self) -> set[int] | None:
-        return self.active
-
-    def drain(self, node: str, reason: str) -> None:
-        self.drained.append((node, reason))
-
 
 @pytest.fixture
 def shm_root(tmp_path: Path) -> Path:

@@ -129,16 +129,23 @@ def test_a_fetch_replayed_on_a_new_connection_gets_no_state():
         assert fetch_state([srv.address], 0, SECRET, JOB, timeout=5).step == 1  # still serving
 
 
+def _record_push_of_step_3(own, srv) -> "Recorder":
+    """A real push of step 3 to `srv`, recorded off the wire on its way."""
+    rec = Recorder(srv.address)
+    recorded = ReplicaPusher(own, 0, rec.address, SECRET, JOB, timeout=5)
+    own.commit(3)
+    recorded.after_commit(3)
+    recorded.close()
+    assert rec.done.wait(5)
+    return rec
+
+
 def test_a_replayed_old_push_does_not_roll_replicas_back():
     own = marked_store()
     replicas = ReplicaStore()
     with TransferServer(SECRET, JOB, 1, replicas=replicas) as srv:
-        rec = Recorder(srv.address)
-        recorded = ReplicaPusher(own, 0, rec.address, SECRET, JOB, timeout=5)
-        own.commit(3)
-        recorded.after_commit(3)
-        recorded.close()
-        assert rec.done.wait(5) and replicas.latest(0).step == 3
+        rec = _record_push_of_step_3(own, srv)
+        assert replicas.latest(0).step == 3
         pusher = ReplicaPusher(own, 0, srv.address, SECRET, JOB, timeout=5)
         for step in (4, 5):
             own.commit(step)
@@ -154,12 +161,7 @@ def test_a_replayed_push_header_that_stalls_does_not_block_the_next_push():
     own = marked_store()
     replicas = ReplicaStore()
     with TransferServer(SECRET, JOB, 1, replicas=replicas) as srv:
-        rec = Recorder(srv.address)
-        recorded = ReplicaPusher(own, 0, rec.address, SECRET, JOB, timeout=5)
-        own.commit(3)
-        recorded.after_commit(3)
-        recorded.close()
-        assert rec.done.wait(5)
+        rec = _record_push_of_step_3(own, srv)
         with socket.create_connection(srv.address) as stalled:
             stalled.sendall(bytes(rec.sent)[:-200])  # the header and most of the body, then quiet
             time.sleep(0.2)

@@ -227,19 +227,17 @@ class Controller:
         return refuse
 
     def _persisted_step(self) -> int:
-        from ..recovery.persist import list_steps, load_latest
+        from ..recovery.persist import load_latest
 
         # Ranks with state of their own (a sampler position) persist it beside the shared
         # state; restore the newest step that every one of them has too.
-        rank_root = self.run_dir / "persist-rank"
-        rank_dirs = sorted(d for d in rank_root.glob("rank*") if RANK_DIR_RE.fullmatch(d.name)) \
-            if rank_root.is_dir() else []
+        _, rank_steps = self._persisted_steps()
         step = None
         try:
             while True:
                 step, _, _ = load_latest(self.run_dir / "persist", 0, step, key=self.secret)
-                missing = [d.name for d in rank_dirs
-                           if step not in list_steps(rank_root, int(d.name[4:]))]
+                missing = [f"rank{r}" for r, steps in sorted(rank_steps.items())
+                           if step not in steps]
                 if not missing:
                     break
                 self.events.emit("controller.persisted_step_incomplete", step=step,
@@ -733,6 +731,7 @@ class Controller:
                             disk_shared=disk_shared, disk_rank=disk_rank)
 
     def _persisted_steps(self) -> tuple[set[int], dict[int, set[int]]]:
+        """Steps on disk: those of the shared state, and rank -> those of its own state."""
         from ..recovery.persist import list_steps
 
         shared = set(list_steps(self.run_dir / "persist", 0))

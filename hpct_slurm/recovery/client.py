@@ -97,17 +97,18 @@ class CoordinationClient:
         self._reader.start()
         self._beater.start()
 
-    def heartbeat_now(self) -> None:
-        try:
-            self.send(P.Heartbeat(self.rank, self.generation, self.step, self.state))
-        except (HpctError, OSError):
-            self.closed.set()
-
-    def report_holdings(self, msg: "P.Holdings") -> None:
+    def _send_or_close(self, msg) -> None:
+        """Send; a failure means the controller is gone, which the training thread sees."""
         try:
             self.send(msg)
         except (HpctError, OSError):
             self.closed.set()
+
+    def heartbeat_now(self) -> None:
+        self._send_or_close(P.Heartbeat(self.rank, self.generation, self.step, self.state))
+
+    def report_holdings(self, msg: "P.Holdings") -> None:
+        self._send_or_close(msg)
 
     def _sever(self, addrs: list[str]) -> None:
         """Cut our connections to the lost nodes (sever.py): a collective blocked on one of
@@ -122,10 +123,7 @@ class CoordinationClient:
 
     def step_done(self, step: int) -> None:
         self.step = step
-        try:
-            self.send(P.StepDone(self.rank, self.generation, step))
-        except (HpctError, OSError):
-            self.closed.set()
+        self._send_or_close(P.StepDone(self.rank, self.generation, step))
 
     def next_assignment(self, timeout: float | None = None) -> "P.Assign | P.Goodbye":
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -79,6 +79,7 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
         # A failed formation (aborted by a STOP, a member gone, a timeout) must leave nothing
         # behind: no store connections, no shard server, and no advanced group counter.
         _release(_Formed(info, store, shard))
+        _reset_group_count()
         raise
     group = dist.group.WORLD
     if collective_timeout != init_timeout:
@@ -117,7 +118,6 @@ def _release(formed: _Formed) -> None:
         close()
     if formed.shard is not None:
         formed.shard.stop()
-    _reset_group_count()
 
 
 def _reset_group_count() -> None:

@@ -292,7 +292,8 @@ class Holdings:
     a copy (its own, a ring replica, or disk). `rank` is the position it held (-1: none yet);
     `own`: steps of its own snapshot (the whole state in replicated mode, the shared state in
     jit mode); `rank_own`: steps of its own per-rank state; `replicas`: rank -> steps of that
-    rank's state kept here; `error`: the failure that ended its generation."""
+    rank's state kept here; `error`: the failure that ended its generation; `shard_keys`: see
+    below."""
     TYPE: ClassVar[str] = "holdings"
     rank: int
     generation: int
@@ -302,6 +303,9 @@ class Holdings:
     rank_own: list[int]
     replicas: dict[int, list[int]]
     error: str = ""
+    # A sharded job's shard key of every rank (sharding.MeshSpec), by rank: ranks with the
+    # same key hold the same state. Empty: plain data parallelism (one key).
+    shard_keys: list[int] = field(default_factory=list)
 
 
 Message = Union[Register, Heartbeat, Stop, Assign, Resume, StepDone, Ack, Goodbye,

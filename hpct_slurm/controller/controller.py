@@ -118,6 +118,7 @@ class Conn:
     held_rank: int = -1
     mode: str = "jit"
     rank_state: bool = False
+    shard_keys: list[int] = field(default_factory=list)
     error: str = ""
 
 
@@ -227,27 +228,28 @@ class Controller:
         return refuse
 
     def _persisted_step(self) -> int:
+        """The newest step on disk that every shard key's shared state (one key for plain
+        data parallelism) and every rank's own state (a sampler position) has, intact."""
         from ..recovery.persist import load_latest
 
-        # Ranks with state of their own (a sampler position) persist it beside the shared
-        # state; restore the newest step that every one of them has too.
-        _, rank_steps = self._persisted_steps()
-        step = None
-        try:
-            while True:
-                step, _, _ = load_latest(self.run_dir / "persist", 0, step, key=self.secret)
-                missing = [f"rank{r}" for r, steps in sorted(rank_steps.items())
-                           if step not in steps]
-                if not missing:
-                    break
-                self.events.emit("controller.persisted_step_incomplete", step=step,
-                                 missing=missing)
-                step -= 1
-        except HpctError:
+        shared, rank_steps = self._persisted_steps()
+        if not shared:
             return -1
-        self.events.emit("controller.resume_from_disk", step=step,
-                         restart_count=os.environ.get("SLURM_RESTART_COUNT", "0"))
-        return step
+        common = set.intersection(*shared.values(), *rank_steps.values())
+        for step in sorted(common, reverse=True):
+            try:
+                for k in sorted(shared):
+                    got, _, _ = load_latest(self.run_dir / "persist", k, step, key=self.secret)
+                    if got != step:
+                        raise HpctError(f"shard key {k}'s file of step {step} is damaged")
+            except HpctError as exc:
+                self.events.emit("controller.persisted_step_incomplete", step=step,
+                                 error=exc.message)
+                continue
+            self.events.emit("controller.resume_from_disk", step=step,
+                             restart_count=os.environ.get("SLURM_RESTART_COUNT", "0"))
+            return step
+        return -1
 
     def _step_env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -471,6 +473,7 @@ class Controller:
                 conn.held = Held(frozenset(msg.own), frozenset(msg.rank_own),
                                  {r: frozenset(v) for r, v in msg.replicas.items()})
                 conn.held_rank, conn.mode, conn.rank_state = msg.rank, msg.mode, msg.rank_state
+                conn.shard_keys = list(msg.shard_keys)
                 conn.error = msg.error
         elif isinstance(msg, P.Goodbye):
             conn.state = "done" if msg.reason == "done" else conn.state
@@ -726,20 +729,24 @@ class Controller:
         reports = [c for c in survivors if c.held is not None]
         mode = reports[0].mode if reports else "jit"
         rank_state = any(c.rank_state for c in reports)
+        keys = next((c.shard_keys for c in reports if c.shard_keys), [])
+        if keys and len(keys) != len(needs):
+            raise HpctError(f"the ranks report shard keys for {len(keys)} ranks, the next "
+                            f"generation has {len(needs)}: a sharded job cannot change size")
         disk_shared, disk_rank = await asyncio.to_thread(self._persisted_steps)
         return plan_restore(needs, held, mode=mode, rank_state=rank_state,
-                            disk_shared=disk_shared, disk_rank=disk_rank)
+                            disk_shared=disk_shared, disk_rank=disk_rank, shard_keys=keys)
 
-    def _persisted_steps(self) -> tuple[set[int], dict[int, set[int]]]:
-        """Steps on disk: those of the shared state, and rank -> those of its own state."""
+    def _persisted_steps(self) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+        """Steps on disk: shard key -> those of the shared state (key 0 alone for plain data
+        parallelism), and rank -> those of its own state."""
+        def by_index(root: Path) -> dict[int, set[int]]:
+            return {int(d.name[4:]): set(list_steps(root, int(d.name[4:])))
+                    for d in (root.glob("rank*") if root.is_dir() else [])
+                    if RANK_DIR_RE.fullmatch(d.name)}
+
         from ..recovery.persist import list_steps
-
-        shared = set(list_steps(self.run_dir / "persist", 0))
-        root = self.run_dir / "persist-rank"
-        ranks = {int(d.name[4:]): set(list_steps(root, int(d.name[4:])))
-                 for d in (root.glob("rank*") if root.is_dir() else [])
-                 if RANK_DIR_RE.fullmatch(d.name)}
-        return shared, ranks
+        return by_index(self.run_dir / "persist"), by_index(self.run_dir / "persist-rank")
 
     async def _fence(self, node: str, reason: str) -> None:
         """Make sure nothing of the lost node can rejoin: a dead or unreachable node goes DOWN

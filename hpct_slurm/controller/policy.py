@@ -120,6 +120,16 @@ class Held:
     replicas: dict[int, frozenset[int]] = field(default_factory=dict)
 
 
+def keys_of(shard_keys: list[int] | None, rank: int) -> int:
+    """A rank's shard key in the list the ranks report (empty: plain data parallelism, where
+    every rank holds the same state: one key)."""
+    if not shard_keys:
+        return 0
+    if not 0 <= rank < len(shard_keys):
+        raise HpctError(f"rank {rank} has no shard key in a list of {len(shard_keys)}")
+    return shard_keys[rank]
+
+
 @dataclass(frozen=True)
 class RestorePlan:
     step: int
@@ -131,14 +141,19 @@ class RestorePlan:
 
 
 def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, rank_state: bool,
-                 disk_shared: set[int] | frozenset[int] = frozenset(),
-                 disk_rank: dict[int, set[int]] | None = None) -> RestorePlan:
+                 disk_shared: set[int] | frozenset[int] | dict[int, set[int]] = frozenset(),
+                 disk_rank: dict[int, set[int]] | None = None,
+                 shard_keys: list[int] | None = None) -> RestorePlan:
     """The newest step every rank of the next generation can reach, and from where.
 
     `needs`: new rank -> the rank whose state it must take (its own for a survivor: positions
     never move). `held`: new rank -> what the process at that rank holds, for processes that
     hold state of their own (survivors; a newcomer holds nothing until its restore succeeded).
-    `disk_shared` / `disk_rank`: steps persisted for the shared state and for each rank's own.
+    `disk_shared` / `disk_rank`: steps persisted for the shared state (shard key -> steps; a
+    plain set is shard key 0's) and for each rank's own. `shard_keys`: rank -> shard key of a
+    sharded job (sharding.MeshSpec; empty or None: plain data parallelism, one key). The
+    "shared" state is then shared only among the ranks of one shard key: a lost rank takes it
+    from a survivor with its key, else from that key's file on disk.
 
     A rank reaches step s from its own snapshot, from a peer (any process's own snapshot for
     the shared state in jit mode; a ring replica of its rank otherwise), or from disk (jit mode:
@@ -147,7 +162,16 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     the same seed, and nothing has moved its per-rank state yet. Raises when no step is
     reachable by every rank: the job must escalate (never train on from mixed state)."""
     disk_rank = disk_rank or {}
-    shared_any: set[int] = set().union(*(h.own for h in held.values())) if held else set()
+    disk_by_key = (disk_shared if isinstance(disk_shared, dict)
+                   else {0: set(disk_shared)})
+
+    def key(rank: int) -> int:
+        return keys_of(shard_keys, rank)
+
+    # shard key -> steps some process of that key holds in memory
+    shared_by_key: dict[int, set[int]] = {}
+    for r, h in held.items():
+        shared_by_key.setdefault(key(needs[r]), set()).update(h.own)
     replicas: dict[int, set[int]] = {}
     for h in held.values():
         for r, steps in h.replicas.items():
@@ -168,9 +192,9 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
             shared = "own"
         elif step == CREATION and mine is None:
             shared = "creation"
-        elif step in shared_any:
+        elif step in shared_by_key.get(key(old), ()):
             shared = "peer"
-        elif step in disk_shared:
+        elif step in disk_by_key.get(key(old), ()):
             shared = "disk"
         else:
             return None
@@ -192,7 +216,7 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
 
     # CREATION is reachable only where every rank is a newcomer or still holds it (a fault
     # before or during step 0): never a restart from scratch in the middle of a run.
-    candidates: set[int] = set(shared_any) | set(disk_shared) | {CREATION}
+    candidates: set[int] = {CREATION}.union(*shared_by_key.values(), *disk_by_key.values())
     for h in held.values():
         candidates |= h.rank_own
     for steps in [*replicas.values(), *disk_rank.values()]:

@@ -51,6 +51,9 @@ class CoordinationClient:
         # Called from the receiving thread when a STOP arrives: a rank blocked forming its
         # group (not at a step boundary) is interrupted through it (the store's abort).
         self.on_stop: Callable[[], None] | None = None
+        # Addresses of the whole group, cut on a STOP as well as the lost nodes' (set by a
+        # sharded job: see _read_loop).
+        self.group_addrs: set[str] = set()
         self.host_addr = ""
         self.closed = threading.Event()
         self.rank = -1
@@ -159,7 +162,10 @@ class CoordinationClient:
                         self.stop_reason = msg.reason
                         self.stop_generation = msg.generation
                         self.stop_event.set()
-                        self._sever(msg.lost_addrs)
+                        # A sharded job's collectives run on sub-groups: a rank may wait on
+                        # a live peer that has already left for recovery, which no cut to
+                        # the lost nodes would end. Such a job cuts its whole group.
+                        self._sever(sorted(set(msg.lost_addrs) | self.group_addrs))
                         interrupt = self.on_stop
                         if interrupt is not None:
                             interrupt()

@@ -55,7 +55,8 @@ from .client import ControllerAddress, CoordinationClient
 from .health import health_check
 from .loop import StepLoop
 from .persist import DiskPersister
-from .snapshot import ReplicaStore, SnapshotStore, choose_mode, replica_peer_rank
+from .sharding import MeshSpec, infer_replicate
+from .snapshot import ReplicaStore, Snapshot, SnapshotStore, choose_mode, replica_peer_rank
 from .state import TrainState
 from .transfer import ReplicaPusher, TransferServer, fetch_state
 
@@ -98,13 +99,29 @@ class Job:
     own), `run_dir` (the job's run directory, $HPCT_RUN_DIR).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, *, seed: int = 0, persist_every: int = 0,
                  recovery_mode: str | None = None, environ: dict[str, str] | None = None,
+                 build: Callable[[Any], Any] | None = None,
+                 mesh_shape: tuple[int, ...] | None = None,
+                 mesh_dim_names: tuple[str, ...] | None = None,
+                 replicate: tuple[str, ...] | None = None, device_type: str = "cpu",
                  **extra_state: Any):
         """`extra_state`: more objects with state_dict/load_state_dict; `sampler=` (and any
         name not known as shared) is this rank's own state, kept on the ring neighbour.
-        `recovery_mode`: "jit", "replicated", or None/"auto" (also $HPCT_RECOVERY_MODE)."""
+        `recovery_mode`: "jit", "replicated", or None/"auto" (also $HPCT_RECOVERY_MODE).
+
+        A sharded or hybrid-parallel job (FSDP2, HSDP, tensor parallelism) passes, instead of
+        `model` and `optimizer`, `build(mesh) -> (model, optimizer[, lr_scheduler])` and its
+        DeviceMesh's `mesh_shape` and `mesh_dim_names`: the wrapper creates the mesh
+        (`init_device_mesh(device_type, ...)`) and calls `build` after every formation of
+        the group, since a sharded model is bound to its group; the step function then uses
+        `job.model`, `job.optimizer`, `job.lr_scheduler`. `replicate`: the names of the mesh
+        dimensions the state is replicated over (HSDP's replicate dimension; none for 1-D
+        FSDP); left out, they are inferred from the parameters' placements after the first
+        build. Ranks that differ only on those dimensions hold the same state, and are each
+        other's source after a fault (recovery/sharding.py)."""
         env = dict(os.environ if environ is None else environ)
         self.slurm = SlurmEnv.from_environ(env)
         # A spare borrowed from the cluster pool runs in a companion job but serves the main
@@ -121,8 +138,25 @@ class Job:
         # Bounded so a member lost between assignment and formation costs at most this long;
         # warm spares make a normal formation take well under a second.
         self.init_timeout_s = seconds_from_env(env, "HPCT_INIT_TIMEOUT_S", 30.0)
-        self.model, self.optimizer = model, optimizer
-        self.state = TrainState(model=model, optimizer=optimizer, **extra_state)
+        self._build = build
+        self.mesh: Any = None
+        self.mesh_spec: MeshSpec | None = None
+        self._replicate_given = replicate
+        if build is not None:
+            if model is not None or optimizer is not None or lr_scheduler is not None:
+                raise HpctError("Job takes either build=... (a sharded job) or model and "
+                                "optimizer, not both")
+            if mesh_shape is None or mesh_dim_names is None:
+                raise HpctError("a sharded Job (build=...) needs mesh_shape and mesh_dim_names")
+            self.mesh_spec = MeshSpec(tuple(mesh_shape), tuple(mesh_dim_names),
+                                      tuple(replicate or ()))
+            self.device_type = device_type
+        elif model is None or optimizer is None:
+            raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.state = TrainState(**extra_state)
+        if model is not None:
+            self.state.register(model=model, optimizer=optimizer)
         if lr_scheduler is not None:
             self.state.register(lr_scheduler=lr_scheduler)
         # The position of a loop the script writes itself (job.epochs / job.steps): the same
@@ -136,19 +170,27 @@ class Job:
         # (seed, rank, step). `replicated` (forced, or a sharded optimizer) keeps this rank's
         # whole snapshot on its ring neighbour instead.
         mode = recovery_mode or env.get("HPCT_RECOVERY_MODE") or "auto"
-        self.mode = choose_mode(self.state, None if mode == "auto" else mode,  # type: ignore[arg-type]
-                                data_parallel=True)
+        self._mode_given = None if mode == "auto" else mode
+        if self.mesh_spec is None:
+            self.mode = choose_mode(self.state, self._mode_given,  # type: ignore[arg-type]
+                                    data_parallel=True)
+        else:
+            # Each shard key held by two replicas or more: a lost rank's state is on a
+            # survivor (jit). One holder per key (1-D FSDP): a ring copy in steady state.
+            self.mode = self._sharded_mode(self.mesh_spec)
         every = int(env.get("HPCT_SNAPSHOT_EVERY", "1"))
-        self.snapshots = SnapshotStore(
-            self.state, scopes=("shared",) if self.mode == "jit" else ("shared", "rank"),
-            every=every)
+        self.snapshots = SnapshotStore(self.state, scopes=("shared",), every=every)
         # This rank's own small state (a sampler position, extras): its own snapshot, pushed
         # to the ring neighbour after every commit and persisted with the shared state.
         self.rank_snaps = (SnapshotStore(self.state, scopes=("rank",), every=every)
                            if self.state.has_rank_state() else None)
-        # What goes to the ring neighbour after each commit, synchronously: the neighbour then
-        # always holds the step this rank last committed (and the one before).
-        self._pushed = self.snapshots if self.mode == "replicated" else self.rank_snaps
+        self._pushed: SnapshotStore | None = None
+        self._set_mode(self.mode)
+        # Copy the parameters and optimizer state of step s while step s+1 computes (off the
+        # critical path); 0 copies them before step s returns.
+        self.overlap = env.get("HPCT_SNAPSHOT_OVERLAP", "1") != "0"
+        if optimizer is not None:
+            self._hold_copy(optimizer)
         self.replicas = ReplicaStore()
         self.pusher: ReplicaPusher | None = None
         self.rank_persister: DiskPersister | None = None
@@ -182,6 +224,73 @@ class Job:
                              self.transfer.address[1])
         self.events.emit("rank.registered", role=self.role, pid=os.getpid(), mode=self.mode,
                          rank_state=self.rank_snaps is not None)
+
+    def _sharded_mode(self, spec: MeshSpec) -> str:
+        if self._mode_given is not None:
+            return choose_mode(self.state, self._mode_given)  # type: ignore[arg-type]
+        return "jit" if spec.replicas >= 2 else "replicated"
+
+    def _set_mode(self, mode: str) -> None:
+        self.mode = mode
+        self.snapshots.scopes = ("shared",) if mode == "jit" else ("shared", "rank")
+        # What goes to the ring neighbour after each commit, synchronously: the neighbour then
+        # always holds the step this rank last committed (and the one before).
+        self._pushed = self.snapshots if mode == "replicated" else self.rank_snaps
+
+    def _key(self, rank: int) -> int:
+        """`rank`'s shard key: ranks with the same key hold the same shared state (every rank
+        does under plain data parallelism)."""
+        return self.mesh_spec.shard_key(rank) if self.mesh_spec is not None else 0
+
+    def _build_generation(self) -> None:
+        """A sharded job's mesh, model, optimizer and scheduler for this generation's group,
+        built the same way on every rank (the restore then overwrites their state)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert self.mesh_spec is not None and self._build is not None
+        spec = self.mesh_spec
+        if spec.world_size != self.world_size:
+            raise HpctError(f"the mesh {spec.shape} needs {spec.world_size} ranks, the job "
+                            f"has {self.world_size}: a sharded job runs on all its positions")
+        # The mesh's sub-groups take torch's default timeout (30 min for gloo), not the
+        # world group's: a collective on one whose peer is gone must fail as fast as one on
+        # the world group.
+        c10d = dist.distributed_c10d
+        default = c10d.default_pg_timeout
+        c10d.default_pg_timeout = datetime.timedelta(seconds=self.collective_timeout_s)
+        try:
+            self.mesh = init_device_mesh(self.device_type, spec.shape,
+                                         mesh_dim_names=spec.names)
+        finally:
+            c10d.default_pg_timeout = default
+        seed_everything(self.seed)  # the same initial weights on every rank
+        built = self._build(self.mesh)
+        if not isinstance(built, tuple) or len(built) not in (2, 3):
+            raise HpctError("build(mesh) must return (model, optimizer) or "
+                            "(model, optimizer, lr_scheduler)")
+        self.model, self.optimizer = built[0], built[1]
+        self.lr_scheduler = built[2] if len(built) == 3 else None
+        self.state.register(model=self.model, optimizer=self.optimizer)
+        self._hold_copy(self.optimizer)
+        if self.lr_scheduler is not None:
+            self.state.register(lr_scheduler=self.lr_scheduler)
+        if self._replicate_given is None:
+            inferred = infer_replicate(spec.names, self.model.parameters())
+            if inferred != spec.replicate:
+                self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
+                self._set_mode(self._sharded_mode(spec))
+                self.events.emit("rank.mesh_inferred", rank=self.rank, replicate=inferred,
+                                 mode=self.mode)
+        self.state.mesh, self.state.replicate = self.mesh, spec.replicate
+
+    def _release_generation(self) -> None:
+        """Drop this generation's sharded model and mesh: they hold the broken group, which
+        must go before a new one forms; the restore comes from the snapshots' bytes."""
+        if self._build is None:
+            return
+        self.state.unregister("model", "optimizer", "lr_scheduler")
+        self.model = self.optimizer = self.lr_scheduler = self.mesh = None
+        self.state.mesh = None
 
     # ---- what the training step calls --------------------------------------------------
     @property
@@ -284,6 +393,7 @@ class Job:
             except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if failure is None:
+                self._settle_snapshots(follow_ups=True)
                 self.events.emit("rank.finished", rank=self.rank, step=last)
                 self.client.state = "done"  # report first: tearing down is local work
                 self.client.heartbeat_now()
@@ -324,8 +434,12 @@ class Job:
         """After a step: its snapshot when one is due, the report to the controller."""
         if isinstance(out, (int, float)):
             self.losses[step] = float(out)
-        if self.snapshots.after_step(step) is not None:
-            self._after_commit(step)
+        if self.snapshots.due(step):
+            self._commit_rank_state(step)
+            if self.overlap:
+                self.snapshots.commit_async(step, then=self._after_shared_commit)
+            else:
+                self._after_shared_commit(self.snapshots.commit(step))
         self.client.step_done(step)
         self.events.emit("rank.step", rank=self.rank, generation=self.generation,
                          step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
@@ -337,16 +451,45 @@ class Job:
                             "pass micro_step to Job.run to allow shrinking")
         return self.data_ranks[0], self.data_world
 
-    def _after_commit(self, step: int) -> None:
+    def _commit_rank_state(self, step: int) -> None:
+        """This rank's own small state, now: the next step moves it (a sampler position).
+        In jit mode it is all that goes to the ring holder, synchronously: the holder then
+        always holds the step this rank last committed (and the one before)."""
         if self.rank_snaps is not None:
             self.rank_snaps.commit(step)
             if self.rank_persister:
                 self.rank_persister.after_commit(step)
-        if self.persister:
-            self.persister.after_commit(step)
-        if self.pusher is not None:
+        if self.pusher is not None and self._pushed is self.rank_snaps:
             self.pusher.after_commit(step)
             self.pusher.flush()  # bounded by the pusher's timeout; a failure is an event
+
+    def _after_shared_commit(self, snap: Snapshot) -> None:
+        """After the shared state of a step is copied (on the snapshot thread when the copy
+        overlaps the next step): its save to disk, and in replicated mode its ring push."""
+        try:
+            if self.persister:
+                self.persister.after_commit(snap.step)
+            if self.pusher is not None and self._pushed is self.snapshots:
+                self.pusher.after_commit(snap.step)
+                self.pusher.flush()
+        except Exception as exc:  # noqa: BLE001 - a lost copy is an event, not a fault
+            self.events.emit("snapshot.follow_up_failed", rank=self.rank, step=snap.step,
+                             error=f"{type(exc).__name__}: {exc}")
+
+    def _settle_snapshots(self, follow_ups: bool = False) -> None:
+        """Wait for the background copy of the last commit (and, with `follow_ups`, its save
+        and push): what this process reports holding must be complete."""
+        try:
+            self.snapshots.wait() if follow_ups else self.snapshots.wait_copied()
+        except Exception as exc:  # noqa: BLE001 - that snapshot is simply not held
+            self.events.emit("snapshot.copy_failed", rank=self.rank,
+                             error=f"{type(exc).__name__}: {exc}")
+
+    def _hold_copy(self, optimizer: Any) -> None:
+        """The next optimizer step waits for the background copy of the last commit: the
+        copy reads the parameters and optimizer state that step is about to change."""
+        if self.overlap:
+            optimizer.register_step_pre_hook(lambda *_: self.snapshots.wait_copied())
 
     def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:
         def step_fn(step: int) -> Any:
@@ -376,6 +519,8 @@ class Job:
         t0 = time.time()
         self.events.emit("rank.fault", rank=self.rank, generation=self.generation,
                          error=failure, stop_reason=self.client.stop_reason)
+        self._settle_snapshots()
+        self._release_generation()
         try:
             self._teardown()
             healthy, detail = health_check()
@@ -396,6 +541,7 @@ class Job:
     # ---- generations --------------------------------------------------------------------
     def _adopt(self, a: P.Assign) -> None:
         t0 = time.time()
+        self._settle_snapshots(follow_ups=True)  # its push uses the pusher replaced below
         # Own snapshots exist only once this process trained or restored for its position
         # (see _hold_restored): then it restores from itself first.
         held_state = bool(self.snapshots.slots.steps())
@@ -440,6 +586,8 @@ class Job:
                     collective_timeout=datetime.timedelta(seconds=self.collective_timeout_s))
         finally:
             self.client.on_stop = None
+        if self._build is not None:
+            self._build_generation()
         t_formed = time.time()
         source = "creation"
         if a.restore_step >= 0 or a.generation > 0:
@@ -454,9 +602,12 @@ class Job:
             self.events.emit("replica.rolled_back", ranks=dropped, step=a.restore_step)
         if self._want_ddp:
             self._ddp = _fixed_order_ddp(self.model, self.client)
-        # One copy on disk is enough: the shared state is the same on every rank.
-        if self.persist_every and self.persister is None and self.rank == 0:
-            self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", 0,
+        # One copy on disk per shard key is enough (one for plain data parallelism): the
+        # lowest rank of each key writes it.
+        key = self._key(self.rank)
+        first = min(r for r in range(self.world_size) if self._key(r) == key)
+        if self.persist_every and self.persister is None and self.rank == first:
+            self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", key,
                                            self.persist_every, self.events, key=self.secret)
         if self.persist_every and self.rank_snaps is not None and \
                 (self.rank_persister is None or self.rank_persister.rank != self.rank):
@@ -494,12 +645,15 @@ class Job:
         rank_steps = self.rank_snaps.slots.steps() if self.rank_snaps is not None else []
         return P.Holdings(self.rank, self.generation, self.mode, self.rank_snaps is not None,
                           self.snapshots.slots.steps(), rank_steps,
-                          {r: self.replicas.steps(r) for r in self.replicas.ranks()}, error)
+                          {r: self.replicas.steps(r) for r in self.replicas.ranks()}, error,
+                          self.mesh_spec.shard_keys() if self.mesh_spec is not None else [])
 
     def _ring(self, a: P.Assign) -> None:
         """Point the replica pusher at this generation's ring holder (the same local rank on
         the node half the ring away: snapshot.replica_peer)."""
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
+        if self.mesh_spec is not None:
+            self.client.group_addrs = {h for h, _ in self._peers.values()} - {self.host_addr}
         n = len(a.members)
         if self.pusher is not None:
             self.pusher.close()
@@ -543,9 +697,13 @@ class Job:
             else:
                 self.state.restore_from(got.layout, got.data)
                 return got.source
-        # Shared state is the same on every rank: try each survivor in the controller's order,
-        # then the last persisted snapshot.
+        # Shared state is the same on every rank of a shard key (every rank under plain data
+        # parallelism): try each such survivor in the controller's order, then the last
+        # persisted snapshot of the key.
+        key = self._key(a.rank)
         for src_rank, addrs in a.sources.items():
+            if self._key(int(src_rank)) != key:
+                continue
             try:
                 got = fetch_state(addrs, int(src_rank), self.secret, self.job_id,
                                   step=step, events=self.events)
@@ -554,7 +712,7 @@ class Job:
             self.state.restore_from(got.layout, got.data, scopes=("shared",))
             self._restore_rank_state(a, own=survivor)
             return got.source
-        got = fetch_state([], 0, self.secret, self.job_id, step=step,
+        got = fetch_state([], key, self.secret, self.job_id, step=step,
                           disk_dir=str(self.run_dir / "persist"), events=self.events)
         if got.step != step:
             raise HpctError(f"disk holds step {got.step}, the group restores step "

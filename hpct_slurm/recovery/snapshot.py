@@ -24,13 +24,13 @@ import contextlib
 import hmac
 import queue
 import threading
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 
 from .. import protocol as P
 from ..errors import HpctError
-from .state import Layout, Scope, TrainState, as_memoryview
+from .state import Layout, Scope, TrainState, as_memoryview, copy_pairs
 
 Mode = Literal["jit", "replicated"]
 
@@ -224,6 +224,12 @@ class SnapshotStore:
         self.every = every
         self.background_seal = background_seal
         self.slots = DoubleBuffer()
+        # commit_async's state: its copy done, it and its follow-up done, its error
+        self._copied = threading.Event()
+        self._done = threading.Event()
+        self._copied.set()
+        self._done.set()
+        self._error: BaseException | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -244,6 +250,63 @@ class SnapshotStore:
         if self.background_seal:
             _SEALER.submit(snap)
         return snap
+
+    def commit_async(self, step: int, then: Callable[[Snapshot], None] | None = None) -> None:
+        """Commit `step` off the step's critical path: what can still change before the next
+        optimizer step (buffers, RNG states, scalars, anything not a parameter or optimizer
+        state) is captured now; parameters and optimizer state are copied on a background
+        thread while the next step's forward and backward run. `wait_copied` (called from the
+        optimizer's step pre-hook) holds the next update back until that copy is done. The
+        snapshot is published, and `then(snapshot)` runs (a push, a save), on that thread."""
+        self.wait()
+        idx, buf = self.slots.acquire_target()
+        try:
+            layout, buf, pairs = self.state.prepare(buf, self.scopes)
+            stable = self.state.stable_ptrs()
+            late = [(d, t) for d, t in pairs if t.data_ptr() in stable]
+            copy_pairs((d, t) for d, t in pairs if t.data_ptr() not in stable)
+        except BaseException:
+            self.slots.abandon(idx)
+            raise
+        self._copied.clear()
+        self._done.clear()
+
+        def work() -> None:
+            snap = None
+            try:
+                copy_pairs(late)
+                snap = self.slots.publish(idx, buf, step, layout, None)
+            except BaseException as exc:  # kept for the training thread (wait)
+                self.slots.abandon(idx)
+                self._error = exc
+            finally:
+                self._copied.set()
+            try:
+                if snap is not None:
+                    if self.background_seal:
+                        _SEALER.submit(snap)
+                    if then is not None:
+                        then(snap)  # reports its own failures: they do not stop training
+            finally:
+                self._done.set()
+
+        threading.Thread(target=work, name="hpct-snapshot", daemon=True).start()
+
+    def wait_copied(self) -> None:
+        """Until the background copy of the last commit is done (the parameters and optimizer
+        state may change from here on)."""
+        self._copied.wait()
+        self._raise()
+
+    def wait(self) -> None:
+        """Until the last commit and what follows it (`then`) are done."""
+        self._done.wait()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
 
     def latest(self) -> Snapshot | None:
         return self.slots.latest()

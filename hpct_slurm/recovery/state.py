@@ -78,6 +78,12 @@ def _align(n: int) -> int:
 def _encode(obj: Any, tensors: list, path: str) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if _is_dtensor(obj):
+        # A shard of a sharded tensor (FSDP2, HSDP, TP): its local piece is copied like any
+        # tensor; where it sits on the mesh goes with it, so a restore can refuse a shard
+        # meant for another coordinate.
+        tensors.append((obj.to_local(), False))
+        return {"D": [len(tensors) - 1, _dtensor_meta(obj, path)]}
     if isinstance(obj, torch.Tensor):
         tensors.append((obj, False))
         return {"T": len(tensors) - 1}
@@ -95,19 +101,71 @@ def _encode(obj: Any, tensors: list, path: str) -> Any:
                     f"supported (tensors, numpy arrays, JSON scalars, lists, tuples, dicts are)")
 
 
-def _decode(node: Any, tensors: list) -> Any:
+def _decode(node: Any, tensors: list, dtensor: Any = None, path: str = "state") -> Any:
     if not isinstance(node, dict):
         return node
     (tag, value), = node.items()
     if tag == "T":
         return tensors[value]
+    if tag == "D":
+        if dtensor is None:
+            raise HpctError(f"snapshot holds a sharded tensor at {path} but this process has "
+                            f"no device mesh to place it on")
+        idx, meta = value
+        return dtensor(tensors[idx], meta, path)
     if tag == "l":
-        return [_decode(v, tensors) for v in value]
+        return [_decode(v, tensors, dtensor, f"{path}[{i}]") for i, v in enumerate(value)]
     if tag == "t":
-        return tuple(_decode(v, tensors) for v in value)
+        return tuple(_decode(v, tensors, dtensor, f"{path}[{i}]") for i, v in enumerate(value))
     if tag == "d":
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
+        out = {}
+        for k, v in value:
+            key = _decode(k, tensors, dtensor, path)
+            out[key] = _decode(v, tensors, dtensor, f"{path}.{key}")
+        return out
     raise HpctError(f"snapshot layout has an unknown tree tag {tag!r}")
+
+
+# --- sharded tensors (DTensor) ------------------------------------------------------------------
+
+def _is_dtensor(obj: Any) -> bool:
+    return type(obj).__name__ == "DTensor" and hasattr(obj, "device_mesh")
+
+
+def _placement_code(p: Any, path: str) -> str:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(p, Replicate):
+        return "R"
+    if type(p) is Shard:  # not a subclass (_StridedShard): its layout is not just a dim
+        return f"S{p.dim}"
+    raise HpctError(f"cannot snapshot {path}: placement {p!r} is not supported "
+                    f"(Replicate and Shard(dim) are)")
+
+
+def _placement(code: str, path: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if code == "R":
+        return Replicate()
+    if isinstance(code, str) and code[:1] == "S" and code[1:].isdigit() and code[1:].isascii():
+        return Shard(int(code[1:]))
+    raise HpctError(f"snapshot layout gives {path} an unknown placement {code!r}")
+
+
+def _dtensor_meta(t: Any, path: str) -> dict:
+    mesh = t.device_mesh
+    if mesh.mesh_dim_names is None:
+        raise HpctError(f"cannot snapshot {path}: its device mesh has no dimension names "
+                        f"(init_device_mesh(..., mesh_dim_names=...))")
+    return {"mesh": list(mesh.mesh_dim_names),
+            "place": [_placement_code(p, path) for p in t.placements],
+            "shape": list(t.shape), "stride": list(t.stride()),
+            "coord": list(mesh.get_coordinate() or [])}
+
+
+def describe_coord(names: Iterable[str], coord: Iterable[int]) -> str:
+    return "(" + ", ".join(f"{n}={c}" for n, c in zip(names, coord)) + ")"
 
 
 def as_flat_u8(buf: Any) -> torch.Tensor:
@@ -120,6 +178,18 @@ def as_flat_u8(buf: Any) -> torch.Tensor:
     if len(mv) == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.from_numpy(np.frombuffer(mv, dtype=np.uint8))
+
+
+def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each live tensor into its destination (pinned host memory for CUDA tensors:
+    asynchronous copies, waited for here)."""
+    pending = False
+    for dst, src in pairs:
+        non_blocking = src.is_cuda and dst.is_pinned()
+        dst.copy_(src.detach(), non_blocking=non_blocking)
+        pending |= non_blocking
+    if pending:
+        torch.cuda.synchronize()
 
 
 def as_memoryview(buf: torch.Tensor) -> memoryview:
@@ -141,6 +211,10 @@ class TrainState:
         self.extras: dict[str, Any] = {}
         # Destination views per buffer (two slots alternate), rebuilt only when the layout changes.
         self._dst_cache: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
+        # A sharded job's DeviceMesh and its replicated dimension names (set by `Job` for each
+        # generation): where restored shards are placed, and which coordinates must match.
+        self.mesh: Any = None
+        self.replicate: tuple[str, ...] = ()
         self.register(**objects)
 
     def register(self, scope: Scope | None = None, **objects: Any) -> None:
@@ -151,6 +225,10 @@ class TrainState:
                 raise HpctError(f"TrainState: {name!r} ({type(obj).__name__}) has no "
                                 f"state_dict/load_state_dict")
             self._objects[name] = (obj, scope or DEFAULT_SCOPES.get(name, "rank"))
+
+    def unregister(self, *names: str) -> None:
+        for name in names:
+            self._objects.pop(name, None)
 
     def has_rank_state(self) -> bool:
         """Whether anything of this rank's own (a sampler position, extras) is registered
@@ -195,6 +273,15 @@ class TrainState:
         is `buf` itself and nothing but the small JSON tree is allocated. The optimizer state
         appears after the first step, so the first capture after it grows the buffer once.
         """
+        layout, buf, pairs = self.prepare(buf, scopes)
+        copy_pairs(pairs)
+        return layout, buf
+
+    def prepare(self, buf: torch.Tensor | None, scopes: Iterable[Scope] = ("shared", "rank")
+                ) -> tuple[Layout, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The layout of a snapshot taken now, the buffer it goes to (`buf`, grown if too
+        small) and the (destination, live tensor) pairs still to copy: everything but the
+        bytes is fixed at this moment (the JSON tree holds the RNG states and scalars)."""
         layout, live = self.plan(scopes)
         if buf is None or buf.numel() < layout.nbytes:
             on_cuda = any(t.is_cuda for t in live)
@@ -207,14 +294,62 @@ class TrainState:
             dsts = [buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
                     for e in layout.entries]
             cached = self._dst_cache[buf.data_ptr()] = (sig, dsts)
-        non_blocking = buf.is_pinned()
-        for dst, src in zip(cached[1], live):
-            dst.copy_(src.detach(), non_blocking=non_blocking and src.is_cuda)
-        if non_blocking and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return layout, buf
+        return layout, buf, list(zip(cached[1], live))
+
+    def stable_ptrs(self) -> set[int]:
+        """Addresses of the tensors only an optimizer step changes: the parameters of every
+        registered module and the state of every registered optimizer. A snapshot may copy
+        them after the step function returned, until the next optimizer step."""
+        ptrs: set[int] = set()
+        for obj, _ in self._objects.values():
+            tensors: list[Any] = []
+            if isinstance(obj, torch.nn.Module):
+                tensors = list(obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors = [t for st in obj.state.values() for t in st.values()
+                           if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                local = t.to_local() if _is_dtensor(t) else t
+                ptrs.add(local.data_ptr())
+        return ptrs
 
     # --- restore ---------------------------------------------------------------------------
+
+    def _dtensor(self, local: torch.Tensor, meta: Any, path: str) -> Any:
+        """A shard from a snapshot placed on this process's mesh, refused when it was taken at
+        another coordinate of the sharded dimensions (it belongs to other parameters' rows)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.mesh is None:
+            raise HpctError(f"snapshot holds a sharded tensor at {path} but this process has "
+                            f"no device mesh to place it on")
+        try:
+            names = tuple(str(n) for n in meta["mesh"])
+            place = [_placement(c, path) for c in meta["place"]]
+            shape, stride = torch.Size(int(x) for x in meta["shape"]), tuple(
+                int(x) for x in meta["stride"])
+            coord = [int(c) for c in meta["coord"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HpctError(f"snapshot layout describes {path} badly: {exc}") from None
+        root = self.mesh
+        try:
+            mesh = root if names == tuple(root.mesh_dim_names or ()) else root[names]
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise HpctError(f"snapshot places {path} on mesh dimensions {list(names)}, which "
+                            f"this job's mesh {list(root.mesh_dim_names or ())} lacks: "
+                            f"{exc}") from None
+        here = list(mesh.get_coordinate() or [])
+        if len(place) != len(names) or len(coord) != len(names):
+            raise HpctError(f"snapshot layout of {path}: {len(place)} placements and "
+                            f"{len(coord)} coordinates for {len(names)} mesh dimensions")
+        wrong = [n for n, a, b in zip(names, coord, here) if n not in self.replicate and a != b]
+        if wrong:
+            raise HpctError(f"refused a shard from the wrong coordinate: {path} was taken at "
+                            f"{describe_coord(names, coord)}, this rank is at "
+                            f"{describe_coord(names, here)} (replicated: "
+                            f"{list(self.replicate) or 'none'})")
+        return DTensor.from_local(local, mesh, place, run_check=False, shape=shape,
+                                  stride=stride)
 
     def restore_from(self, layout: Layout, buf: Any,
                      scopes: Iterable[Scope] = ("shared", "rank")) -> None:
@@ -231,7 +366,7 @@ class TrainState:
         for e in layout.entries:
             t = flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape).clone()
             tensors.append(t.numpy() if e.numpy else t)
-        tree = _decode(layout.tree, tensors)
+        tree = _decode(layout.tree, tensors, self._dtensor)
         unknown = set(tree) - set(self._objects) - {RNG_KEY, EXTRAS_KEY}
         if unknown:
             raise HpctError(f"snapshot holds state for {sorted(unknown)} which this TrainState "
@@ -239,7 +374,9 @@ class TrainState:
         scopes = set(scopes)
         for name, sd in tree.items():
             if name in self._objects and self._objects[name][1] in scopes:
-                self._objects[name][0].load_state_dict(sd)
+                obj = self._objects[name][0]
+                _check_shards(name, obj, sd)
+                obj.load_state_dict(sd)
         if "rank" not in scopes:
             return
         if RNG_KEY in tree:
@@ -251,3 +388,35 @@ class TrainState:
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if EXTRAS_KEY in tree:
             self.extras = tree[EXTRAS_KEY]
+
+
+def _describe_dt(t: Any) -> str:
+    return (f"shape {tuple(t.shape)} placed {tuple(t.placements)} local "
+            f"{tuple(t.to_local().shape)}")
+
+
+def _check_shards(name: str, obj: Any, sd: Any) -> None:
+    """Refuse restored shards whose global shape, placement or local shape differs from the
+    live object's: loading them would fail later with an opaque error, or worse, not at all."""
+    if not isinstance(sd, dict):
+        return
+    pairs: list[tuple[str, Any, Any]] = []
+    if isinstance(obj, torch.nn.Module):
+        live = obj.state_dict()
+        pairs = [(k, v, live.get(k)) for k, v in sd.items() if _is_dtensor(v)]
+    elif isinstance(obj, torch.optim.Optimizer) and isinstance(sd.get("state"), dict):
+        params = [p for g in obj.param_groups for p in g["params"]]
+        for idx, st in sd["state"].items():
+            if not isinstance(st, dict) or not isinstance(idx, int) or not 0 <= idx < len(params):
+                continue
+            p = params[idx]
+            pairs += [(f"state[{idx}].{k}", v, p) for k, v in st.items()
+                      if _is_dtensor(v) and tuple(v.shape) == tuple(p.shape)]
+    for key, got, live in pairs:
+        if not _is_dtensor(live):
+            raise HpctError(f"refused {name}.{key}: the snapshot holds a shard "
+                            f"({_describe_dt(got)}) where this rank holds an unsharded tensor")
+        if (tuple(got.shape) != tuple(live.shape) or tuple(got.placements) != tuple(live.placements)
+                or tuple(got.to_local().shape) != tuple(live.to_local().shape)):
+            raise HpctError(f"refused {name}.{key}: the snapshot's shard has "
+                            f"{_describe_dt(got)}, this rank's has {_describe_dt(live)}")

@@ -10,6 +10,7 @@ The last line is one JSON object with recovery_s, lost_steps, bitwise_equal, bas
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -21,6 +22,7 @@ from .bench.restart_all import batch_script
 from .errors import HpctError
 from .events import read_events
 from .localcluster import DEFAULT_ROOT, LocalCluster
+from .slurm.client import SlurmCommandError
 
 NODES = 5
 VICTIM = "n3"
@@ -56,10 +58,9 @@ def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
     bindir = Path(sys.executable).parent
     env = {"HPCT_BIN": str(bindir / "hpct-slurm"), "HPCT_PYTHON": sys.executable,
            "HPCT_RUN_DIR": str(run_dir), **(env or {})}
-    proc = cluster.run(["sbatch", "--parsable", f"--nodes={nodes}",
-                        f"--output={run_dir / 'slurm-%j.out'}", f"--chdir={run_dir}",
-                        str(script), *args], env=env, check=True)
-    return int(proc.stdout.strip().split(";")[0])
+    return cluster.client().sbatch(script, options=[
+        f"--nodes={nodes}", f"--output={run_dir / 'slurm-%j.out'}", f"--chdir={run_dir}"],
+        script_args=args, env=env)
 
 
 def step_events(run_dir: Path) -> list[dict]:
@@ -77,6 +78,7 @@ def wait_job(cluster: LocalCluster, job_id: int, run_dir: Path, timeout: float,
     deadline = time.monotonic() + timeout
     t_kill = None
     last_print = -1
+    slurm = cluster.client()
     while time.monotonic() < deadline:
         evs = step_events(run_dir)
         step = max((e["step"] for e in evs), default=-1)
@@ -88,11 +90,11 @@ def wait_job(cluster: LocalCluster, job_id: int, run_dir: Path, timeout: float,
             t_kill = time.time()
             _say(f"  [{label}] step {step}: node {VICTIM} hard-crashed (slurmd, slurmstepd, "
                  f"tasks SIGKILLed)")
-        queued = cluster.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"]).stdout.strip()
-        if not queued or queued in ("COMPLETED", "FAILED", "CANCELLED"):
+        if slurm.job_finished(job_id):
             return t_kill
         time.sleep(0.2)
-    cluster.run(["scancel", str(job_id)])
+    with contextlib.suppress(SlurmCommandError):
+        slurm.cancel(job_id)
     raise HpctError(f"{label} job {job_id} did not finish within {timeout:.0f} s; see {run_dir}")
 
 

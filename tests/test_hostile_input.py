@@ -531,28 +531,26 @@ def test_an_unsafe_existing_run_dir_is_refused(group_dir, tmp_path, spoil, words
     assert not (tmp_path / "elsewhere" / "secret").exists()
 
 
-def test_a_planted_companion_script_is_never_submitted(tmp_path, monkeypatch):
+def test_a_planted_companion_script_is_never_submitted(tmp_path):
     from hpct_slurm.controller import controller as ctl
+    from hpct_slurm.slurm.client import SlurmClient
+
+    submitted = []
+
+    def fake_sbatch(argv, **kwargs):
+        submitted.append(Path(argv[argv.index("--job-name=hpct-spare-7") + 2]).read_text())
+        return subprocess.CompletedProcess(argv, 0, stdout="123\n", stderr="")
 
     run_dir = tmp_path / "hpct-7"
     c = ctl.Controller(ctl.Options(command=["true"], run_dir=run_dir, job_id=7, nodes=["n1"],
-                                   batch_host="n1", spares=0, pool_spares=1))
+                                   batch_host="n1", spares=0, pool_spares=1),
+                       client=SlurmClient(runner=fake_sbatch))
     planted = tmp_path / "planted.sh"
     planted.write_text("#!/bin/bash\necho pwned\n")
     os.symlink(planted, run_dir / "companion.sbatch")
-    submitted = []
-
-    class FakeSlurm:
-        def __init__(self, env=None):
-            pass
-
-        def run(self, argv):
-            submitted.append(Path(argv[argv.index("--job-name=hpct-spare-7") + 2]).read_text())
-            return subprocess.CompletedProcess(argv, 0, stdout="123\n", stderr="")
-
-    monkeypatch.setattr(ctl, "SlurmClient", FakeSlurm)
     c._maybe_borrow()
     [script] = submitted
+    assert c.borrowed == [123]
     assert "pwned" not in script and "exec srun" in script
     assert planted.read_text() == "#!/bin/bash\necho pwned\n"
     assert stat.S_ISREG(os.lstat(run_dir / "companion.sbatch").st_mode)

@@ -8,10 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpct_slurm.errors import HpctError
-from hpct_slurm.slurm.client import JobInfo, NodeInfo
-from hpct_slurm.spares.pool import (FEATURE, blocking_jobs, drained_by_hpct,
-                                    parse_reservation_nodes, passive_health, pool_nodes, record,
-                                    refusal, with_feature)
+from hpct_slurm.slurm.client import JobInfo, NodeInfo, parse_reservation_nodes
+from hpct_slurm.spares.pool import (FEATURE, blocking_jobs, drained_by_hpct, passive_health,
+                                    pool_nodes, record, refusal, with_feature)
 
 AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 

@@ -44,6 +44,7 @@ from ..demo import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, collect,
 from ..errors import HpctError
 from ..events import read_events
 from ..localcluster import LocalCluster
+from ..slurm.client import SlurmCommandError
 from .common import write_result
 from .restart_all import batch_script
 
@@ -272,19 +273,21 @@ def _wait_unless_escalated(cluster: LocalCluster, job_id: int, run_dir: Path,
     """Wait for the job to leave the queue. A recovery that escalated (requeue or fail) is a
     failed repeat: cancel the job instead of timing a restart from disk."""
     deadline = time.monotonic() + timeout
+    slurm = cluster.client()
     while time.monotonic() < deadline:
         path = run_dir / "controller.jsonl"
         bad = [e for e in (read_events(path) if path.exists() else [])
                if e["event"] in ("recovery.failed", "escalate.requeue", "escalate.fail")]
-        state = cluster.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"]).stdout.strip()
-        if bad or state in ("", "COMPLETED", "FAILED", "CANCELLED"):
+        if bad or slurm.job_finished(job_id):
             if bad:
-                cluster.run(["scancel", str(job_id)])
+                with contextlib.suppress(SlurmCommandError):
+                    slurm.cancel(job_id)
                 raise HpctError(f"job {job_id} escalated instead of recovering in place: "
                                 f"{bad[0].get('error') or bad[0].get('reason')}; see {run_dir}")
             return
         time.sleep(0.5)
-    cluster.run(["scancel", str(job_id)])
+    with contextlib.suppress(SlurmCommandError):
+        slurm.cancel(job_id)
     raise HpctError(f"job {job_id} did not finish within {timeout:.0f} s; see {run_dir}")
 
 

@@ -8,7 +8,6 @@ Usage (as the batch script): python -m hpct_slurm.bench.restart_all --run-dir D 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,11 +45,9 @@ def main() -> int:
     active, spares = nodes[:len(nodes) - args.spares], nodes[len(nodes) - args.spares:]
     for attempt in range(MAX_ATTEMPTS):
         events.emit("baseline.launch", attempt=attempt, nodes=active)
-        argv = ["srun", f"-N{len(active)}", f"-n{len(active)}", "--ntasks-per-node=1",
-                "-w", ",".join(active), "-K1", "--overlap", "-u",
-                sys.executable, "-m", "hpct_slurm.examples.baseline_train",
-                "--run-dir", str(run_dir), "--port", str(29400 + attempt), *train_args]
-        rc = subprocess.run(argv, stdin=subprocess.DEVNULL).returncode
+        rc = slurm.run_step(active, [sys.executable, "-m", "hpct_slurm.examples.baseline_train",
+                                     "--run-dir", str(run_dir), "--port", str(29400 + attempt),
+                                     *train_args], options=["-K1", "--overlap", "-u"])
         done = all((run_dir / "results" / f"rank{r}.json").exists() for r in range(len(active)))
         events.emit("baseline.step_exit", attempt=attempt, code=rc, done=done)
         if done:

@@ -55,6 +55,7 @@ from ..demo import (TEMPLATE, bitwise_equal, collect, recomputed_steps, step_eve
 from ..errors import HpctError
 from ..events import read_events
 from ..localcluster import LocalCluster
+from ..slurm.client import SlurmCommandError
 from ..recovery.snapshot import replica_peer
 from .common import plot_bars, write_result
 from .recovery import BENCH_ROOT, ready_cluster, spread
@@ -327,8 +328,7 @@ class _Injector:
         self.tail = _Tail(run_dir / "controller.jsonl")
 
     def job_queued(self) -> bool:
-        out = self.cluster.run(["squeue", "-h", "-j", str(self.job_id), "-o", "%T"]).stdout
-        return out.strip() not in ("", "COMPLETED", "FAILED", "CANCELLED")
+        return not self.cluster.client().job_finished(self.job_id)
 
     def wait_quiet(self, need_spares: int, gap_steps: int, steps: int) -> JobView | None:
         """Wait until the last recovery is done, `need_spares` spares are warm and `gap_steps`
@@ -682,7 +682,8 @@ def _stress(cluster: LocalCluster, work: Path, cfg: Config, faults: list[Fault])
         except HpctError as exc:
             # a recovery that never ends (or a window never opening): the job is hung, stop it
             error = exc.message
-            cluster.run(["scancel", str(injector.job_id)])
+            with contextlib.suppress(SlurmCommandError):
+                cluster.client().cancel(injector.job_id)
             hung = True
             break
         records.append(rec)

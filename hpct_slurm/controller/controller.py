@@ -801,15 +801,14 @@ class Controller:
         env = self._step_env("spare")
         env.update({"HPCT_JOB_ID": str(self.o.job_id),
                     "HPCT_TASKS_PER_NODE": str(self.o.tasks_per_node)})
-        argv = ["sbatch", "--parsable", f"--reservation={self.o.pool_reservation}", "-N1",
-                "--exclusive", f"--ntasks-per-node={self.o.tasks_per_node}",
-                f"--job-name=hpct-spare-{self.o.job_id}",
-                f"--output={self.run_dir / 'logs' / 'companion-%j.out'}",
-                str(script), *self.o.command]
+        options = [f"--reservation={self.o.pool_reservation}", "-N1", "--exclusive",
+                   f"--ntasks-per-node={self.o.tasks_per_node}",
+                   f"--job-name=hpct-spare-{self.o.job_id}",
+                   f"--output={self.run_dir / 'logs' / 'companion-%j.out'}"]
         try:
-            out = SlurmClient(env=env).run(argv).stdout
-            job = int(out.strip().split(";")[0])
-        except (SlurmCommandError, ValueError) as exc:
+            job = self.slurm.sbatch(script, options=options, script_args=self.o.command,
+                                    env=env)
+        except HpctError as exc:
             self.events.emit("pool.borrow_failed", error=describe(exc))
             return
         self.borrowed.append(job)
@@ -840,16 +839,14 @@ class Controller:
                         self.slurm.cancel(job, signal="KILL")
             return
         try:
-            out = self.slurm.run(["squeue", "-h", "-s", "-j", str(self.o.job_id),
-                                  "-o", "%i %N"]).stdout
-        except SlurmCommandError:
+            steps = self.slurm.job_steps(self.o.job_id)
+        except HpctError:
             return
-        for line in out.splitlines():
-            step, _, nodes = line.strip().partition(" ")
+        for step in steps:
             # only numbered steps: the batch step ("J.batch") is this controller itself
-            if nodes.strip() == node and step.rpartition(".")[2].isdigit():
+            if step.nodelist == [node] and step.numbered:
                 with contextlib.suppress(SlurmCommandError):
-                    self.slurm.cancel(self.o.job_id, int(step.split(".")[1]), signal="KILL")
+                    self.slurm.cancel(self.o.job_id, int(step.step), signal="KILL")
 
     def _track_first_step(self, step: int) -> None:
         self.trained = True

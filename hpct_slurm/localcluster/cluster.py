@@ -12,6 +12,7 @@ later `down` (or a second `up`) finds exactly what is ours.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,9 +24,11 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..errors import HpctError
+from ..slurm.client import COMMANDS, SlurmClient, SlurmCommandError
 from .layout import Hooks, Layout, default_ctl_host, hosts_text, slurm_conf
 
-SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "scontrol", "sinfo", "sbatch", "srun")
+# The daemons this module starts itself; every client command goes through SlurmClient.
+SLURM_BINARIES = ("slurmctld", "slurmd", "munged", *COMMANDS)
 DEFAULT_ROOT = Path(os.environ.get("HPCT_LOCALCLUSTER_ROOT", "/tmp/hpct-localcluster"))
 # Node shm is a per-node tmpfs, like a real node's /dev/shm.
 NODE_SHM_SIZE = "2g"
@@ -183,25 +186,17 @@ class LocalCluster:
         full_env.update(env or {})
         return subprocess.Popen(self.command(argv, node), env=full_env, **kwargs)
 
-    def client(self):
-        """A SlurmClient bound to this cluster (SLURM_CONF and namespace)."""
-        from ..slurm.client import SlurmClient
-
-        return SlurmClient(env={"SLURM_CONF": str(self.layout.conf)},
+    def client(self) -> SlurmClient:
+        """A SlurmClient bound to this cluster (SLURM_CONF and namespace); like `env()`, it
+        drops the SLURM_JOB_ID of a job this runs inside."""
+        return SlurmClient(env={"SLURM_CONF": str(self.layout.conf), "SLURM_JOB_ID": None,
+                                "SLURM_JOBID": None, "SLURM_STEP_ID": None},
                            wrap=self.command([]))
 
     # ---- status ------------------------------------------------------------------------
     def node_states(self) -> dict[str, str]:
         """Slurm's state of every node, e.g. {'n1': 'idle', 'n2': 'down*'}."""
-        proc = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=20)
-        if proc.returncode != 0:
-            raise HpctError(f"sinfo failed: {proc.stderr.strip() or proc.stdout.strip()}")
-        states = {}
-        for line in proc.stdout.splitlines():
-            parts = line.split()
-            if len(parts) == 2:
-                states[parts[0]] = parts[1]
-        return states
+        return self.client().node_states()
 
     def status(self) -> dict:
         st = self.state()
@@ -326,7 +321,8 @@ class LocalCluster:
                             f"kill-node it first")
         self._start_slurmd(st, node)
         if resume:
-            self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+            with contextlib.suppress(SlurmCommandError):
+                self.client().update_node(node, "RESUME")
 
     def cut_link(self, node: str, up: bool = False) -> None:
         """Take a node's network link down (a partition), or back up."""
@@ -340,10 +336,13 @@ class LocalCluster:
     def heal(self, cancel_jobs: bool = True, timeout: float = 60) -> None:
         """Undo every fault: cancel jobs, boot dead nodes, restore links, resume nodes."""
         st = self._require_state()
+        slurm = self.client()
         if cancel_jobs:
-            self.run(["scancel", "--full", "--user", "root"], timeout=20)
+            with contextlib.suppress(SlurmCommandError):
+                slurm.cancel_user("root")
         for resv in ("hpct_spares", "hpct_check"):  # spare-pool tests' reservations
-            self.run(["scontrol", "delete", f"ReservationName={resv}"], timeout=20)
+            with contextlib.suppress(SlurmCommandError):  # most often: there is none
+                slurm.delete_reservation(resv)
         for node in self.nodes:
             if not _alive(st.slurmd_pids.get(node, 0)):
                 self.revive_node(node)
@@ -353,7 +352,8 @@ class LocalCluster:
         sick = [n for n, s in states.items() if s.rstrip("*~#%$@^-") not in ("idle",)
                 and not s.startswith(("alloc", "mix", "comp"))]
         if sick:
-            self.run(["scontrol", "update", f"NodeName={','.join(sick)}", "State=RESUME"])
+            with contextlib.suppress(SlurmCommandError):
+                slurm.update_node(sick, "RESUME")
         self.wait_nodes(timeout=timeout)
 
     def node_pids(self, node: str) -> list[int]:
@@ -367,7 +367,7 @@ class LocalCluster:
         st.hooks = asdict(hooks)
         st.save(self.layout.state_file)
         self._write_configs(hooks)
-        self.run(["scontrol", "reconfigure"], check=True)
+        self.client().reconfigure()
 
     def set_plugstack(self, lines: Sequence[str]) -> None:
         """Replace plugstack.conf (srun/sbatch/slurmd read it at each job or step)."""
@@ -493,7 +493,7 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise HpctError(f"slurmctld exited ({proc.returncode}) at start; see "
                                 f"{lay.log('slurmctld')}")
-            if self.run(["scontrol", "ping"], timeout=10).returncode == 0:
+            if self.client().ping(timeout=10):
                 return proc.pid
             time.sleep(0.1)
         raise HpctError(f"slurmctld did not answer ping in 20 s; see {lay.log('slurmctld')}")

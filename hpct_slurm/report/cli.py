@@ -62,13 +62,11 @@ def resolve_run_dir(target: str | None, client: SlurmClient | None = None,
     tried = [cwd / f"hpct-{target}"]
     if (tried[0] / CONTROLLER_LOG).is_file():
         return tried[0]
-    from ..slurm.client import SlurmClient, parse_scontrol_record
+    from ..slurm.client import SlurmClient
 
     client = client or SlurmClient()
     try:
-        out = client.run(["scontrol", "show", "job", "-o", target]).stdout
-        workdir = parse_scontrol_record(out.strip().splitlines()[0]).get("WorkDir", "") \
-            if out.strip() else ""
+        workdir = client.show_job(int(target)).work_dir
     except HpctError as exc:
         raise HpctError(f"job {target}: no run dir at {str(tried[0])!r} and Slurm does not "
                         f"know the job ({exc.message})") from None

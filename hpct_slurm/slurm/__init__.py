@@ -1,8 +1,8 @@
 """The one place that talks to Slurm: SLURM_* parsing, hostlists, and the Slurm commands."""
 from .client import (BackendChoice, JobInfo, NodeInfo, SlurmClient, SlurmCommandError,
-                     srun_argv)
+                     StepInfo, srun_argv)
 from .env import SlurmEnv, parse_tasks_per_node
 from .hostlist import compress, expand
 
 __all__ = ["BackendChoice", "JobInfo", "NodeInfo", "SlurmClient", "SlurmCommandError",
-           "SlurmEnv", "compress", "expand", "parse_tasks_per_node", "srun_argv"]
+           "SlurmEnv", "StepInfo", "compress", "expand", "parse_tasks_per_node", "srun_argv"]

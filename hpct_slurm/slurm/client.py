@@ -1,8 +1,10 @@
-"""Slurm through its commands: `scontrol`, `sinfo --json`, `squeue --json`, `sbatch`, `scancel`.
+"""Slurm through its commands: `scontrol`, `sinfo`, `squeue`, `sbatch`, `srun`, `scancel`.
 
-Every command is an argv list (never a shell string), run with a timeout; a failure raises
-SlurmCommandError carrying the argv, the exit code and Slurm's own message. Output parsing is
-pure (the `parse_*` functions) and tested on outputs captured from Slurm 22.05.
+This is the one door to Slurm: no module outside `hpct_slurm/slurm/` builds a Slurm command
+line (tests/test_slurm_door.py checks). Every command is an argv list (never a shell string),
+run with a timeout through the client's `runner` (subprocess.run; tests inject a stand-in); a
+failure raises SlurmCommandError carrying the argv, the exit code and Slurm's own message.
+Output parsing is pure (the `parse_*` functions) and tested on outputs captured from Slurm 22.05.
 
 Two Slurm habits shape this module:
 * `scontrol show hostnames` exits 0 on a bad hostlist (it only prints "Invalid hostlist"), so
@@ -18,7 +20,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import HpctError
 from .hostlist import compress, expand
@@ -28,14 +30,19 @@ BASE_NODE_STATES = frozenset(
 # States `scontrol update NodeName=... State=` accepts that this project has a use for.
 UPDATE_NODE_STATES = frozenset({"DOWN", "DRAIN", "FAIL", "RESUME", "UNDRAIN"})
 _STATES_NEEDING_REASON = frozenset({"DOWN", "DRAIN", "FAIL"})
+# The one set of end states: a job in one of these (or gone from slurmctld) is finished.
 FINISHED_JOB_STATES = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
     "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"})
+# The client commands this module runs (localcluster checks they are installed).
+COMMANDS = ("sbatch", "squeue", "sinfo", "scontrol", "srun", "scancel")
 
 _KEY_RE = re.compile(r"(?:^| )([A-Za-z][A-Za-z0-9_:/.]*)=")
 _NODE_TEXT_TAIL_RE = re.compile(
     r" Reason=(?P<reason>.*?)(?: \[(?P<by>[^\]\s@]*)@(?P<at>[^\]\s]*)\])?"
     r"(?= Comment=| Extra=|$)")
+_NODE_COMMENT_RE = re.compile(r" Comment=(?P<comment>.*?)(?= Extra=|$)")
+_RESERVATION_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _NULLS = {"", "(null)", "N/A", "None"}
 
 
@@ -65,6 +72,7 @@ class NodeInfo:
     hostname: str | None
     features: tuple[str, ...]
     active_features: tuple[str, ...]
+    comment: str | None = None  # the node's Comment (free text; the spare pool's records)
 
     @property
     def summary(self) -> str:
@@ -102,10 +110,25 @@ class JobInfo:
     exit_code: int
     exit_signal: int
     flags: frozenset[str] | None
+    work_dir: str | None = None  # the job's WorkDir (its --chdir, else where it was submitted)
 
     @property
     def finished(self) -> bool:
         return self.state in FINISHED_JOB_STATES
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step of a job, from `squeue -s`: `step` is its number, or `batch`, `extern`, ..."""
+
+    job_id: int
+    step: str
+    nodelist: list[str]
+
+    @property
+    def numbered(self) -> bool:
+        """A step started by srun (not the batch shell or the extern step)."""
+        return self.step.isdecimal()
 
 
 # ---- pure parsing ------------------------------------------------------------------------
@@ -151,7 +174,13 @@ def parse_node_record(line: str) -> NodeInfo:
     tail = _NODE_TEXT_TAIL_RE.search(line)
     if tail:
         reason = _opt(tail.group("reason"))
-        line = line[:tail.start()]
+        rest, line = line[tail.end():], line[:tail.start()]
+    else:
+        rest = line
+    found = _NODE_COMMENT_RE.search(rest)
+    comment = _opt(found.group("comment")) if found else None
+    if found and not tail:
+        line = line[:found.start()]
     rec = parse_scontrol_record(line)
     if "NodeName" not in rec or "State" not in rec:
         raise HpctError(f"scontrol node record {line[:80]!r} lacks NodeName or State")
@@ -159,7 +188,7 @@ def parse_node_record(line: str) -> NodeInfo:
     return NodeInfo(name=rec["NodeName"], state=state, flags=flags, reason=reason,
                     addr=_opt(rec.get("NodeAddr")), hostname=_opt(rec.get("NodeHostName")),
                     features=_features(rec.get("AvailableFeatures")),
-                    active_features=_features(rec.get("ActiveFeatures")))
+                    active_features=_features(rec.get("ActiveFeatures")), comment=comment)
 
 
 def _json_doc(text: str, what: str) -> dict:
@@ -186,7 +215,8 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
             name=n["name"], state=state, flags=flags, reason=_opt(n.get("reason")),
             addr=_opt(n.get("address")), hostname=_opt(n.get("hostname")),
             features=_features(n.get("features")),
-            active_features=_features(n.get("active_features"))))
+            active_features=_features(n.get("active_features")),
+            comment=_opt(n.get("comment"))))
     return nodes
 
 
@@ -217,7 +247,7 @@ def parse_job_record(line: str) -> JobInfo:
         restart_count=_uint(rec.get("Restarts", "0"), "Restarts"),
         reason=_opt(rec.get("Reason")),
         exit_code=_uint(code, "ExitCode"), exit_signal=_uint(sig or "0", "ExitCode signal"),
-        flags=None)
+        flags=None, work_dir=_opt(rec.get("WorkDir")))
 
 
 def parse_squeue_json(text: str) -> list[JobInfo]:
@@ -234,8 +264,57 @@ def parse_squeue_json(text: str) -> list[JobInfo]:
             restart_count=int(j.get("restart_cnt") or 0),
             reason=_opt(j.get("state_reason")),
             exit_code=(status >> 8) & 0xFF, exit_signal=status & 0x7F,
-            flags=frozenset(str(f).upper() for f in j.get("flags") or [])))
+            flags=frozenset(str(f).upper() for f in j.get("flags") or []),
+            work_dir=_opt(j.get("current_working_directory"))))
     return jobs
+
+
+def parse_job_state(text: str) -> str | None:
+    """The state word of `squeue -h -j J -o %T` (e.g. RUNNING); None when it printed nothing
+    (the job is no longer known)."""
+    words = text.split()
+    if len(words) > 1:
+        raise HpctError(f"squeue printed {text.strip()[:80]!r}, not one job state")
+    if words and not re.fullmatch(r"[A-Z_]+", words[0]):
+        raise HpctError(f"squeue printed {words[0][:40]!r}, not a job state")
+    return words[0] if words else None
+
+
+def parse_steps(text: str) -> list[StepInfo]:
+    """The lines of `squeue -h -s -j J -o "%i %N"`: `12.0 n1`, `12.batch n1`."""
+    steps = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        step_id, _, nodes = line.strip().partition(" ")
+        job, dot, step = step_id.rpartition(".")
+        if not dot or not step:
+            raise HpctError(f"squeue step line {line.strip()[:80]!r} has no JOB.STEP id")
+        steps.append(StepInfo(job_id=_uint(job, "step's job id"), step=step,
+                              nodelist=_hosts_or_empty(nodes)))
+    return steps
+
+
+def parse_node_states(text: str) -> dict[str, str]:
+    """`sinfo -h -N -o "%N %T"` -> {"n1": "idle", "n2": "down*"}: sinfo's own state words,
+    with their suffixes (`*` not responding, `~` powered off, ...)."""
+    states = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1]
+        elif parts:
+            raise HpctError(f"sinfo line {line.strip()[:80]!r} is not 'NODE STATE'")
+    return states
+
+
+def parse_reservation_nodes(text: str) -> list[str]:
+    """Node names of one `scontrol show reservation -o NAME` line."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if len(lines) != 1:
+        raise HpctError(f"scontrol show reservation printed {len(lines)} records, not 1")
+    nodes = parse_scontrol_record(lines[0]).get("Nodes", "")
+    return [] if nodes in ("", "(null)") else expand(nodes)
 
 
 def parse_sbatch_parsable(text: str) -> int:
@@ -270,6 +349,30 @@ def srun_argv(node: str, argv: Sequence[str], extra_opts: Sequence[str] = (),
     return [*cmd, *extra_opts, *argv]
 
 
+def srun_nodes_argv(nodes: Sequence[str], argv: Sequence[str],
+                    extra_opts: Sequence[str] = ()) -> list[str]:
+    """`srun -N<n> -n<n> --ntasks-per-node=1 -w <nodes> <extra_opts> <argv>`: one step with
+    one task on each of `nodes`."""
+    if not nodes or any(expand(n) != [n] for n in nodes):
+        raise HpctError(f"srun nodes {list(nodes)!r} are not one or more single node names")
+    if not argv:
+        raise HpctError("srun needs a command to run")
+    return ["srun", f"-N{len(nodes)}", f"-n{len(nodes)}", "--ntasks-per-node=1",
+            "-w", ",".join(nodes), *extra_opts, *argv]
+
+
+def _one_line(value: str, what: str) -> str:
+    if not value.strip() or not value.isprintable():
+        raise HpctError(f"{what} {value!r} is not one printable line")
+    return value
+
+
+def _reservation_name(name: str) -> str:
+    if not _RESERVATION_NAME_RE.fullmatch(name):
+        raise HpctError(f"reservation name {name!r} is not letters, digits, '_', '.', '-'")
+    return name
+
+
 # ---- the client --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -280,34 +383,47 @@ class BackendChoice:
     reason: str
 
 
-class SlurmClient:
-    """Slurm through its CLI. `env` is laid over os.environ for every command (e.g. SLURM_CONF);
-    `wrap` prefixes every argv (e.g. `nsenter --net=/run/netns/x --`)."""
+Runner = Callable[..., subprocess.CompletedProcess]
 
-    def __init__(self, env: Mapping[str, str] | None = None, wrap: Sequence[str] | None = None,
-                 timeout: float = 30.0,
-                 backend: BackendChoice = BackendChoice("cli", "CLI backend constructed directly")):
+
+class SlurmClient:
+    """Slurm through its CLI. `env` is laid over os.environ for every command (e.g. SLURM_CONF;
+    a None value removes the variable); `wrap` prefixes every argv (e.g. `nsenter
+    --net=/run/netns/x --`); `runner` runs the full argv with subprocess.run's keywords
+    (tests pass a stand-in that records the argv and returns a CompletedProcess)."""
+
+    def __init__(self, env: Mapping[str, str | None] | None = None,
+                 wrap: Sequence[str] | None = None, timeout: float = 30.0,
+                 backend: BackendChoice = BackendChoice("cli", "CLI backend constructed directly"),
+                 runner: Runner | None = None):
         self.env = dict(env or {})
         self.wrap = list(wrap or [])
         self.timeout = timeout
         self.backend = backend
+        self.runner = runner or subprocess.run
 
     # -- plumbing --
     def command(self, argv: Sequence[str]) -> list[str]:
         """The full argv that runs `argv` the way this client does (with `wrap`)."""
         return [*self.wrap, *argv]
 
-    def environ(self) -> dict[str, str]:
-        """The environment this client runs Slurm commands with."""
+    def environ(self, extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
+        """The environment this client runs Slurm commands with (`extra` laid over it)."""
         full = dict(os.environ)
-        full.update(self.env)
+        for key, value in {**self.env, **(extra or {})}.items():
+            if value is None:
+                full.pop(key, None)
+            else:
+                full[key] = value
         return full
 
-    def run(self, argv: Sequence[str], timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Run a Slurm command; raise SlurmCommandError unless it exits 0."""
+    def run(self, argv: Sequence[str], timeout: float | None = None,
+            env: Mapping[str, str | None] | None = None) -> subprocess.CompletedProcess:
+        """Run a Slurm command (`env` laid over the client's); raise SlurmCommandError unless
+        it exits 0."""
         try:
-            proc = subprocess.run(self.command(argv), capture_output=True, text=True,
-                                  env=self.environ(), timeout=timeout or self.timeout)
+            proc = self.runner(self.command(argv), capture_output=True, text=True,
+                               env=self.environ(env), timeout=timeout or self.timeout)
         except FileNotFoundError:
             raise SlurmCommandError(argv, 127, "", what=f"{self.command(argv)[0]} is not "
                                     f"installed or not on PATH") from None
@@ -360,6 +476,49 @@ class SlurmClient:
             raise SlurmCommandError(argv, 0, proc.stderr)
         return proc.stdout.split()
 
+    def node_states(self) -> dict[str, str]:
+        """sinfo's own state word of every node (`idle`, `down*`, `drained`, ...)."""
+        return parse_node_states(self.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout)
+
+    def ping(self, timeout: float = 10.0) -> bool:
+        """Whether slurmctld answers `scontrol ping` (exit 0) within `timeout`."""
+        try:
+            self.run(["scontrol", "ping"], timeout=timeout)
+        except SlurmCommandError as exc:
+            if exc.returncode == 127:
+                raise  # scontrol is missing: not an answer either way
+            return False
+        return True
+
+    def job_finished(self, job_id: int) -> bool:
+        """Whether the job has ended: in one of FINISHED_JOB_STATES, or no longer known to
+        slurmctld (purged after MinJobAge)."""
+        argv = ["squeue", "-h", "-j", str(int(job_id)), "-o", "%T"]
+        try:
+            out = self.run(argv).stdout
+        except SlurmCommandError as exc:
+            if "Invalid job id" in exc.stderr:
+                return True
+            raise
+        state = parse_job_state(out)
+        return state is None or state in FINISHED_JOB_STATES
+
+    def job_steps(self, job_id: int) -> list[StepInfo]:
+        """The job's steps now running (numbered ones, `batch`, `extern`)."""
+        out = self.run(["squeue", "-h", "-s", "-j", str(int(job_id)), "-o", "%i %N"]).stdout
+        return parse_steps(out)
+
+    def reservation_nodes(self, name: str) -> list[str] | None:
+        """The nodes of reservation `name`; None when there is no such reservation."""
+        argv = ["scontrol", "show", "reservation", "-o", _reservation_name(name)]
+        try:
+            out = self.run(argv).stdout
+        except SlurmCommandError as exc:
+            if "not found" in exc.stderr:
+                return None
+            raise
+        return parse_reservation_nodes(out)
+
     def show_hostlist(self, hosts: Sequence[str]) -> str:
         argv = ["scontrol", "--", "show", "hostlist", ",".join(hosts)]
         proc = self.run(argv)
@@ -386,6 +545,49 @@ class SlurmClient:
             argv.append(f"Reason={reason}")
         self.run(argv)
 
+    def set_node_features(self, name: str, features: Sequence[str],
+                          comment: str | None = None) -> None:
+        """Set a node's AvailableFeatures and ActiveFeatures to `features` (and its Comment):
+        `scontrol update NodeName=<name> AvailableFeatures=.. ActiveFeatures=.. [Comment=..]`."""
+        if expand(name) != [name]:
+            raise HpctError(f"node name {name!r} is not a single node name")
+        bad = [f for f in features if not f.isprintable() or not f or set(f) & set(", =")]
+        if bad:
+            raise HpctError(f"node feature(s) {bad!r} are empty or hold ',', ' ' or '='")
+        feats = ",".join(features)
+        argv = ["scontrol", "update", f"NodeName={name}", f"AvailableFeatures={feats}",
+                f"ActiveFeatures={feats}"]
+        if comment is not None:
+            argv.append(f"Comment={_one_line(comment, 'node comment')}")
+        self.run(argv)
+
+    def create_reservation(self, name: str, nodes: Sequence[str], users: str,
+                           start: str = "now", duration: str = "infinite") -> None:
+        """`scontrol create reservation ReservationName=.. StartTime=.. Duration=.. Users=..
+        Nodes=<hostlist>`."""
+        if not nodes:
+            raise HpctError(f"reservation {name!r} needs at least one node (Slurm has no "
+                            f"empty reservation)")
+        argv = ["scontrol", "create", "reservation", f"ReservationName={_reservation_name(name)}",
+                f"StartTime={start}", f"Duration={duration}",
+                f"Users={_one_line(users, 'reservation users')}",
+                f"Nodes={compress(list(dict.fromkeys(nodes)))}"]
+        self.run(argv)
+
+    def update_reservation(self, name: str, nodes: Sequence[str]) -> None:
+        """Make reservation `name` hold exactly `nodes`."""
+        if not nodes:
+            raise HpctError(f"reservation {name!r} needs at least one node: delete it instead")
+        self.run(["scontrol", "update", f"ReservationName={_reservation_name(name)}",
+                  f"Nodes={compress(list(dict.fromkeys(nodes)))}"])
+
+    def delete_reservation(self, name: str) -> None:
+        self.run(["scontrol", "delete", f"ReservationName={_reservation_name(name)}"])
+
+    def reconfigure(self) -> None:
+        """`scontrol reconfigure`: slurmctld and every slurmd re-read their configuration."""
+        self.run(["scontrol", "reconfigure"])
+
     def requeue(self, job_id: int) -> None:
         self.run(["scontrol", "requeue", str(int(job_id))])
 
@@ -399,9 +601,35 @@ class SlurmClient:
             argv.append(f"--signal={signal}")
         self.run([*argv, target])
 
+    def cancel_user(self, user: str) -> None:
+        """scancel every job of `user`, the batch shell and every step (`--full`)."""
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", user):
+            raise HpctError(f"user name {user!r} is not a user name")
+        self.run(["scancel", "--full", "--user", user])
+
+    def srun(self, node: str, argv: Sequence[str], options: Sequence[str] = (),
+             timeout: float | None = None) -> subprocess.CompletedProcess:
+        """Run `argv` as one task on `node` and wait for it (output captured): see srun_argv.
+        Raises SlurmCommandError unless it exits 0."""
+        return self.run(srun_argv(node, argv, extra_opts=options), timeout=timeout)
+
+    def run_step(self, nodes: Sequence[str], argv: Sequence[str],
+                 options: Sequence[str] = ()) -> int:
+        """Run `argv` as one step with one task on each of `nodes` (see srun_nodes_argv), its
+        output going where this process's goes, no time limit; return srun's exit code."""
+        cmd = srun_nodes_argv(nodes, argv, options)
+        try:
+            return self.runner(self.command(cmd), stdin=subprocess.DEVNULL,
+                               env=self.environ()).returncode
+        except FileNotFoundError:
+            raise SlurmCommandError(cmd, 127, "", what=f"{self.command(cmd)[0]} is not "
+                                    f"installed or not on PATH") from None
+
     def sbatch(self, script: str | os.PathLike | None = None, options: Sequence[str] = (),
-               wrap: str | None = None, script_args: Sequence[str] = ()) -> int:
-        """Submit a batch script (or `--wrap` a command line); return the job id."""
+               wrap: str | None = None, script_args: Sequence[str] = (),
+               env: Mapping[str, str | None] | None = None) -> int:
+        """Submit a batch script with `script_args` (or `--wrap` a command line); return the job
+        id. `env` is laid over the client's environment (sbatch exports it to the job)."""
         if (script is None) == (wrap is None):
             raise HpctError("sbatch needs exactly one of a script path or a --wrap command")
         argv = ["sbatch", "--parsable", *options]
@@ -412,4 +640,4 @@ class SlurmClient:
             argv += [str(path), *script_args]
         else:
             argv.append(f"--wrap={wrap}")
-        return parse_sbatch_parsable(self.run(argv).stdout)
+        return parse_sbatch_parsable(self.run(argv, env=env).stdout)

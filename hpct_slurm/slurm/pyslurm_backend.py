@@ -66,7 +66,8 @@ class PyslurmClient(SlurmClient):
         return NodeInfo(name=node.name, state=state, flags=flags, reason=node.reason or None,
                         addr=node.address or None, hostname=node.hostname or None,
                         features=tuple(node.available_features or ()),
-                        active_features=tuple(node.active_features or ()))
+                        active_features=tuple(node.active_features or ()),
+                        comment=getattr(node, "comment", None) or None)
 
     def show_node(self, name: str) -> NodeInfo:
         return self._node_info(self._pyslurm.Node.load(name))

@@ -28,7 +28,6 @@ with the reason `hpct: health check failed ...`.
 """
 from __future__ import annotations
 
-import json
 import os
 import pwd
 from dataclasses import asdict, dataclass
@@ -36,9 +35,8 @@ from datetime import datetime, timezone
 from typing import Callable, Iterable, Sequence
 
 from ..errors import HpctError
-from ..slurm.client import (JobInfo, NodeInfo, SlurmClient, SlurmCommandError,
-                            parse_scontrol_record, parse_sinfo_json)
-from ..slurm.hostlist import compress, expand
+from ..slurm.client import JobInfo, NodeInfo, SlurmClient, SlurmCommandError
+from ..slurm.hostlist import compress
 
 POOL_RESERVATION = "hpct_spares"
 CHECK_RESERVATION = "hpct_check"
@@ -124,15 +122,6 @@ def pool_nodes(nodes: Sequence[NodeInfo], members: Sequence[str],
             for m in members]
 
 
-def parse_reservation_nodes(text: str) -> list[str]:
-    """Node names of one `scontrol show reservation -o NAME` line."""
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if len(lines) != 1:
-        raise HpctError(f"scontrol show reservation printed {len(lines)} records, not 1")
-    nodes = parse_scontrol_record(lines[0]).get("Nodes", "")
-    return [] if nodes in ("", "(null)") else expand(nodes)
-
-
 def invoking_user() -> str:
     return pwd.getpwuid(os.geteuid()).pw_name
 
@@ -158,13 +147,11 @@ class SparePool:
     # -- reading --
     def snapshot(self) -> tuple[list[NodeInfo], dict[str, str | None]]:
         """Every node and its Comment, from one `sinfo --json`."""
-        text = self.client.run(["sinfo", "--json"]).stdout
-        comments = {n["name"]: (n.get("comment") or None)
-                    for n in json.loads(text).get("nodes", [])}
-        return parse_sinfo_json(text), comments
+        nodes = self.client.nodes()
+        return nodes, {n.name: n.comment for n in nodes}
 
     def members(self) -> list[str]:
-        return self._reservation_nodes(POOL_RESERVATION) or []
+        return self.client.reservation_nodes(POOL_RESERVATION) or []
 
     def list(self) -> list[PoolNode]:
         nodes, comments = self.snapshot()
@@ -264,9 +251,9 @@ class SparePool:
         try:
             if "DRAIN" in node.flags or node.state == "DOWN" or "FAIL" in node.flags:
                 self.client.update_node(name, "RESUME")
-            self.client.run(["srun", f"--reservation={fence}", "-N1", "-n1", "-w", name,
-                             f"--immediate={PROBE_IMMEDIATE_S}", "--job-name=hpct-health",
-                             "true"], timeout=PROBE_TIMEOUT_S)
+            self.client.srun(name, ["true"], options=[
+                f"--reservation={fence}", f"--immediate={PROBE_IMMEDIATE_S}",
+                "--job-name=hpct-health"], timeout=PROBE_TIMEOUT_S)
             return None
         except SlurmCommandError as exc:
             lines = [ln.strip() for ln in exc.stderr.splitlines() if ln.strip()]
@@ -284,10 +271,7 @@ class SparePool:
         return {n: by_name[n] for n in names}
 
     def _label(self, node: NodeInfo, present: bool, comment: str) -> None:
-        feats = ",".join(with_feature(node.features, present))
-        self.client.run(["scontrol", "update", f"NodeName={node.name}",
-                         f"AvailableFeatures={feats}", f"ActiveFeatures={feats}",
-                         f"Comment={comment}"])
+        self.client.set_node_features(node.name, with_feature(node.features, present), comment)
 
     def _sync_labels(self, nodes: Sequence[NodeInfo], members: Sequence[str],
                      skip: Sequence[str] = ()) -> None:
@@ -295,35 +279,20 @@ class SparePool:
         for n in nodes:
             if n.name in skip or (FEATURE in n.features) == (n.name in members):
                 continue
-            feats = ",".join(with_feature(n.features, n.name in members))
-            self.client.run(["scontrol", "update", f"NodeName={n.name}",
-                             f"AvailableFeatures={feats}", f"ActiveFeatures={feats}"])
-
-    def _reservation_nodes(self, name: str) -> list[str] | None:
-        try:
-            out = self.client.run(["scontrol", "show", "reservation", "-o", name]).stdout
-        except SlurmCommandError as exc:
-            if "not found" in exc.stderr:
-                return None
-            raise
-        return parse_reservation_nodes(out)
+            self.client.set_node_features(n.name, with_feature(n.features, n.name in members))
 
     def _set_reservation(self, name: str, nodes: Sequence[str]) -> None:
         """Make reservation `name` hold exactly `nodes` (none: delete it; Slurm has no empty
         reservation)."""
-        current = self._reservation_nodes(name)
+        current = self.client.reservation_nodes(name)
         if not nodes:
             if current is not None:
-                self.client.run(["scontrol", "delete", f"ReservationName={name}"])
+                self.client.delete_reservation(name)
             return
-        hostlist = compress(list(dict.fromkeys(nodes)))
         if current is None:
-            self.client.run(["scontrol", "create", "reservation", f"ReservationName={name}",
-                             "StartTime=now", "Duration=infinite", f"Users={self.users}",
-                             f"Nodes={hostlist}"])
+            self.client.create_reservation(name, nodes, users=self.users)
         elif sorted(current) != sorted(set(nodes)):
-            self.client.run(["scontrol", "update", f"ReservationName={name}",
-                             f"Nodes={hostlist}"])
+            self.client.update_reservation(name, nodes)
 
 
 def outcomes_json(outcomes: Sequence[Outcome]) -> list[dict]:

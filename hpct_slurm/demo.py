@@ -203,7 +203,8 @@ def print_timeline(run: RunResult) -> dict:
 
 
 def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
-             step_sleep: float = 0.1, timeout: float = 300, keep: bool = False) -> dict:
+             step_sleep: float = 0.1, timeout: float = 300, keep: bool = False,
+             parallel: str = "ddp") -> dict:
     cluster = LocalCluster(root, nodes=NODES)
     if cluster.state() and len(cluster.nodes) != NODES:
         raise HpctError(f"a cluster of {len(cluster.nodes)} nodes is up under {root}; the demo "
@@ -212,11 +213,15 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
     cluster.up()
     cluster.heal()
     work = root / "demo" / time.strftime("%Y%m%d-%H%M%S")
-    train = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(steps),
-             "--step-sleep", str(step_sleep)]
+    # ddp: the demo MLP, data parallel; fsdp / hsdp: the sharded job (FSDP2 fully_shard on a
+    # 1-D mesh, or HSDP on a 2 x 2 replicate x shard mesh), the same faults and yardsticks
+    sharded = [] if parallel == "ddp" else ["--parallel", parallel]
+    example = "train" if parallel == "ddp" else "sharded_train"
+    train = [sys.executable, "-m", f"hpct_slurm.examples.{example}", *sharded,
+             "--steps", str(steps), "--step-sleep", str(step_sleep)]
     runs: dict[str, RunResult] = {}
 
-    _say("[2/4] reference run, no fault")
+    _say(f"[2/4] reference run ({parallel}), no fault")
     d = work / "reference"
     jid = submit(cluster, d, TEMPLATE, train)
     runs["reference"] = RunResult("reference", d, jid, wait_job(cluster, jid, d, timeout,
@@ -233,7 +238,7 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
 
     _say(f"[4/4] baseline run: the same crash, restart-all from the last disk checkpoint")
     d = work / "baseline"
-    jid = submit(cluster, d, batch_script(d), ["--steps", str(steps), "--step-sleep",
+    jid = submit(cluster, d, batch_script(d), [*sharded, "--steps", str(steps), "--step-sleep",
                                                str(step_sleep), "--ckpt-every", "10"])
     t_kill_b = wait_job(cluster, jid, d, timeout, kill_at=kill_at, label="baseline")
     runs["baseline"] = RunResult("baseline", d, jid, t_kill_b, collect(d, 4))
@@ -260,6 +265,7 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
         "phases": done.get("phases"),
         "replacement": done.get("taken"),
         "run_dir": str(work),
+        "parallel": parallel,
     }
     _say(f"hpct-slurm recovered in {summary['recovery_s']} s with {summary['lost_steps']} "
          f"recomputed step(s); restart-all took {summary['baseline_restart_s']} s; "

@@ -14,6 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=20, help="crash the node at this step")
     p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+                   help="the job's parallelism: plain data parallel (default), FSDP2 "
+                        "fully_shard on a 1-D mesh of 4, or HSDP on a 2 x 2 mesh")
     p.add_argument("--down", action="store_true", help="take the cluster down afterwards")
     p.set_defaults(func=run)
 
@@ -25,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.root) if args.root else DEFAULT_ROOT
     try:
         summary = run_demo(root, steps=args.steps, kill_at=args.kill_at,
-                           step_sleep=args.step_sleep)
+                           step_sleep=args.step_sleep, parallel=args.parallel)
     finally:
         if args.down:
             LocalCluster(root).down()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, recomputed_steps, step_events,
+from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, rolled_back_steps, step_events,
                              submit, wait_job)
 from hpct_slurm.events import read_events
 
@@ -60,7 +60,7 @@ def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("parallel,source", [("fsdp", "peer"), ("hsdp", "peer")])
+@pytest.mark.parametrize("parallel,source", [("fsdp", "ring"), ("hsdp", "peer")])
 def test_node_crash_at_a_random_step_recovers_bit_identical(cluster, reference, tmp_path,
                                                            parallel, source):
     ref = reference(parallel)
@@ -72,7 +72,8 @@ def test_node_crash_at_a_random_step_recovers_bit_identical(cluster, reference, 
     got = collect(tmp_path, 4)
     assert got[2]["node"] == "n5"
     assert bitwise_equal(ref, got, tmp_path)
-    assert recomputed_steps(tmp_path) <= 1
+    # at most one step: the lost rank's last position (HSDP) or ring push (FSDP) in flight
+    assert len(rolled_back_steps(tmp_path)) <= 1
     evs = _events(tmp_path)
     assign = [e for e in evs if e["event"] == "recovery.assign"]
     assert len(assign) == 1 and assign[0]["sources"]["2"] == source

@@ -4,8 +4,10 @@ An MLP with Adam trains in this process; a child process plays the ring peer (a
 `TransferServer` holding replicas). Blocks of steps alternate between the variants in one run,
 so all see the same machine; overheads are relative to `off` (no snapshots):
 
-- `jit_k1`: what `Job` does by default: commit the shared state after every step (a copy; the
-  digest is left to its first reader), no pushes.
+- `jit_k1`: what `Job` does by default: commit the shared state after every step, its copy
+  overlapping the next step's forward and backward (the next optimizer step waits for it only
+  if it is not done; the digest is left to its first reader), no pushes.
+- `jit_k1_sync`: the same copy made before the step returns (on the critical path).
 - `jit_k1_sealed`: the same with `background_seal=True` (each commit hashed right away).
 - `jit_kK`: the same as `jit_k1`, committing every K steps (`HPCT_SNAPSHOT_EVERY=K`).
 - `replicated_k1` / `replicated_kK`: commit + push to the peer every 1 / K steps (sharded setups).
@@ -13,7 +15,11 @@ so all see the same machine; overheads are relative to `off` (no snapshots):
 Each block pays for what it started: pushes are flushed and, with background sealing, the last
 commit's seal awaited before the clock stops. The summary's `overhead_pct` is the default mode
 (`jit_k1`); `min_k_for_3pct` is the smallest commit interval whose measured per-commit cost
-fits in 3%.
+fits in 3%. Every figure is the median of the per-block overheads against the `off` block of
+the same round (>= 5 rounds outside --smoke), with the lowest and highest next to it.
+
+Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
+their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import replication_sharded
 from .common import plot_bars, write_result
 
 JOB = "bench"
@@ -49,7 +56,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     from ..recovery.transfer import ReplicaPusher
 
     width, depth = (256, 2) if smoke else (1024, 2) if quick else (1440, 4)
-    k, rounds = (4, 1) if smoke else (8, 2) if quick else (16, 4)
+    k, rounds = (4, 1) if smoke else (8, 5) if quick else (16, 5)
     block = k  # one commit per block at every=K, so every block does the same work
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -61,6 +68,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     x = torch.randn(64, width)
     # (store, push?) per variant; jit keeps the shared scope only, as `Job` does.
     stores = {"jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
+              "jit_k1_sync": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sealed": (SnapshotStore(state, ("shared",), every=1, background_seal=True),
                                 False),
               f"jit_k{k}": (SnapshotStore(state, ("shared",), every=k), False),
@@ -68,6 +76,14 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
               f"replicated_k{k}": (SnapshotStore(state, every=k), True)}
     variants = ["off", *stores]
     default = f"jit_k{DEFAULT_SNAPSHOT_EVERY}"
+
+    overlapped = {"store": None}
+
+    def hold_copy(*_: Any) -> None:  # Job's optimizer pre-hook
+        if overlapped["store"] is not None:
+            overlapped["store"].wait_copied()
+
+    opt.register_step_pre_hook(hold_copy)
 
     def train_step() -> None:
         opt.zero_grad()
@@ -102,17 +118,24 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
             for variant in variants:
                 store, push = stores.get(variant, (None, False))
                 last = None
+                overlap = variant == "jit_k1"
+                overlapped["store"] = store if overlap else None
                 t_block = time.perf_counter()
                 for _ in range(block):
                     train_step()
                     step += 1
                     if store is not None and store.due(step):
                         t0 = time.perf_counter()
-                        last = store.commit(step)
-                        if variant == "jit_k1" and rnd:
+                        if overlap:
+                            store.commit_async(step)
+                        else:
+                            last = store.commit(step)
+                        if variant == "jit_k1_sync" and rnd:
                             commit_s.append(time.perf_counter() - t0)
                         if push:
                             pushers[variant].after_commit(step)
+                if overlap and store is not None:
+                    store.wait()
                 if push:
                     pushers[variant].flush()
                 if store is not None and store.background_seal:
@@ -128,19 +151,39 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
         if proc.is_alive():
             proc.kill()
     step_s = {v: statistics.median(t) for v, t in times.items()}
-    pct = {v: round((step_s[v] / step_s["off"] - 1) * 100, 1) for v in variants}
+    per_block = {v: [(a / b - 1) * 100 for a, b in zip(times[v], times["off"])]
+                 for v in variants}
+    pct = {v: round(statistics.median(per_block[v]), 1) for v in variants}
+    spread = {v: [round(min(per_block[v]), 1), round(max(per_block[v]), 1)] for v in variants}
     commit_ms = statistics.median(commit_s) * 1e3
     nbytes = stores["jit_k1"][0].latest().layout.nbytes  # type: ignore[union-attr]
+    sharded_cfg = ({"width": 256, "depth": 2, "batch": 8, "block": 2, "rounds": 1} if smoke
+                   else {"width": 1024, "depth": 4, "batch": 16, "block": 3, "rounds": 5}
+                   if quick else {"width": 1664, "depth": 3, "batch": 16, "block": 4, "rounds": 5})
+    sharded = {p: replication_sharded.measure(p, sharded_cfg) for p in ("fsdp", "hsdp")}
     summary = {"bench": "replication", "overhead_pct": pct[default], "default_mode": default,
+               "overhead_spread": spread[default],
+               "overhead_pct_fsdp": sharded["fsdp"]["overhead_pct_overlap"],
+               "overhead_spread_fsdp": sharded["fsdp"]["overhead_spread_overlap"],
+               "overhead_pct_hsdp": sharded["hsdp"]["overhead_pct_overlap"],
+               "overhead_spread_hsdp": sharded["hsdp"]["overhead_spread_overlap"],
                "overhead_pct_by_mode": pct,
                "min_k_for_3pct": max(1, math.ceil(commit_ms / (BUDGET_PCT / 100 * step_s["off"] * 1e3))),
                "commit_ms": round(commit_ms, 2),
                "step_ms": {v: round(s * 1e3, 2) for v, s in step_s.items()},
                "state_mb": round(nbytes / 1e6, 1)}
     write_result(out_dir, "replication", {**summary, "quick": quick, "smoke": smoke, "k": k,
+                                          "overhead_spread_by_mode": spread,
+                                          "sharded": sharded, "sharded_config": sharded_cfg,
                                           "block_steps": block,
                                           "rounds": rounds, "last_acked_step": acked,
                                           "per_block_step_s": times})
-    plot_bars(Path(out_dir) / "replication.png", variants, [step_s[v] * 1e3 for v in variants],
-              "ms / step", f"Step time with {nbytes / 1e6:.0f} MB of state (K={k})")
+    labels = [f"ddp {v}" for v in variants if v != "off"]
+    values = [pct[v] for v in variants if v != "off"]
+    for par, res in sharded.items():
+        labels += [f"{par} overlap", f"{par} sync"]
+        values += [res["overhead_pct_overlap"], res["overhead_pct_sync"]]
+    plot_bars(Path(out_dir) / "replication.png", labels, values, "% over no recovery state",
+              f"Cost of recovery state per step (ddp {nbytes / 1e6:.0f} MB in one process; "
+              f"fsdp/hsdp {sharded['fsdp']['state_mb_total']:.0f} MB over 4 ranks)")
     return summary

@@ -133,7 +133,9 @@ def keys_of(shard_keys: list[int] | None, rank: int) -> int:
 @dataclass(frozen=True)
 class RestorePlan:
     step: int
-    sources: dict[int, str]  # rank -> where its state comes from: own, peer, disk, creation
+    # rank -> where its state comes from: own, peer (a survivor with its shard key), ring (its
+    # ring copy, replicated mode), disk, creation
+    sources: dict[int, str]
 
     @property
     def from_disk(self) -> list[int]:
@@ -186,7 +188,7 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
             if mine is not None and step in mine.own:
                 return "own"
             if step in replicas.get(old, ()):
-                return "peer"
+                return "ring"  # its ring copy: no other process holds this rank's state
             return "creation" if step == CREATION and mine is None else None
         if mine is not None and step in mine.own:
             shared = "own"

@@ -20,7 +20,7 @@ from hpct_slurm.slurm.env import SlurmEnv
 SEED = 7  # the same seed as the hpct job, so the two runs are comparable bit for bit
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901 - one flat script, as users write it
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--hidden", type=int, default=256)
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--port", type=int, default=29400)
+    ap.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -45,6 +46,8 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     events.emit("baseline.pg_ready", rank=rank)
+    if args.parallel != "ddp":
+        return sharded(args, rank, run_dir, events)
     model, opt = build(args.hidden, args.layers)
     ckpt = run_dir / "ckpt.pt"
     start = 0
@@ -72,6 +75,49 @@ def main() -> None:
                         "step": step}, tmp)
             os.replace(tmp, ckpt)
     write_result(run_dir, rank, model, losses)
+    dist.destroy_process_group()
+
+
+def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog) -> None:
+    """The sharded demo job (examples/sharded_train.py) as users checkpoint it today: torch's
+    distributed checkpoint (every rank writes its shards) every K steps, reloaded after a
+    restart of every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpct_slurm.examples import sharded_train as st
+
+    shape, names = st.MESHES[args.parallel]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    seed_everything(st.SEED)
+    model, opt, sched = st.build_for(args.hidden, args.layers, args.steps)(mesh)
+    ckpt = run_dir / "dcp"
+    start = 0
+    if (ckpt / "step.txt").exists():
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optimizer": osd}
+        dcp.load(state, checkpoint_id=str(ckpt / "state"))
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        start = int((ckpt / "step.txt").read_text()) + 1
+        for _ in range(start):  # the schedule is a function of the step
+            sched.step()
+    events.emit("baseline.start", rank=rank, start_step=start)
+    losses: dict[int, float] = {}
+    for step in range(start, args.steps):
+        seed_everything(step_seed(st.SEED, rank, step))
+        losses[step] = st.one_step(model, opt, sched, args.batch, args.step_sleep)
+        events.emit("rank.step", rank=rank, step=step, loss=losses[step])
+        if (step + 1) % args.ckpt_every == 0:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(ckpt / "state"))
+            dist.barrier()
+            if rank == 0:
+                tmp = ckpt / "step.tmp"
+                tmp.write_text(str(step))
+                os.replace(tmp, ckpt / "step.txt")
+    write_result(run_dir, rank, st.LocalShards(model), losses)
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from hpct_slurm.examples.train import DataPosition, write_result
 from hpct_slurm.recovery import Job  # hpct
 
+SEED = 11
 MESHES = {  # world of 4 ranks, one per node of the local cluster
     "fsdp": ((4,), ("shard",)),
     "hsdp": ((2, 2), ("replicate", "shard")),
@@ -67,35 +68,40 @@ def main() -> None:
         names = ("shard", "replicate")
     position = DataPosition()
     job = Job(build=build_for(args.hidden, args.layers, args.steps),  # hpct
-              mesh_shape=shape, mesh_dim_names=names, seed=11,
+              mesh_shape=shape, mesh_dim_names=names, seed=SEED,
               persist_every=args.persist_every, sampler=position)
 
     def train_step(step: int) -> float:
         if step == args.hang_at and job.generation == 0 and job.rank == args.fault_rank:
             threading.Event().wait()
-        model, opt, sched = job.model, job.optimizer, job.lr_scheduler  # hpct
         position.advance(job.rank, args.batch)
-        x = torch.randn(args.batch, 32)  # seeded from (seed, rank, step) by the wrapper
-        y = torch.sin(x[:, :4].sum(dim=1, keepdim=True))
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not math.isfinite(float(norm.full_tensor() if hasattr(norm, "full_tensor")
-                                   else norm)):
-            raise RuntimeError(f"gradient norm is {norm} at step {step}")
-        opt.step()
-        sched.step()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        return loss.item()
+        return one_step(job.model, job.optimizer, job.lr_scheduler,  # hpct
+                        args.batch, args.step_sleep)
 
     if job.run(train_step, args.steps):  # hpct
-        write_result(job.run_dir, job.rank, _LocalShards(job.model), job.losses,
+        write_result(job.run_dir, job.rank, LocalShards(job.model), job.losses,
                      position.consumed)
 
 
-class _LocalShards(torch.nn.Module):
+def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched, batch: int,
+             step_sleep: float = 0.0) -> float:
+    x = torch.randn(batch, 32)  # seeded from (seed, rank, step) by the caller
+    y = torch.sin(x[:, :4].sum(dim=1, keepdim=True))
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if not math.isfinite(float(norm)):
+        raise RuntimeError(f"gradient norm is {float(norm)}")
+    opt.step()
+    sched.step()
+    if step_sleep:
+        time.sleep(step_sleep)
+    return loss.item()
+
+
+class LocalShards(torch.nn.Module):
     """The parameters as this rank holds them (its shards), for the result hash."""
 
     def __init__(self, model: torch.nn.Module):

@@ -1,0 +1,181 @@
+"""Steady-state cost of recovery state for sharded jobs: FSDP2 on a 1-D mesh of 4 ranks and
+HSDP on a 2 x 2 mesh, real torch.distributed (gloo) in 4 processes on this machine.
+
+Variants alternate in blocks of steps, in a rotating order, so every variant sees the same
+machine; a block's time runs until the group finished it (a barrier), and pays for what it
+started (the last commit's copy and push). Per variant:
+- `off`: no recovery state;
+- `overlap`: what `Job` does by default: commit every step; parameters and optimizer state
+  are copied on a background thread during the next step's forward and backward, and the next
+  optimizer step waits for that copy only if it is not done; 1-D FSDP (one holder per shard)
+  pushes the snapshot to its ring peer after the copy, on the same thread;
+- `sync`: the same copy and push before the step returns (the old critical-path way).
+Overheads are per block, against the `off` block of the same round; the figure is their
+median, with the lowest and highest next to it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import statistics
+import tempfile
+import time
+from typing import Any
+
+JOB = "bench"
+MESHES = {"fsdp": ((4,), ("shard",), ()),
+          "hsdp": ((2, 2), ("replicate", "shard"), ("replicate",))}
+VARIANTS = ("off", "overlap", "sync")
+
+
+def _rank(rank: int, tmp: str, parallel: str, cfg: dict, secret: bytes, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .. import protocol as P
+    from ..recovery.sharding import MeshSpec
+    from ..recovery.snapshot import ReplicaStore, SnapshotStore, replica_peer_rank
+    from ..recovery.state import TrainState
+    from ..recovery.transfer import ReplicaPusher, TransferServer
+
+    try:
+        torch.set_num_threads(1)
+        shape, names, replicate = MESHES[parallel]
+        spec = MeshSpec(shape, names, replicate)
+        world = spec.world_size
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                                world_size=world)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        torch.manual_seed(0)
+        width, depth = cfg["width"], cfg["depth"]
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        state = TrainState(model=model, optimizer=opt)
+        state.mesh, state.replicate = mesh, spec.replicate
+        ring = spec.replicas < 2  # no other holder of this shard: a ring copy, as Job does
+        store = SnapshotStore(state, ("shared", "rank") if ring else ("shared",), every=1)
+        server = TransferServer(secret, JOB, rank, replicas=ReplicaStore())
+        addrs: list[Any] = [None] * world
+        dist.all_gather_object(addrs, server.address)
+        pusher = (ReplicaPusher(store, rank, tuple(addrs[replica_peer_rank(rank, world, 1)]),
+                                secret, JOB) if ring else None)
+        active = {"variant": "off"}
+        phases: dict[str, list[float]] = {"wait": [], "commit_call": [], "push": []}
+
+        def prehook(*_: Any) -> None:
+            if active["variant"] == "overlap":
+                t0 = time.perf_counter()
+                store.wait_copied()
+                phases["wait"].append(time.perf_counter() - t0)
+
+        opt.register_step_pre_hook(prehook)
+
+        def follow_up(snap: Any) -> None:
+            if pusher is not None:
+                t0 = time.perf_counter()
+                pusher.after_commit(snap.step)
+                pusher.flush()
+                phases["push"].append(time.perf_counter() - t0)
+
+        x = torch.randn(cfg["batch"], width)
+
+        def train_step() -> None:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        step = 0
+        train_step()
+        for _ in range(2):  # both slots and the peer's buffers allocated before timing
+            step += 1
+            follow_up(store.commit(step))
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for rnd in range(cfg["rounds"] + 1):  # round 0 warms up, not recorded
+            order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+            for variant in order:
+                active["variant"] = variant
+                dist.barrier()
+                t_block = time.perf_counter()
+                for _ in range(cfg["block"]):
+                    train_step()
+                    step += 1
+                    if variant == "overlap":
+                        t0 = time.perf_counter()
+                        store.commit_async(step, then=follow_up)
+                        phases["commit_call"].append(time.perf_counter() - t0)
+                    elif variant == "sync":
+                        follow_up(store.commit(step))
+                store.wait()
+                dist.barrier()
+                if rnd:
+                    times[variant].append((time.perf_counter() - t_block) / cfg["block"])
+        # the phases on their own, on a quiet group: one copy, one digest of this rank's state
+        dist.barrier()
+        t0 = time.perf_counter()
+        snap = store.commit(step + 1)
+        copy_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        P.part_digest(snap.data)
+        digest_s = time.perf_counter() - t0
+        nbytes = snap.layout.nbytes
+        if pusher is not None:
+            pusher.close()
+        server.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, {"times": times, "copy_s": copy_s, "digest_s": digest_s,
+                      "nbytes": nbytes, "ring": ring,
+                      "phases": {k: statistics.median(v) if v else 0.0
+                                 for k, v in phases.items()}}))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+
+
+def measure(parallel: str, cfg: dict) -> dict:
+    """Run the 4-process group for `parallel` and summarise: overhead % per variant (median of
+    the per-block overheads, with min and max), step times, and the phases of rank 0."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    secret = secrets.token_bytes(32)
+    world = 4
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, tmp, parallel, cfg, secret, q))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got: dict[int, dict] = {}
+        try:
+            for _ in range(world):
+                rank, res = q.get(timeout=cfg.get("timeout", 900))
+                got[rank] = res
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    errors = {r: g["error"] for r, g in got.items() if "error" in g}
+    if errors:
+        raise RuntimeError(f"bench replication {parallel}: {errors}")
+    r0 = got[0]
+    times = r0["times"]
+    out: dict[str, Any] = {"step_ms": {v: round(statistics.median(t) * 1e3, 2)
+                                       for v, t in times.items()},
+                           "state_mb_per_rank": round(r0["nbytes"] / 1e6, 1),
+                           "state_mb_total": round(sum(g["nbytes"] for g in got.values()) / 1e6, 1),
+                           "ring_push": r0["ring"], "blocks": len(times["off"])}
+    for v in VARIANTS[1:]:
+        per_block = [(a / b - 1) * 100 for a, b in zip(times[v], times["off"])]
+        out[f"overhead_pct_{v}"] = round(statistics.median(per_block), 1)
+        out[f"overhead_spread_{v}"] = [round(min(per_block), 1), round(max(per_block), 1)]
+    out["phases_ms"] = {"copy": round(r0["copy_s"] * 1e3, 2),
+                        "digest": round(r0["digest_s"] * 1e3, 2),
+                        **{k: round(v * 1e3, 2) for k, v in r0["phases"].items()}}
+    out["per_block_step_s"] = times
+    return out

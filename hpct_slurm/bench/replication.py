@@ -4,7 +4,10 @@ An MLP with Adam trains in this process; a child process plays the ring peer (a
 `TransferServer` holding replicas). Blocks of steps alternate between the variants in one run,
 so all see the same machine; overheads are relative to `off` (no snapshots):
 
-- `jit_k1`: what `Job` does by default: commit the shared state after every step, its copy
+- `jit_lazy`: what `Job` does by default for data parallelism without per-rank state: a full
+  commit every 16 steps (overlapped, as below), and every step in between held where it lies
+  and copied only if a fault comes before the next optimizer step (`prepare_lazy`).
+- `jit_k1`: what `Job` does with per-rank state registered: commit every step, its copy
   overlapping the next step's forward and backward (the next optimizer step waits for it only
   if it is not done; the digest is left to its first reader), no pushes.
 - `jit_k1_sync`: the same copy made before the step returns (on the critical path).
@@ -16,7 +19,7 @@ Each block pays for what it started: pushes are flushed and, with background sea
 commit's seal awaited before the clock stops. The summary's `overhead_pct` is the default mode
 (`jit_k1`); `min_k_for_3pct` is the smallest commit interval whose measured per-commit cost
 fits in 3%. Every figure is the median of the per-block overheads against the `off` block of
-the same round (>= 5 rounds outside --smoke), with the lowest and highest next to it.
+the same round (>= 5 rounds outside --smoke); `overhead_pct` is `Job`'s default (`jit_lazy`), with the lowest and highest next to it.
 
 Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
 their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
@@ -51,13 +54,16 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     check the command works; its numbers mean nothing."""
     import torch
 
-    from ..recovery.snapshot import DEFAULT_SNAPSHOT_EVERY, Snapshot, SnapshotStore
+    from ..recovery.job import LAZY_FULL_EVERY
+    from ..recovery.snapshot import Snapshot, SnapshotStore
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher
 
     width, depth = (256, 2) if smoke else (1024, 2) if quick else (1440, 4)
     k, rounds = (4, 1) if smoke else (8, 5) if quick else (16, 5)
-    block = k  # one commit per block at every=K, so every block does the same work
+    # one commit per block at every=K (and one full commit per block of jit_lazy), so every
+    # block of a variant does the same work
+    block = k if smoke else max(k, LAZY_FULL_EVERY)
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
@@ -67,7 +73,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     state = TrainState(model=model, optimizer=opt)
     x = torch.randn(64, width)
     # (store, push?) per variant; jit keeps the shared scope only, as `Job` does.
-    stores = {"jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
+    stores = {"jit_lazy": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY), False),
+              "jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sync": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sealed": (SnapshotStore(state, ("shared",), every=1, background_seal=True),
                                 False),
@@ -75,13 +82,13 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
               "replicated_k1": (SnapshotStore(state, every=1), True),
               f"replicated_k{k}": (SnapshotStore(state, every=k), True)}
     variants = ["off", *stores]
-    default = f"jit_k{DEFAULT_SNAPSHOT_EVERY}"
+    default = "jit_lazy"
 
     overlapped = {"store": None}
 
     def hold_copy(*_: Any) -> None:  # Job's optimizer pre-hook
         if overlapped["store"] is not None:
-            overlapped["store"].wait_copied()
+            overlapped["store"].before_optimizer_step()
 
     opt.register_step_pre_hook(hold_copy)
 
@@ -118,13 +125,15 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
             for variant in variants:
                 store, push = stores.get(variant, (None, False))
                 last = None
-                overlap = variant == "jit_k1"
+                overlap = variant in ("jit_k1", "jit_lazy")
                 overlapped["store"] = store if overlap else None
                 t_block = time.perf_counter()
                 for _ in range(block):
                     train_step()
                     step += 1
-                    if store is not None and store.due(step):
+                    if variant == "jit_lazy" and not store.due(step):  # type: ignore[union-attr]
+                        store.prepare_lazy(step)  # type: ignore[union-attr]
+                    elif store is not None and store.due(step):
                         t0 = time.perf_counter()
                         if overlap:
                             store.commit_async(step)
@@ -136,6 +145,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                             pushers[variant].after_commit(step)
                 if overlap and store is not None:
                     store.wait()
+                    store.drop_pending()
                 if push:
                     pushers[variant].flush()
                 if store is not None and store.background_seal:
@@ -158,15 +168,13 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     commit_ms = statistics.median(commit_s) * 1e3
     nbytes = stores["jit_k1"][0].latest().layout.nbytes  # type: ignore[union-attr]
     sharded_cfg = ({"width": 256, "depth": 2, "batch": 8, "block": 2, "rounds": 1} if smoke
-                   else {"width": 1024, "depth": 4, "batch": 16, "block": 3, "rounds": 5}
-                   if quick else {"width": 1664, "depth": 3, "batch": 16, "block": 4, "rounds": 5})
+                   else {"width": 512, "depth": 4, "batch": 16, "block": 16, "rounds": 5}
+                   if quick else {"width": 1664, "depth": 3, "batch": 16, "block": 16, "rounds": 5})
     sharded = {p: replication_sharded.measure(p, sharded_cfg) for p in ("fsdp", "hsdp")}
     summary = {"bench": "replication", "overhead_pct": pct[default], "default_mode": default,
                "overhead_spread": spread[default],
-               "overhead_pct_fsdp": sharded["fsdp"]["overhead_pct_overlap"],
-               "overhead_spread_fsdp": sharded["fsdp"]["overhead_spread_overlap"],
-               "overhead_pct_hsdp": sharded["hsdp"]["overhead_pct_overlap"],
-               "overhead_spread_hsdp": sharded["hsdp"]["overhead_spread_overlap"],
+               **{f"overhead_{kind}_{par}": res[f"overhead_{kind}_{res['default_variant']}"]
+                  for par, res in sharded.items() for kind in ("pct", "spread")},
                "overhead_pct_by_mode": pct,
                "min_k_for_3pct": max(1, math.ceil(commit_ms / (BUDGET_PCT / 100 * step_s["off"] * 1e3))),
                "commit_ms": round(commit_ms, 2),
@@ -181,8 +189,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     labels = [f"ddp {v}" for v in variants if v != "off"]
     values = [pct[v] for v in variants if v != "off"]
     for par, res in sharded.items():
-        labels += [f"{par} overlap", f"{par} sync"]
-        values += [res["overhead_pct_overlap"], res["overhead_pct_sync"]]
+        for v in ("lazy", "overlap", "sync"):
+            labels.append(f"{par} {v}")
+            values.append(res[f"overhead_pct_{v}"])
     plot_bars(Path(out_dir) / "replication.png", labels, values, "% over no recovery state",
               f"Cost of recovery state per step (ddp {nbytes / 1e6:.0f} MB in one process; "
               f"fsdp/hsdp {sharded['fsdp']['state_mb_total']:.0f} MB over 4 ranks)")

@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--hang-at", type=int, default=None,
                     help="test: block rank --fault-rank's training thread in this step")
     ap.add_argument("--fault-rank", type=int, default=2)
+    ap.add_argument("--position", action="store_true",
+                    help="register a per-rank data position (state of the rank's own, kept "
+                         "on its ring holder)")
     ap.add_argument("--shard-major", action="store_true",
                     help="hsdp: order the mesh (shard, replicate), so the two holders of a "
                          "shard are neighbours in the node order (ranks 2k and 2k+1)")
@@ -69,7 +72,8 @@ def main() -> None:
     position = DataPosition()
     job = Job(build=build_for(args.hidden, args.layers, args.steps),  # hpct
               mesh_shape=shape, mesh_dim_names=names, seed=SEED,
-              persist_every=args.persist_every, sampler=position)
+              persist_every=args.persist_every,
+              **({"sampler": position} if args.position else {}))
 
     def train_step(step: int) -> float:
         if step == args.hang_at and job.generation == 0 and job.rank == args.fault_rank:
@@ -80,7 +84,7 @@ def main() -> None:
 
     if job.run(train_step, args.steps):  # hpct
         write_result(job.run_dir, job.rank, LocalShards(job.model), job.losses,
-                     position.consumed)
+                     position.consumed if args.position else None)
 
 
 def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched, batch: int,

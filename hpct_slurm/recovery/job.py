@@ -56,7 +56,8 @@ from .health import health_check
 from .loop import StepLoop
 from .persist import DiskPersister
 from .sharding import MeshSpec, infer_replicate
-from .snapshot import ReplicaStore, Snapshot, SnapshotStore, choose_mode, replica_peer_rank
+from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
+                       choose_mode, replica_peer_rank)
 from .state import TrainState
 from .transfer import ReplicaPusher, TransferServer, fetch_state
 
@@ -64,6 +65,7 @@ STEP_SEED_DOMAIN = b"hpct-step-seed"
 T = TypeVar("T")
 LOST = "controller connection lost"
 TEARDOWN_TIMEOUT_S = 20.0
+LAZY_FULL_EVERY = 16
 TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up  # the client's Goodbye reason when the socket died
 
 
@@ -96,7 +98,10 @@ class Job:
     `rank` (-1 while it never held one), `world_size`, `generation` (0 at the first start, one
     more after every recovery), `losses` (step -> the loss this process recorded for it),
     `state` (the registered `TrainState`; `state.extras` takes small values of this rank's
-    own), `run_dir` (the job's run directory, $HPCT_RUN_DIR).
+    own), `run_dir` (the job's run directory, $HPCT_RUN_DIR), `model`, `optimizer` and
+    `lr_scheduler` (those given, or for a sharded job those `build(mesh)` returned for this
+    generation: use them in the step, not ones kept from an earlier generation) and `mesh`
+    (a sharded job's DeviceMesh of this generation).
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -178,17 +183,21 @@ class Job:
             # Each shard key held by two replicas or more: a lost rank's state is on a
             # survivor (jit). One holder per key (1-D FSDP): a ring copy in steady state.
             self.mode = self._sharded_mode(self.mesh_spec)
-        every = int(env.get("HPCT_SNAPSHOT_EVERY", "1"))
+        self._every_given = env.get("HPCT_SNAPSHOT_EVERY")
+        every = int(self._every_given or DEFAULT_SNAPSHOT_EVERY)
         self.snapshots = SnapshotStore(self.state, scopes=("shared",), every=every)
         # This rank's own small state (a sampler position, extras): its own snapshot, pushed
         # to the ring neighbour after every commit and persisted with the shared state.
         self.rank_snaps = (SnapshotStore(self.state, scopes=("rank",), every=every)
                            if self.state.has_rank_state() else None)
         self._pushed: SnapshotStore | None = None
-        self._set_mode(self.mode)
         # Copy the parameters and optimizer state of step s while step s+1 computes (off the
         # critical path); 0 copies them before step s returns.
         self.overlap = env.get("HPCT_SNAPSHOT_OVERLAP", "1") != "0"
+        # Between full commits, hold each step's shared state where it lies and copy it only
+        # at a fault (see _lazy); 0 makes every step a full commit.
+        self.lazy = env.get("HPCT_SNAPSHOT_LAZY", "1") != "0"
+        self._set_mode(self.mode)
         if optimizer is not None:
             self._hold_copy(optimizer)
         self.replicas = ReplicaStore()
@@ -236,6 +245,10 @@ class Job:
         # What goes to the ring neighbour after each commit, synchronously: the neighbour then
         # always holds the step this rank last committed (and the one before).
         self._pushed = self.snapshots if mode == "replicated" else self.rank_snaps
+        # Full commits every step, unless the steps between can be held lazily: then every
+        # LAZY_FULL_EVERY steps (what a fault inside an optimizer step rolls back to at most)
+        if self._every_given is None:
+            self.snapshots.every = LAZY_FULL_EVERY if self._lazy() else DEFAULT_SNAPSHOT_EVERY
 
     def _key(self, rank: int) -> int:
         """`rank`'s shard key: ranks with the same key hold the same shared state (every rank
@@ -393,6 +406,7 @@ class Job:
             except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if failure is None:
+                self.snapshots.drop_pending()
                 self._settle_snapshots(follow_ups=True)
                 self.events.emit("rank.finished", rank=self.rank, step=last)
                 self.client.state = "done"  # report first: tearing down is local work
@@ -434,12 +448,16 @@ class Job:
         """After a step: its snapshot when one is due, the report to the controller."""
         if isinstance(out, (int, float)):
             self.losses[step] = float(out)
-        if self.snapshots.due(step):
+        # the same rule on every rank: the commit steps line up
+        persist_due = bool(self.persist_every) and step % self.persist_every == 0
+        if self.snapshots.due(step) or persist_due:
             self._commit_rank_state(step)
             if self.overlap:
                 self.snapshots.commit_async(step, then=self._after_shared_commit)
             else:
                 self._after_shared_commit(self.snapshots.commit(step))
+        elif self._lazy():
+            self.snapshots.prepare_lazy(step)
         self.client.step_done(step)
         self.events.emit("rank.step", rank=self.rank, generation=self.generation,
                          step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
@@ -450,6 +468,14 @@ class Job:
             raise HpctError("the group shrank but this script trains one data shard per rank: "
                             "pass micro_step to Job.run to allow shrinking")
         return self.data_ranks[0], self.data_world
+
+    def _lazy(self) -> bool:
+        """Whether the shared state of a step between full commits is held without a copy
+        (SnapshotStore.prepare_lazy). Only where every survivor's live state at a fault is
+        a state the group can restore: jit mode (a replicated ring push needs the bytes) and
+        no per-rank state (a lost rank's position may exist only at the step before, which
+        live state no longer is)."""
+        return self.lazy and self.mode == "jit" and self.rank_snaps is None
 
     def _commit_rank_state(self, step: int) -> None:
         """This rank's own small state, now: the next step moves it (a sampler position).
@@ -485,11 +511,22 @@ class Job:
             self.events.emit("snapshot.copy_failed", rank=self.rank,
                              error=f"{type(exc).__name__}: {exc}")
 
+    def _capture_pending(self) -> None:
+        """A fault between two optimizer steps: the live parameters and optimizer state are
+        exactly the last step's, so they become its snapshot now (SnapshotStore.prepare_lazy)."""
+        try:
+            snap = self.snapshots.finish_pending()
+        except Exception as exc:  # noqa: BLE001 - that step is simply not held
+            self.events.emit("snapshot.copy_failed", rank=self.rank, error=f"{exc}")
+            return
+        if snap is not None:
+            self.events.emit("snapshot.captured_at_fault", rank=self.rank, step=snap.step,
+                             nbytes=snap.layout.nbytes)
+
     def _hold_copy(self, optimizer: Any) -> None:
         """The next optimizer step waits for the background copy of the last commit: the
         copy reads the parameters and optimizer state that step is about to change."""
-        if self.overlap:
-            optimizer.register_step_pre_hook(lambda *_: self.snapshots.wait_copied())
+        optimizer.register_step_pre_hook(lambda *_: self.snapshots.before_optimizer_step())
 
     def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:
         def step_fn(step: int) -> Any:
@@ -520,6 +557,7 @@ class Job:
         self.events.emit("rank.fault", rank=self.rank, generation=self.generation,
                          error=failure, stop_reason=self.client.stop_reason)
         self._settle_snapshots()
+        self._capture_pending()
         self._release_generation()
         try:
             self._teardown()

@@ -230,6 +230,8 @@ class SnapshotStore:
         self._copied.set()
         self._done.set()
         self._error: BaseException | None = None
+        # prepare_lazy's slot: (index, buffer, step, layout, parameter copies still to make)
+        self._pending: tuple | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -240,6 +242,8 @@ class SnapshotStore:
 
     def commit(self, step: int) -> Snapshot:
         """Capture the state after `step` into the spare slot and make it current (unsealed)."""
+        self.wait()
+        self.drop_pending()
         idx, buf = self.slots.acquire_target()
         try:
             layout, buf = self.state.capture_into(buf, self.scopes)
@@ -259,6 +263,7 @@ class SnapshotStore:
         optimizer's step pre-hook) holds the next update back until that copy is done. The
         snapshot is published, and `then(snapshot)` runs (a push, a save), on that thread."""
         self.wait()
+        self.drop_pending()
         idx, buf = self.slots.acquire_target()
         try:
             layout, buf, pairs = self.state.prepare(buf, self.scopes)
@@ -291,6 +296,52 @@ class SnapshotStore:
                 self._done.set()
 
         threading.Thread(target=work, name="hpct-snapshot", daemon=True).start()
+
+    def prepare_lazy(self, step: int) -> None:
+        """Hold step `step` without copying the big state: what can still change before the
+        next optimizer step is copied now, and the parameters and optimizer state are left
+        where they are, to be copied only if a fault comes before the next optimizer step
+        starts (`finish_pending`): until then they are exactly the state after `step`.
+        The next optimizer step drops the pending snapshot (`before_optimizer_step`)."""
+        self.wait()
+        self.drop_pending()
+        idx, buf = self.slots.acquire_target()
+        try:
+            layout, buf, pairs = self.state.prepare(buf, self.scopes)
+            stable = self.state.stable_ptrs()
+            copy_pairs((d, t) for d, t in pairs if t.data_ptr() not in stable)
+        except BaseException:
+            self.slots.abandon(idx)
+            raise
+        self._pending = (idx, buf, step, layout,
+                         [(d, t) for d, t in pairs if t.data_ptr() in stable])
+
+    def drop_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.slots.abandon(pending[0])
+
+    def finish_pending(self) -> Snapshot | None:
+        """After a fault: copy the pending step's parameters and optimizer state, untouched
+        since it ended, and publish it. None when nothing is pending (an optimizer step
+        started since the last step ended: the live state is no step's state)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        idx, buf, step, layout, late = pending
+        try:
+            copy_pairs(late)
+        except BaseException:
+            self.slots.abandon(idx)
+            raise
+        return self.slots.publish(idx, buf, step, layout, None)
+
+    def before_optimizer_step(self) -> None:
+        """From the optimizer's step pre-hook: the parameters and optimizer state are about
+        to change, so a pending snapshot no longer describes them, and a background copy of
+        the last commit must be done."""
+        self.drop_pending()
+        self.wait_copied()
 
     def wait_copied(self) -> None:
         """Until the background copy of the last commit is done (the parameters and optimizer

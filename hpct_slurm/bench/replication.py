@@ -5,14 +5,14 @@ An MLP with Adam trains in this process; a child process plays the ring peer (a
 so all see the same machine; overheads are relative to `off` (no snapshots):
 
 - `jit_lazy`: what `Job` does by default for data parallelism without per-rank state: a full
-  commit every 16 steps (overlapped, as below), and every step in between held where it lies
-  and copied only if a fault comes before the next optimizer step (`prepare_lazy`).
-- `jit_k1`: what `Job` does with per-rank state registered: commit every step, its copy
-  overlapping the next step's forward and backward (the next optimizer step waits for it only
-  if it is not done; the digest is left to its first reader), no pushes.
-- `jit_k1_sync`: the same copy made before the step returns (on the critical path).
+  commit every 16 steps, and every step in between held where it lies and copied only if a
+  fault comes before the next optimizer step (`prepare_lazy`).
+- `jit_k1_sync`: what `Job` does on CPU with per-rank state registered: a full commit (a copy;
+  the digest is left to its first reader) after every step, before the step returns.
+- `jit_k1`: the same copy overlapping the next step's forward and backward (the next optimizer
+  step waits for it only if it is not done): `Job`'s default where the state is on a GPU.
 - `jit_k1_sealed`: the same with `background_seal=True` (each commit hashed right away).
-- `jit_kK`: the same as `jit_k1`, committing every K steps (`HPCT_SNAPSHOT_EVERY=K`).
+- `jit_kK`: the same as `jit_k1_sync`, committing every K steps (`HPCT_SNAPSHOT_EVERY=K`).
 - `replicated_k1` / `replicated_kK`: commit + push to the peer every 1 / K steps (sharded setups).
 
 Each block pays for what it started: pushes are flushed and, with background sealing, the last
@@ -125,8 +125,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
             for variant in variants:
                 store, push = stores.get(variant, (None, False))
                 last = None
-                overlap = variant in ("jit_k1", "jit_lazy")
-                overlapped["store"] = store if overlap else None
+                overlap = variant == "jit_k1"
+                lazy = variant == "jit_lazy"
+                overlapped["store"] = store if overlap or lazy else None
                 t_block = time.perf_counter()
                 for _ in range(block):
                     train_step()
@@ -143,7 +144,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                             commit_s.append(time.perf_counter() - t0)
                         if push:
                             pushers[variant].after_commit(step)
-                if overlap and store is not None:
+                if (overlap or lazy) and store is not None:
                     store.wait()
                     store.drop_pending()
                 if push:

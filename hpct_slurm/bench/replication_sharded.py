@@ -5,13 +5,14 @@ Variants alternate in blocks of steps, in a rotating order, so every variant see
 machine; a block's time runs until the group finished it (a barrier), and pays for what it
 started (the last commit's copy and push). Per variant:
 - `off`: no recovery state;
-- `overlap`: what `Job` does by default: commit every step; parameters and optimizer state
+- `overlap`: what `Job` does by default on GPU: commit every step; parameters and optimizer state
   are copied on a background thread during the next step's forward and backward, and the next
   optimizer step waits for that copy only if it is not done; 1-D FSDP (one holder per shard)
   pushes the snapshot to its ring peer after the copy, on the same thread;
-- `sync`: the same copy and push before the step returns (the old critical-path way);
+- `sync`: the same copy and push before the step returns (`Job`'s default on CPU, where the
+  step keeps every core busy);
 - `lazy`: what `Job` does by default where every shard has two holders or more (HSDP) and no
-  per-rank state is registered: a full (overlapped) commit every 16 steps, and each step in
+  per-rank state is registered: a full commit every 16 steps, and each step in
   between held where it lies, copied only if a fault comes before the next optimizer step.
 Overheads are per block, against the `off` block of the same round; the figure is their
 median, with the lowest and highest next to it.
@@ -110,17 +111,17 @@ def _rank(rank: int, tmp: str, parallel: str, cfg: dict, secret: bytes, q: Any) 
                 for _ in range(cfg["block"]):
                     train_step()
                     step += 1
-                    if variant == "overlap" or (variant == "lazy"
-                                                and step % LAZY_FULL_EVERY == 0):
+                    if variant == "overlap":
                         t0 = time.perf_counter()
                         store.commit_async(step, then=follow_up)
                         phases["commit_call"].append(time.perf_counter() - t0)
+                    elif variant == "sync" or (variant == "lazy"
+                                               and step % LAZY_FULL_EVERY == 0):
+                        follow_up(store.commit(step))
                     elif variant == "lazy":
                         t0 = time.perf_counter()
                         store.prepare_lazy(step)
                         phases.setdefault("lazy_hold", []).append(time.perf_counter() - t0)
-                    elif variant == "sync":
-                        follow_up(store.commit(step))
                 store.wait()
                 store.drop_pending()
                 dist.barrier()
@@ -180,8 +181,9 @@ def measure(parallel: str, cfg: dict) -> dict:
                            "state_mb_per_rank": round(r0["nbytes"] / 1e6, 1),
                            "state_mb_total": round(sum(g["nbytes"] for g in got.values()) / 1e6, 1),
                            "ring_push": r0["ring"], "blocks": len(times["off"])}
-    # the default of `Job`: lazy where a shard has another holder (no ring push), else overlap
-    out["default_variant"] = "overlap" if r0["ring"] else "lazy"
+    # the default of `Job` on CPU: lazy where a shard has another holder (no ring push), else
+    # a full commit every step before it returns (overlap is the default on GPU)
+    out["default_variant"] = "sync" if r0["ring"] else "lazy"
     for v in VARIANTS[1:]:
         per_block = [(a / b - 1) * 100 for a, b in zip(times[v], times["off"])]
         out[f"overhead_pct_{v}"] = round(statistics.median(per_block), 1)

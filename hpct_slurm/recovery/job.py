@@ -192,8 +192,12 @@ class Job:
                            if self.state.has_rank_state() else None)
         self._pushed: SnapshotStore | None = None
         # Copy the parameters and optimizer state of step s while step s+1 computes (off the
-        # critical path); 0 copies them before step s returns.
-        self.overlap = env.get("HPCT_SNAPSHOT_OVERLAP", "1") != "0"
+        # critical path), or before step s returns. Default: overlap where the state lives on
+        # a GPU (host cores idle during the step); not for CPU training, whose step already
+        # uses every core: there the copy thread measured slower than the copy itself
+        # (`hpct-slurm bench replication`, jit_k1 vs jit_k1_sync).
+        overlap = env.get("HPCT_SNAPSHOT_OVERLAP", "auto")
+        self._overlap_given = None if overlap == "auto" else overlap != "0"
         # Between full commits, hold each step's shared state where it lies and copy it only
         # at a fault (see _lazy); 0 makes every step a full commit.
         self.lazy = env.get("HPCT_SNAPSHOT_LAZY", "1") != "0"
@@ -452,7 +456,7 @@ class Job:
         persist_due = bool(self.persist_every) and step % self.persist_every == 0
         if self.snapshots.due(step) or persist_due:
             self._commit_rank_state(step)
-            if self.overlap:
+            if self._overlap():
                 self.snapshots.commit_async(step, then=self._after_shared_commit)
             else:
                 self._after_shared_commit(self.snapshots.commit(step))
@@ -468,6 +472,12 @@ class Job:
             raise HpctError("the group shrank but this script trains one data shard per rank: "
                             "pass micro_step to Job.run to allow shrinking")
         return self.data_ranks[0], self.data_world
+
+    def _overlap(self) -> bool:
+        if self._overlap_given is not None:
+            return self._overlap_given
+        model = self.model
+        return model is not None and any(p.is_cuda for p in model.parameters())
 
     def _lazy(self) -> bool:
         """Whether the shared state of a step between full commits is held without a copy

@@ -101,8 +101,7 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         start = int((ckpt / "step.txt").read_text()) + 1
-        for _ in range(start):  # the schedule is a function of the step
-            sched.step()
+        sched.load_state_dict(torch.load(ckpt / f"sched{rank}.pt"))
     events.emit("baseline.start", rank=rank, start_step=start)
     losses: dict[int, float] = {}
     for step in range(start, args.steps):
@@ -112,6 +111,7 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
         if (step + 1) % args.ckpt_every == 0:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(ckpt / "state"))
+            torch.save(sched.state_dict(), ckpt / f"sched{rank}.pt")
             dist.barrier()
             if rank == 0:
                 tmp = ckpt / "step.tmp"

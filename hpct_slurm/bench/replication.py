@@ -122,7 +122,10 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                     pushers[v].after_commit(step)
                     pushers[v].flush()
         for rnd in range(rounds + 1):  # round 0 is warm-up, not recorded
-            for variant in variants:
+            # a rotating order: no variant always follows the same one (whose leftover work,
+            # e.g. the peer still storing a push, would land on it)
+            for variant in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
+                time.sleep(0.05)  # let the previous block's background work drain
                 store, push = stores.get(variant, (None, False))
                 last = None
                 overlap = variant == "jit_k1"

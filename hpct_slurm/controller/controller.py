@@ -185,6 +185,7 @@ class Controller:
         self.recovery: dict | None = None
         self.finished = asyncio.Event()
         self.done_sent = False
+        self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
         self.exit_code = 0
         self.address: tuple[str, int] = ("", 0)
         # A requeued job (or one restarted by hand on the same run dir) starts from the last
@@ -518,9 +519,14 @@ class Controller:
 
     # ---- generation 0 --------------------------------------------------------------------
     def _maybe_start(self) -> None:
+        # Once: the ranks get their numbers only when the task runs, so registrations that
+        # arrive before it (spares registering with the last member) would each schedule
+        # another generation 0, and a rank would find a stale Assign queued at its next fault.
         if self.world.generation == 0 and self.recovery is None and not self.recovering \
+                and not self.gen0_scheduled \
                 and all(self._node_ready(n) for n in self.world.members) \
                 and all(c.rank < 0 for n in self.world.members for c in self._live(n)):
+            self.gen0_scheduled = True
             asyncio.create_task(self._assign(restore=self.initial_restore, sources={}))
 
     async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:

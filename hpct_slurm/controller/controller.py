@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from .. import protocol as P
 from ..errors import HpctError, describe
@@ -122,10 +123,33 @@ class Conn:
     error: str = ""
 
 
+async def spawn_srun(node: str, role: str, argv: list[str], env: dict[str, str],
+                     log) -> asyncio.subprocess.Process:
+    """Start one node's job step: `argv` (an `srun -N1 -w node ...` line) as a subprocess,
+    stdout into the node's log file `log`, stderr piped (the controller reads srun's "Node
+    failure on" line and the script's last error from it). The controller's default step
+    launcher; see Controller's `spawn_step`."""
+    return await asyncio.create_subprocess_exec(
+        *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
+        stderr=asyncio.subprocess.PIPE)
+
+
+# (node, role, argv, env, log) -> a started step: what spawn_srun returns, or a stand-in with
+# `pid`, `stderr` (an async iterable of byte lines), `wait()` (a coroutine: the exit code) and
+# `kill()`.
+StepSpawner = Callable[[str, str, list[str], dict[str, str], Any], Awaitable[Any]]
+
+
 class Controller:
-    def __init__(self, opts: Options, client: SlurmClient | None = None):
+    def __init__(self, opts: Options, client: SlurmClient | None = None,
+                 spawn_step: StepSpawner | None = None):
+        """`client`: the door to Slurm (a SlurmClient; tests give one with a stand-in runner).
+        `spawn_step`: how a node's step is started, spawn_srun (a real srun subprocess) unless
+        given; tests pass a stand-in that starts in-process fake ranks instead, so that the
+        state machine runs without a cluster (tests/test_controller_fast.py)."""
         self.o = opts
         self.slurm = client or SlurmClient()
+        self.spawn_step: StepSpawner = spawn_step or spawn_srun
         self.run_dir = opts.run_dir
         # Whoever can write into the run dir can run code as this user (companion.sbatch) and
         # hand the job a training state (persisted snapshots): 0700, or refused (rundir.py).
@@ -161,6 +185,7 @@ class Controller:
         self.recovery: dict | None = None
         self.finished = asyncio.Event()
         self.done_sent = False
+        self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
         self.exit_code = 0
         self.address: tuple[str, int] = ("", 0)
         # A requeued job (or one restarted by hand on the same run dir) starts from the last
@@ -278,9 +303,7 @@ class Controller:
         self.events.emit("step.launch", node=node, role=role)
 
     async def _run_step(self, node: str, role: str, argv: list[str], env: dict, log) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-            stderr=asyncio.subprocess.PIPE)
+        proc = await self.spawn_step(node, role, argv, env, log)
         self.steps[node] = proc
         assert proc.stderr is not None
         async for raw in proc.stderr:
@@ -496,9 +519,14 @@ class Controller:
 
     # ---- generation 0 --------------------------------------------------------------------
     def _maybe_start(self) -> None:
+        # Once: the ranks get their numbers only when the task runs, so registrations that
+        # arrive before it (spares registering with the last member) would each schedule
+        # another generation 0, and a rank would find a stale Assign queued at its next fault.
         if self.world.generation == 0 and self.recovery is None and not self.recovering \
+                and not self.gen0_scheduled \
                 and all(self._node_ready(n) for n in self.world.members) \
                 and all(c.rank < 0 for n in self.world.members for c in self._live(n)):
+            self.gen0_scheduled = True
             asyncio.create_task(self._assign(restore=self.initial_restore, sources={}))
 
     async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:

@@ -67,12 +67,18 @@ def plot_bars(path: str | os.PathLike, labels: Sequence[str], values: Sequence[f
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    many = len(labels) > 6  # long label lists are rotated, on a wider figure
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4.5 if many else 3.5))
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
     bars = ax.bar(list(labels), list(values), yerr=list(errors) if errors else None, capsize=4,
-                  color=["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"][:len(labels)])
+                  color=[palette[i % len(palette)] for i in range(len(labels))])
     ax.bar_label(bars, fmt="%.3g")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10 if many else None)
+    if many:
+        ax.tick_params(axis="x", labelrotation=45)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

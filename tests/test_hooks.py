@@ -313,3 +313,16 @@ def test_plugstack_line_refuses_whitespace():
         "required /p.so max_spares=4 hpct=/b/hpct-slurm"
     with pytest.raises(HpctError):
         plugstack_line(Path("/p.so"), hpct="/a b")
+
+
+def test_task_prolog_leaves_the_controllers_settings_to_the_controller():
+    """Issue 14: the rendezvous derivation's timeouts (for steps nobody supervises) must not
+    overwrite what the controller handed to the ranks it launched."""
+    from hpct_slurm.hooks.task_prolog import CONTROLLER_OWNED, for_task
+
+    derived = {"MASTER_ADDR": "n1", "HPCT_COLLECTIVE_TIMEOUT_S": "120",
+               "HPCT_INIT_TIMEOUT_S": "600"}
+    assert for_task(dict(derived), {}) == derived  # a plain srun step keeps them
+    ranks = for_task(dict(derived), {"HPCT_CONTROLLER": "10.0.0.1:4000"})
+    assert ranks == {"MASTER_ADDR": "n1"}
+    assert set(CONTROLLER_OWNED) == set(derived) - set(ranks)

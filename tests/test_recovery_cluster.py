@@ -92,6 +92,15 @@ def test_plain_ddp_module_recovers_bit_identical(cluster, reference, tmp_path):
     done = [e for e in read_events(tmp_path / "controller.jsonl")
             if e["event"] == "recovery.done"]
     assert len(done) == 1
+    # without the SPANK plugin (this cluster has none) ranks run with the controller's
+    # settings: the same as with it (tests/test_spank_cluster.py)
+    from hpct_slurm.controller.controller import Options
+    settings = [e["settings"] for n in ("n1", "n2", "n3", "n4", "n5")
+                for e in _rank_events(tmp_path, n) if e["event"] == "rank.registered"]
+    assert len(settings) == 5 and all(
+        s == {"collective_timeout_s": Options.collective_timeout_s,
+              "init_timeout_s": Options.init_timeout_s, "store": "rootless"}
+        for s in settings), settings
 
 
 def _rank_events(run_dir, node):

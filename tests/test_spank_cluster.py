@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hpct_slurm.controller.controller import Options
 from hpct_slurm.hooks.install import plugstack_line
 from hpct_slurm.hooks.prolog import DRAIN_PREFIX
 from hpct_slurm.localcluster.layout import Hooks
@@ -17,6 +18,8 @@ from hpct_slurm.localcluster.layout import Hooks
 pytestmark = pytest.mark.cluster
 
 HPCT = str(Path(sys.executable).parent / "hpct-slurm")
+CONTROLLER_SETTINGS = {"collective_timeout_s": Options.collective_timeout_s,
+                       "init_timeout_s": Options.init_timeout_s}
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +280,9 @@ def test_sbatch_hpct_options_drive_the_controller(hpct, tmp_path):
     rank_events = [e for f in (run_dir / "events").glob("*.jsonl") for e in read_events(f)]
     assert [e["step"] for e in rank_events if e["event"] == "rank.step"] == [0, 1, 2]
     assert not any(e["event"] == "store.shard_started" for e in rank_events)
+    # the plugin's task prolog derives a rendezvous env (120 s collective timeout for steps
+    # nobody supervises); ranks the controller launched keep the controller's settings, the
+    # same as without the plugin (tests/test_recovery_cluster.py checks those)
+    settings = [e["settings"] for e in rank_events if e["event"] == "rank.registered"]
+    assert settings and all(s == {**CONTROLLER_SETTINGS, "store": "tcpstore"}
+                            for s in settings), settings

@@ -73,6 +73,8 @@ class Options:
     ready_timeout_s: float = 60.0
     store: str = "rootless"
     collective_timeout_s: float = 10.0
+    # bounded so a member lost between assignment and formation costs at most this long
+    init_timeout_s: float = 30.0
     on_no_spare: str = "requeue"  # or "fail"
     pool_spares: int = 0  # spares the job may borrow from the cluster pool over its life
     pool_reservation: str = "hpct_spares"
@@ -284,7 +286,10 @@ class Controller:
             "HPCT_RUN_DIR": str(self.run_dir),
             "HPCT_ROLE": role,
             "HPCT_STORE": self.o.store,
+            # the controller is the one writer of the ranks' timeouts (a task prolog leaves
+            # them alone: hooks/task_prolog.CONTROLLER_OWNED)
             "HPCT_COLLECTIVE_TIMEOUT_S": str(self.o.collective_timeout_s),
+            "HPCT_INIT_TIMEOUT_S": str(self.o.init_timeout_s),
             "HPCT_PERSIST_EVERY": str(self.o.persist_every),
             # the data-parallel world, for a DistributedSampler built before job.run
             "HPCT_WORLD_SIZE": str(self.data_world),

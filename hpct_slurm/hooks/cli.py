@@ -64,7 +64,7 @@ def _epilog(args: argparse.Namespace) -> int:
 
 
 def _task_prolog(args: argparse.Namespace) -> int:
-    from .task_prolog import format_exports, rendezvous_env, task_env
+    from .task_prolog import for_task, format_exports, rendezvous_env, task_env
 
     from ..errors import HpctError
 
@@ -75,7 +75,7 @@ def _task_prolog(args: argparse.Namespace) -> int:
         # A step the controller did not launch (plain `srun hostname`) has no rendezvous to
         # join; it must still run.
         print(f"hpct: no rendezvous env: {exc.message}", file=sys.stderr)
-    sys.stdout.write(format_exports(env))
+    sys.stdout.write(format_exports(for_task(env, os.environ)))
     return 0
 
 

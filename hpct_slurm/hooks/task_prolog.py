@@ -19,6 +19,21 @@ from .shm import check_job_id, job_dir, read_budget, shm_root
 RENDEZVOUS_CLI = "hpct_slurm.rendezvous.cli"
 
 
+# Rank-side settings the controller hands to the ranks it launches (one writer: the
+# controller). A task prolog run for such a rank must not overwrite them with the rendezvous
+# derivation's defaults for steps nobody supervises (issue 14: with the SPANK plugin
+# installed, ranks ran with a 120 s collective timeout, without it with 10 s).
+CONTROLLER_OWNED = ("HPCT_COLLECTIVE_TIMEOUT_S", "HPCT_INIT_TIMEOUT_S")
+
+
+def for_task(env: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """`env` less what the controller owns, when the task is one the controller launched
+    (it set HPCT_CONTROLLER in the step's environment)."""
+    if not environ.get("HPCT_CONTROLLER"):
+        return env
+    return {k: v for k, v in env.items() if k not in CONTROLLER_OWNED}
+
+
 def task_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The hpct part of a task's environment (pure but for reading the grant file)."""
     out: dict[str, str] = {}

@@ -235,8 +235,13 @@ class Job:
             self.events)
         self.client.register(node, self.slurm.localid or 0, self.role, self.host_addr,
                              self.transfer.address[1])
+        # the settings this rank runs with, whoever set them (the controller; a task prolog
+        # must not override them): tests compare them with and without the SPANK plugin
         self.events.emit("rank.registered", role=self.role, pid=os.getpid(), mode=self.mode,
-                         rank_state=self.rank_snaps is not None)
+                         rank_state=self.rank_snaps is not None,
+                         settings={"collective_timeout_s": self.collective_timeout_s,
+                                   "init_timeout_s": self.init_timeout_s,
+                                   "store": self.store_kind})
 
     def _sharded_mode(self, spec: MeshSpec) -> str:
         if self._mode_given is not None:

@@ -773,12 +773,13 @@ class Controller:
     def _persisted_steps(self) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
         """Steps on disk: shard key -> those of the shared state (key 0 alone for plain data
         parallelism), and rank -> those of its own state."""
+        from ..recovery.persist import list_steps
+
         def by_index(root: Path) -> dict[int, set[int]]:
             return {int(d.name[4:]): set(list_steps(root, int(d.name[4:])))
                     for d in (root.glob("rank*") if root.is_dir() else [])
                     if RANK_DIR_RE.fullmatch(d.name)}
 
-        from ..recovery.persist import list_steps
         return by_index(self.run_dir / "persist"), by_index(self.run_dir / "persist-rank")
 
     async def _fence(self, node: str, reason: str) -> None:

@@ -203,7 +203,7 @@ class Job:
         self.lazy = env.get("HPCT_SNAPSHOT_LAZY", "1") != "0"
         self._set_mode(self.mode)
         if optimizer is not None:
-            self._hold_copy(optimizer)
+            self._watch_optimizer(optimizer)
         self.replicas = ReplicaStore()
         self.pusher: ReplicaPusher | None = None
         self.rank_persister: DiskPersister | None = None
@@ -293,7 +293,7 @@ class Job:
         self.model, self.optimizer = built[0], built[1]
         self.lr_scheduler = built[2] if len(built) == 3 else None
         self.state.register(model=self.model, optimizer=self.optimizer)
-        self._hold_copy(self.optimizer)
+        self._watch_optimizer(self.optimizer)
         if self.lr_scheduler is not None:
             self.state.register(lr_scheduler=self.lr_scheduler)
         if self._replicate_given is None:
@@ -538,9 +538,10 @@ class Job:
             self.events.emit("snapshot.captured_at_fault", rank=self.rank, step=snap.step,
                              nbytes=snap.layout.nbytes)
 
-    def _hold_copy(self, optimizer: Any) -> None:
-        """The next optimizer step waits for the background copy of the last commit: the
-        copy reads the parameters and optimizer state that step is about to change."""
+    def _watch_optimizer(self, optimizer: Any) -> None:
+        """Before each optimizer step: drop a lazily held step (the live state stops being
+        it) and wait for the background copy of the last commit (it reads what that step is
+        about to change)."""
         optimizer.register_step_pre_hook(lambda *_: self.snapshots.before_optimizer_step())
 
     def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:

@@ -82,10 +82,6 @@ class MeshSpec:
                 n *= size
         return n
 
-    def describe(self, rank: int) -> str:
-        coord = self.coordinate(rank)
-        return "(" + ", ".join(f"{n}={c}" for n, c in zip(self.names, coord)) + ")"
-
 
 def infer_replicate(names: tuple[str, ...], params: Iterable[Any]) -> tuple[str, ...]:
     """The mesh dimensions over which every DTensor parameter is replicated: a dimension is

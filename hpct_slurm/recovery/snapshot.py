@@ -240,13 +240,29 @@ class SnapshotStore:
         """Commit if `step` is a commit step; the snapshot committed, else None."""
         return self.commit(step) if self.due(step) else None
 
-    def commit(self, step: int) -> Snapshot:
-        """Capture the state after `step` into the spare slot and make it current (unsealed)."""
+    def _begin(self) -> tuple[int, torch.Tensor, Layout, list]:
+        """Start a snapshot in the spare slot (after the last commit is done and a pending
+        one given up): what can still change before the next optimizer step (buffers, RNG
+        states, scalars, anything not a parameter or optimizer state) is copied now. Returns
+        the slot, its buffer, the layout and the (destination, live) pairs still to copy:
+        the parameters and optimizer state. The caller ends with `_finish` or `abandon`."""
         self.wait()
         self.drop_pending()
         idx, buf = self.slots.acquire_target()
         try:
-            layout, buf = self.state.capture_into(buf, self.scopes)
+            layout, buf, pairs = self.state.prepare(buf, self.scopes)
+            stable = self.state.stable_ptrs()
+            copy_pairs((d, t) for d, t in pairs if t.data_ptr() not in stable)
+        except BaseException:
+            self.slots.abandon(idx)
+            raise
+        return idx, buf, layout, [(d, t) for d, t in pairs if t.data_ptr() in stable]
+
+    def _finish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
+                late: list) -> Snapshot:
+        """Copy the rest of a begun snapshot and make it current (unsealed)."""
+        try:
+            copy_pairs(late)
         except BaseException:
             self.slots.abandon(idx)
             raise
@@ -255,43 +271,33 @@ class SnapshotStore:
             _SEALER.submit(snap)
         return snap
 
+    def commit(self, step: int) -> Snapshot:
+        """Capture the state after `step` into the spare slot and make it current (unsealed)."""
+        idx, buf, layout, late = self._begin()
+        return self._finish(idx, buf, step, layout, late)
+
     def commit_async(self, step: int, then: Callable[[Snapshot], None] | None = None) -> None:
         """Commit `step` off the step's critical path: what can still change before the next
-        optimizer step (buffers, RNG states, scalars, anything not a parameter or optimizer
-        state) is captured now; parameters and optimizer state are copied on a background
-        thread while the next step's forward and backward run. `wait_copied` (called from the
-        optimizer's step pre-hook) holds the next update back until that copy is done. The
-        snapshot is published, and `then(snapshot)` runs (a push, a save), on that thread."""
-        self.wait()
-        self.drop_pending()
-        idx, buf = self.slots.acquire_target()
-        try:
-            layout, buf, pairs = self.state.prepare(buf, self.scopes)
-            stable = self.state.stable_ptrs()
-            late = [(d, t) for d, t in pairs if t.data_ptr() in stable]
-            copy_pairs((d, t) for d, t in pairs if t.data_ptr() not in stable)
-        except BaseException:
-            self.slots.abandon(idx)
-            raise
+        optimizer step is captured now (`_begin`); parameters and optimizer state are copied
+        on a background thread while the next step's forward and backward run. `wait_copied`
+        (called from the optimizer's step pre-hook) holds the next update back until that
+        copy is done. The snapshot is published, and `then(snapshot)` runs (a push, a save),
+        on that thread."""
+        idx, buf, layout, late = self._begin()
         self._copied.clear()
         self._done.clear()
 
         def work() -> None:
             snap = None
             try:
-                copy_pairs(late)
-                snap = self.slots.publish(idx, buf, step, layout, None)
+                snap = self._finish(idx, buf, step, layout, late)
             except BaseException as exc:  # kept for the training thread (wait)
-                self.slots.abandon(idx)
                 self._error = exc
             finally:
                 self._copied.set()
             try:
-                if snap is not None:
-                    if self.background_seal:
-                        _SEALER.submit(snap)
-                    if then is not None:
-                        then(snap)  # reports its own failures: they do not stop training
+                if snap is not None and then is not None:
+                    then(snap)  # reports its own failures: they do not stop training
             finally:
                 self._done.set()
 
@@ -299,22 +305,12 @@ class SnapshotStore:
 
     def prepare_lazy(self, step: int) -> None:
         """Hold step `step` without copying the big state: what can still change before the
-        next optimizer step is copied now, and the parameters and optimizer state are left
-        where they are, to be copied only if a fault comes before the next optimizer step
-        starts (`finish_pending`): until then they are exactly the state after `step`.
+        next optimizer step is copied now (`_begin`), and the parameters and optimizer state
+        are left where they are, to be copied only if a fault comes before the next optimizer
+        step starts (`finish_pending`): until then they are exactly the state after `step`.
         The next optimizer step drops the pending snapshot (`before_optimizer_step`)."""
-        self.wait()
-        self.drop_pending()
-        idx, buf = self.slots.acquire_target()
-        try:
-            layout, buf, pairs = self.state.prepare(buf, self.scopes)
-            stable = self.state.stable_ptrs()
-            copy_pairs((d, t) for d, t in pairs if t.data_ptr() not in stable)
-        except BaseException:
-            self.slots.abandon(idx)
-            raise
-        self._pending = (idx, buf, step, layout,
-                         [(d, t) for d, t in pairs if t.data_ptr() in stable])
+        idx, buf, layout, late = self._begin()
+        self._pending = (idx, buf, step, layout, late)
 
     def drop_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -328,13 +324,7 @@ class SnapshotStore:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        idx, buf, step, layout, late = pending
-        try:
-            copy_pairs(late)
-        except BaseException:
-            self.slots.abandon(idx)
-            raise
-        return self.slots.publish(idx, buf, step, layout, None)
+        return self._finish(*pending)
 
     def before_optimizer_step(self) -> None:
         """From the optimizer's step pre-hook: the parameters and optimizer state are about

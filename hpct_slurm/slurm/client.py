@@ -493,13 +493,10 @@ class SlurmClient:
     def job_finished(self, job_id: int) -> bool:
         """Whether the job has ended: in one of FINISHED_JOB_STATES, or no longer known to
         slurmctld (purged after MinJobAge)."""
-        argv = ["squeue", "-h", "-j", str(int(job_id)), "-o", "%T"]
-        try:
-            out = self.run(argv).stdout
-        except SlurmCommandError as exc:
-            if "Invalid job id" in exc.stderr:
-                return True
-            raise
+        out = self._output_unless(["squeue", "-h", "-j", str(int(job_id)), "-o", "%T"],
+                                  "Invalid job id")
+        if out is None:
+            return True
         state = parse_job_state(out)
         return state is None or state in FINISHED_JOB_STATES
 
@@ -510,14 +507,19 @@ class SlurmClient:
 
     def reservation_nodes(self, name: str) -> list[str] | None:
         """The nodes of reservation `name`; None when there is no such reservation."""
-        argv = ["scontrol", "show", "reservation", "-o", _reservation_name(name)]
+        out = self._output_unless(["scontrol", "show", "reservation", "-o",
+                                   _reservation_name(name)], "not found")
+        return None if out is None else parse_reservation_nodes(out)
+
+    def _output_unless(self, argv: list[str], absent: str) -> str | None:
+        """The command's stdout; None when it failed saying `absent` (what it asked about
+        does not exist, which is an answer, not an error)."""
         try:
-            out = self.run(argv).stdout
+            return self.run(argv).stdout
         except SlurmCommandError as exc:
-            if "not found" in exc.stderr:
+            if absent in exc.stderr:
                 return None
             raise
-        return parse_reservation_nodes(out)
 
     def show_hostlist(self, hosts: Sequence[str]) -> str:
         argv = ["scontrol", "--", "show", "hostlist", ",".join(hosts)]

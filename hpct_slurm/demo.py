@@ -38,14 +38,10 @@ class RunResult:
     results: dict[int, dict]
 
     def events(self) -> list[dict]:
-        out = []
-        for f in sorted((self.run_dir / "events").glob("*.jsonl")):
-            out.extend(read_events(f))
-        return out
+        return rank_events(self.run_dir)
 
     def controller_events(self) -> list[dict]:
-        path = self.run_dir / "controller.jsonl"
-        return list(read_events(path)) if path.exists() else []
+        return controller_events(self.run_dir)
 
 
 def _say(msg: str) -> None:
@@ -63,12 +59,29 @@ def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
         script_args=args, env=env)
 
 
+def controller_events(run_dir: Path) -> list[dict]:
+    """The controller's events of a run (none yet: an empty list)."""
+    path = run_dir / "controller.jsonl"
+    return list(read_events(path)) if path.exists() else []
+
+
+def rank_events(run_dir: Path, node: str | None = None) -> list[dict]:
+    """The events of a run's processes (of those on `node` only, given one), file by file."""
+    d = run_dir / "events"
+    files = sorted(d.glob(f"{node}-*.jsonl" if node else "*.jsonl")) if d.exists() else []
+    return [e for f in files for e in read_events(f)]
+
+
 def step_events(run_dir: Path) -> list[dict]:
-    evs = []
-    for f in sorted((run_dir / "events").glob("*.jsonl")) if (run_dir / "events").exists() \
-            else []:
-        evs.extend(e for e in read_events(f) if e.get("event") == "rank.step")
-    return evs
+    return [e for e in rank_events(run_dir) if e.get("event") == "rank.step"]
+
+
+def wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    """Until some rank of the run reported `step` done (an AssertionError after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while max((e["step"] for e in step_events(run_dir)), default=-1) < step:
+        assert time.monotonic() < deadline, f"training never reached step {step}"
+        time.sleep(0.05)
 
 
 def wait_job(cluster: LocalCluster, job_id: int, run_dir: Path, timeout: float,

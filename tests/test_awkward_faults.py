@@ -14,8 +14,8 @@ from typing import Callable
 
 import pytest
 
-from hpct_slurm.demo import TEMPLATE, bitwise_equal, collect, recomputed_steps, submit, wait_job
-from hpct_slurm.events import read_events
+from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, controller_events, rank_events,
+                             recomputed_steps, submit, wait_job)
 
 pytestmark = pytest.mark.cluster
 STEPS = 24
@@ -38,14 +38,6 @@ def reference(cluster, tmp_path_factory):
     return get
 
 
-def _events(path: Path) -> list[dict]:
-    return list(read_events(path)) if path.exists() else []
-
-
-def _controller(run_dir: Path) -> list[dict]:
-    return _events(run_dir / "controller.jsonl")
-
-
 def _when(what: str, source: Callable[[], list[dict]], pred: Callable[[dict], bool],
           timeout: float = 120) -> dict:
     """The first event `pred` accepts, polled every 5 ms: the kill that follows lands within
@@ -57,13 +49,6 @@ def _when(what: str, source: Callable[[], list[dict]], pred: Callable[[dict], bo
                 return e
         time.sleep(0.005)
     raise AssertionError(f"never saw {what}")
-
-
-def _rank_events(run_dir: Path) -> list[dict]:
-    out: list[dict] = []
-    for f in sorted((run_dir / "events").glob("*.jsonl")):
-        out.extend(_events(f))
-    return out
 
 
 def _start(cluster, run_dir: Path, active: int, extra: tuple[str, ...] = (),
@@ -81,7 +66,7 @@ def _wait_gone(cluster, jid: int, timeout: float, what: str) -> None:
 
 
 def _assert_clean_end(cluster, jid: int, run_dir: Path) -> None:
-    evs = _controller(run_dir)
+    evs = controller_events(run_dir)
     assert not [e for e in evs if e["event"].startswith("escalate.")], evs[-5:]
     assert [e for e in evs if e["event"] == "job.done"]
     left = cluster.run(["squeue", "-h", "-j", str(jid)]).stdout.strip()
@@ -94,7 +79,7 @@ def test_fault_during_step_zero_rolls_every_rank_back_to_creation(cluster, refer
     extra = ("--slow-at", "0", "--slow-s", "3")
     ref = reference(4, extra)
     jid = _start(cluster, tmp_path, 4, extra)
-    adopted = lambda: [e for e in _rank_events(tmp_path)  # noqa: E731
+    adopted = lambda: [e for e in rank_events(tmp_path)  # noqa: E731
                        if e["event"] == "rank.adopted" and e["generation"] == 0]
     deadline = time.monotonic() + 120
     while len(adopted()) < 4:
@@ -106,9 +91,9 @@ def test_fault_during_step_zero_rolls_every_rank_back_to_creation(cluster, refer
     got = collect(tmp_path, 4)
     assert bitwise_equal(ref, got, tmp_path)
     assert got[0]["consumed"] == ref[0]["consumed"] and got[2]["consumed"] == ref[2]["consumed"]
-    assign = [e for e in _controller(tmp_path) if e["event"] == "recovery.assign"]
+    assign = [e for e in controller_events(tmp_path) if e["event"] == "recovery.assign"]
     assert assign and assign[0]["restore_step"] == -1
-    restored = [e for e in _rank_events(tmp_path) if e["event"] == "rank.adopted"
+    restored = [e for e in rank_events(tmp_path) if e["event"] == "rank.adopted"
                 and e["generation"] == 1 and e["restore_step"] == -1]
     assert {e["source"] for e in restored} >= {"own"}  # survivors rolled back from memory
     _assert_clean_end(cluster, jid, tmp_path)
@@ -120,14 +105,14 @@ def test_node_lost_while_the_group_first_forms(cluster, reference, tmp_path):
     no healthy node is counted as lost, nothing is requeued."""
     ref = reference(4)
     jid = _start(cluster, tmp_path, 4)
-    start = _when("generation 0", lambda: _controller(tmp_path),
+    start = _when("generation 0", lambda: controller_events(tmp_path),
                   lambda e: e["event"] == "generation.start" and e["generation"] == 0)
     cluster.kill_node("n3")
     t_kill = time.time()
     assert t_kill - start["t"] < 0.1 + 0.05  # the kill landed in the window (+ clock jitter)
     wait_job(cluster, jid, tmp_path, 240, label="first-formation")
     assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
-    evs = _controller(tmp_path)
+    evs = controller_events(tmp_path)
     fenced = {e["node"] for e in evs if e["event"] == "fault.fenced"}
     assert fenced == {"n3"}, evs
     done = [e for e in evs if e["event"] == "recovery.done"]
@@ -143,13 +128,13 @@ def test_neighbouring_nodes_lost_together_fall_back_to_disk_honestly(cluster, re
     every rank, says so, counts the recomputed steps, and ends bit-identical."""
     ref = reference(3)
     jid = _start(cluster, tmp_path, 3)
-    _when("step 14", lambda: _rank_events(tmp_path),
+    _when("step 14", lambda: rank_events(tmp_path),
           lambda e: e["event"] == "rank.step" and e["step"] >= 14)
     cluster.kill_node("n2")
     cluster.kill_node("n3")
     wait_job(cluster, jid, tmp_path, 240, label="owner-and-holder")
     assert bitwise_equal(ref, collect(tmp_path, 3), tmp_path)
-    evs = _controller(tmp_path)
+    evs = controller_events(tmp_path)
     fallback = [e for e in evs if e["event"] == "recovery.disk_fallback"]
     assert fallback and fallback[0]["restore_step"] % 10 == 0
     assert fallback[0]["restore_step"] < fallback[0]["newest_held"]
@@ -163,10 +148,10 @@ def test_taker_killed_right_after_its_assignment(cluster, reference, tmp_path):
     of the assignment: a second fault in the same recovery, the next spare (n5) takes over."""
     ref = reference(3)
     jid = _start(cluster, tmp_path, 3)
-    _when("step 8", lambda: _rank_events(tmp_path),
+    _when("step 8", lambda: rank_events(tmp_path),
           lambda e: e["event"] == "rank.step" and e["step"] >= 8)
     cluster.kill_node("n2")
-    assign = _when("the recovery's assignment", lambda: _controller(tmp_path),
+    assign = _when("the recovery's assignment", lambda: controller_events(tmp_path),
                    lambda e: e["event"] == "recovery.assign")
     taker = assign["taken"]["n2"]
     cluster.kill_node(taker)
@@ -184,7 +169,7 @@ def test_a_script_that_fails_before_its_first_step_ends_the_job(cluster, tmp_pat
     ends (not requeued) with that error, and `status` says so in one line."""
     jid = _start(cluster, tmp_path, 4, ("--fail-before-start",))
     _wait_gone(cluster, jid, 120, "the failing job")
-    evs = _controller(tmp_path)
+    evs = controller_events(tmp_path)
     failed = [e for e in evs if e["event"] == "job.failed"]
     assert failed and failed[0]["cause"] == "script"
     assert "FileNotFoundError: injected: the dataset cache is missing" in failed[0]["reason"]
@@ -205,7 +190,7 @@ def test_fewer_spares_than_asked_is_loud_and_refusable(cluster, tmp_path):
                  env={"HPCT_ACTIVE_NODES": "4", "HPCT_SPARE_NODES": "1",
                       "HPCT_ON_FEW_SPARES": "refuse"})
     _wait_gone(cluster, jid, 60, "the refused job")
-    evs = _controller(tmp_path)
+    evs = controller_events(tmp_path)
     short = [e for e in evs if e["event"] == "controller.spares_short"]
     assert short and short[0]["wanted"] == 1 and short[0]["got"] == 0
     assert short[0]["action"] == "refuse"
@@ -223,21 +208,21 @@ def test_requeued_after_losing_its_spares_it_starts_on_the_nodes_left(cluster, r
     jid = submit(cluster, tmp_path, TEMPLATE, TRAIN, nodes="3-4",
                  env={"HPCT_ACTIVE_NODES": "3", "HPCT_SPARE_NODES": "1",
                       "HPCT_ON_FEW_SPARES": "refuse"})
-    start = _when("the controller's start", lambda: _controller(tmp_path),
+    start = _when("the controller's start", lambda: controller_events(tmp_path),
                   lambda e: e["event"] == "controller.start")
     assert len(start["spares"]) == 1  # Slurm gave the range's maximum: a warm spare
     spare = start["spares"][0]
-    _when("step 6", lambda: _rank_events(tmp_path),
+    _when("step 6", lambda: rank_events(tmp_path),
           lambda e: e["event"] == "rank.step" and e["step"] >= 6)
     cluster.kill_node(spare)
-    _when("the spare's loss", lambda: _controller(tmp_path),
+    _when("the spare's loss", lambda: controller_events(tmp_path),
           lambda e: e["event"] == "fault.detected" and e["node"] == spare)
     victim = [n for n in start["active"] if n != start["active"][0]][-1]  # not the batch host
     cluster.kill_node(victim)
     wait_job(cluster, jid, tmp_path, 400, label="requeue-on-fewer")
     got = collect(tmp_path, 3)
     assert bitwise_equal(ref, got, tmp_path)
-    evs = _controller(tmp_path)
+    evs = controller_events(tmp_path)
     assert [e for e in evs if e["event"] == "escalate.requeue"]
     starts = [e for e in evs if e["event"] == "controller.start"]
     assert len(starts) == 2 and victim not in starts[1]["active"] + starts[1]["spares"]

@@ -2,7 +2,6 @@
 training bit-identical to an uninterrupted run of the same world size and seed."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, recomputed_steps, step_events,
-                             submit, wait_job)
+from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, controller_events,
+                             recomputed_steps, step_events, submit, wait_job, wait_step)
 from hpct_slurm.events import read_events
 
 pytestmark = pytest.mark.cluster
@@ -35,20 +34,8 @@ def reference(cluster, tmp_path_factory):
     return get
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "controller.jsonl"
-    return list(read_events(path)) if path.exists() else []
-
-
-def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while max((e["step"] for e in step_events(run_dir)), default=-1) < step:
-        assert time.monotonic() < deadline, f"training never reached step {step}"
-        time.sleep(0.05)
-
-
 def _pid_of(run_dir: Path, node: str) -> int:
-    return [e["pid"] for e in _events(run_dir)
+    return [e["pid"] for e in controller_events(run_dir)
             if e["event"] == "rank.register" and e["node"] == node][-1]
 
 
@@ -58,14 +45,14 @@ def _start(cluster, tmp_path, active=4, nodes=5):
 
 
 def _fenced(run_dir: Path) -> dict[str, str]:
-    return {e["node"]: e["how"] for e in _events(run_dir) if e["event"] == "fault.fenced"}
+    return {e["node"]: e["how"] for e in controller_events(run_dir) if e["event"] == "fault.fenced"}
 
 
 def test_scontrol_down_and_bad_messages_are_rejected(cluster, reference, tmp_path):
     ref = reference(4)
     jid = _start(cluster, tmp_path)
-    _wait_step(tmp_path, 10)
-    start = [e for e in _events(tmp_path) if e["event"] == "controller.start"][0]
+    wait_step(tmp_path, 10)
+    start = [e for e in controller_events(tmp_path) if e["event"] == "controller.start"][0]
     host, port = start["address"].rsplit(":", 1)
     # from inside another node: garbage, a frame signed with the wrong secret, a truncated one
     probe = ("import socket,sys,json\n"
@@ -83,7 +70,7 @@ def test_scontrol_down_and_bad_messages_are_rejected(cluster, reference, tmp_pat
     wait_job(cluster, jid, tmp_path, 240, label="scontrol-down")
     assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
     assert recomputed_steps(tmp_path) == 0
-    evs = _events(tmp_path)
+    evs = controller_events(tmp_path)
     rejected = [e for e in evs if e["event"] == "protocol.rejected"]
     assert len(rejected) >= 3
     assert any("MAC" in e["error"] or "mac" in e["error"].lower() for e in rejected)
@@ -93,12 +80,12 @@ def test_scontrol_down_and_bad_messages_are_rejected(cluster, reference, tmp_pat
 def test_sigstop_hang_is_fenced_and_replaced(cluster, reference, tmp_path):
     ref = reference(4)
     jid = _start(cluster, tmp_path)
-    _wait_step(tmp_path, 10)
+    wait_step(tmp_path, 10)
     os.kill(_pid_of(tmp_path, "n2"), signal.SIGSTOP)
     wait_job(cluster, jid, tmp_path, 240, label="sigstop")
     assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
     assert recomputed_steps(tmp_path) == 0
-    faults = [e for e in _events(tmp_path) if e["event"] == "fault.detected"]
+    faults = [e for e in controller_events(tmp_path) if e["event"] == "fault.detected"]
     assert faults[0]["node"] == "n2" and faults[0]["reason"].startswith("no heartbeat")
     assert _fenced(tmp_path)["n2"] == "step cancelled"
 
@@ -106,7 +93,7 @@ def test_sigstop_hang_is_fenced_and_replaced(cluster, reference, tmp_path):
 def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):
     ref = reference(4)
     jid = _start(cluster, tmp_path)
-    _wait_step(tmp_path, 10)
+    wait_step(tmp_path, 10)
     cluster.cut_link("n3")
     try:
         wait_job(cluster, jid, tmp_path, 240, label="cut-link")
@@ -119,7 +106,7 @@ def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):
     # Issue 19: a partitioned peer sends no FIN, so survivors blocked in a collective with it
     # were held until the 10 s collective timeout (7 s of survivors_ready). The STOP names the
     # lost address and survivors cut their own connections to it: they are ready at once.
-    done = [e for e in _events(tmp_path) if e["event"] == "recovery.done"]
+    done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1 and done[0]["phases"]["survivors_ready"] < 5.0, done
     severed = [e for f in (tmp_path / "events").glob("n[124]-*.jsonl")
                for e in read_events(f) if e["event"] == "rank.severed"]
@@ -129,7 +116,7 @@ def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):
 def test_second_fault_during_recovery(cluster, reference, tmp_path):
     ref = reference(3)
     jid = _start(cluster, tmp_path, active=3)
-    _wait_step(tmp_path, 10)
+    wait_step(tmp_path, 10)
     cluster.kill_node("n3")
     time.sleep(0.3)
     cluster.kill_node("n2")
@@ -143,28 +130,28 @@ def test_second_fault_during_recovery(cluster, reference, tmp_path):
 def test_spare_dies_before_it_is_used(cluster, reference, tmp_path):
     ref = reference(3)
     jid = _start(cluster, tmp_path, active=3)
-    _wait_step(tmp_path, 8)
+    wait_step(tmp_path, 8)
     cluster.kill_node("n4")  # a spare
-    _wait_step(tmp_path, 14)
+    wait_step(tmp_path, 14)
     cluster.kill_node("n3")
     wait_job(cluster, jid, tmp_path, 240, label="spare-dies")
     got = collect(tmp_path, 3)
     assert bitwise_equal(ref, got, tmp_path)
     assert recomputed_steps(tmp_path) == 0
     assert got[2]["node"] == "n5"
-    spare_fault = [e for e in _events(tmp_path) if e["event"] == "fault.detected"][0]
+    spare_fault = [e for e in controller_events(tmp_path) if e["event"] == "fault.detected"][0]
     assert spare_fault["node"] == "n4" and spare_fault["role"] == "spare"
 
 
 def test_no_spare_left_requeues_and_restores_from_disk(cluster, reference, tmp_path):
     ref = reference(4)
     jid = _start(cluster, tmp_path, active=4, nodes=4)
-    _wait_step(tmp_path, 25)
+    wait_step(tmp_path, 25)
     cluster.kill_node("n3")
     wait_job(cluster, jid, tmp_path, 300, label="no-spare")
     got = collect(tmp_path, 4)
     assert bitwise_equal(ref, got, tmp_path)
-    evs = _events(tmp_path)
+    evs = controller_events(tmp_path)
     assert any(e["event"] == "escalate.requeue" for e in evs)
     resumed = [e for e in evs if e["event"] == "controller.resume_from_disk"]
     assert resumed and resumed[0]["step"] >= 9  # a persisted snapshot, not step 0
@@ -174,12 +161,12 @@ def test_no_spare_left_requeues_and_restores_from_disk(cluster, reference, tmp_p
 def test_batch_host_loss_requeues_and_resumes(cluster, reference, tmp_path):
     ref = reference(4)
     jid = _start(cluster, tmp_path, active=4, nodes="4-5")
-    _wait_step(tmp_path, 25)
+    wait_step(tmp_path, 25)
     cluster.kill_node("n1")  # the batch host: Slurm itself kills and requeues the job
     wait_job(cluster, jid, tmp_path, 400, label="batch-host")
     got = collect(tmp_path, 4)
     assert bitwise_equal(ref, got, tmp_path)
-    resumed = [e for e in _events(tmp_path) if e["event"] == "controller.resume_from_disk"]
+    resumed = [e for e in controller_events(tmp_path) if e["event"] == "controller.resume_from_disk"]
     assert resumed and resumed[0]["step"] >= 9
     assert "n1" not in {r["node"] for r in got.values()}
 
@@ -197,10 +184,10 @@ def test_spare_borrowed_from_the_cluster_pool(cluster, reference, tmp_path):
         jid = submit(cluster, tmp_path, TEMPLATES / "pool.sbatch", TRAIN, nodes=4,
                      env={"HPCT_POOL_SPARES": "1"})
         deadline = time.monotonic() + 120
-        while not any(e["event"] == "pool.spare_joined" for e in _events(tmp_path)):
+        while not any(e["event"] == "pool.spare_joined" for e in controller_events(tmp_path)):
             assert time.monotonic() < deadline, "the pool spare never joined"
             time.sleep(0.2)
-        _wait_step(tmp_path, 12)
+        wait_step(tmp_path, 12)
         cluster.kill_node("n3")
         wait_job(cluster, jid, tmp_path, 240, label="pool-spare")
     finally:
@@ -209,7 +196,7 @@ def test_spare_borrowed_from_the_cluster_pool(cluster, reference, tmp_path):
     assert bitwise_equal(ref, got, tmp_path)
     assert recomputed_steps(tmp_path) == 0
     assert got[2]["node"] == "n5"
-    evs = _events(tmp_path)
+    evs = controller_events(tmp_path)
     borrowed = [e for e in evs if e["event"] == "pool.borrow"]
     assert len(borrowed) == 1
     # the companion job ended with the training job
@@ -223,11 +210,11 @@ def test_no_spare_left_shrinks_with_the_same_global_batch(cluster, reference, tm
     ref = reference(4)
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--micro"], nodes=4,
                  env={"HPCT_ACTIVE_NODES": "4", "HPCT_ON_NO_SPARE": "shrink"})
-    _wait_step(tmp_path, 12)
+    wait_step(tmp_path, 12)
     cluster.kill_node("n3")
     wait_job(cluster, jid, tmp_path, 240, label="shrink")
     got = collect(tmp_path, 3)
-    evs = _events(tmp_path)
+    evs = controller_events(tmp_path)
     shrunk = [e for e in evs if e["event"] == "recovery.shrink"]
     assert len(shrunk) == 1 and shrunk[0]["members"] == ["n1", "n2", "n4"]
     restore = [e for e in evs if e["event"] == "recovery.assign"][0]["restore_step"]
@@ -256,7 +243,7 @@ def test_rank_reported_fault_restarts_in_place(cluster, reference, tmp_path):
     got = collect(tmp_path, 4)
     assert bitwise_equal(ref, got, tmp_path)
     assert recomputed_steps(tmp_path) == 0
-    evs = _events(tmp_path)
+    evs = controller_events(tmp_path)
     assert [e["nodes"] for e in evs if e["event"] == "fault.in_process"] == [["n2"]]
     assert [e["taken"] for e in evs if e["event"] == "recovery.done"] == [{}]
     assert not _fenced(tmp_path)
@@ -284,7 +271,7 @@ def test_a_dead_slurmd_is_seen_in_slurm_state_and_the_rank_moves(cluster, refere
     # slower steps (the same results): Slurm needs SlurmdTimeout (10 s) to notice
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--step-sleep", "0.8"], nodes=5,
                  env={"HPCT_ACTIVE_NODES": "4"})
-    _wait_step(tmp_path, 3)
+    wait_step(tmp_path, 3)
     os.kill(cluster.state().slurmd_pids["n3"], signal.SIGKILL)
     wait_job(cluster, jid, tmp_path, 240, label="slurmd-death")
     _assert_n3_replaced(ref, tmp_path, "slurm: node not responding", "node down")
@@ -296,6 +283,6 @@ def _assert_n3_replaced(ref: dict, run_dir: Path, reason: str, fenced_how: str) 
     got = collect(run_dir, 4)
     assert bitwise_equal(ref, got, run_dir)
     assert recomputed_steps(run_dir) == 0
-    faults = [e for e in _events(run_dir) if e["event"] == "fault.detected"]
+    faults = [e for e in controller_events(run_dir) if e["event"] == "fault.detected"]
     assert faults[0]["node"] == "n3" and faults[0]["reason"].startswith(reason)
     assert _fenced(run_dir)["n3"] == fenced_how and got[2]["node"] == "n5"

@@ -11,18 +11,14 @@ import time
 import pytest
 
 from hpct_slurm.demo import (TEMPLATE, VICTIM, back_to_speed, bitwise_equal, collect,
-                             recomputed_steps, rolled_back_steps,
-                             step_events, submit, wait_job)
+                             controller_events, rank_events, recomputed_steps,
+                             rolled_back_steps, step_events, submit, wait_job)
 from hpct_slurm.events import read_events
 
 pytestmark = pytest.mark.cluster
 STEPS = 40
 TRAIN = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(STEPS),
          "--step-sleep", "0.1"]
-
-
-def _controller_events(run_dir):
-    return list(read_events(run_dir / "controller.jsonl"))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def test_node_crash_warm_spare_takes_over_bit_identical(cluster, reference, tmp_
     # that step existed only in its memory); usually none
     assert len(rolled_back_steps(tmp_path)) <= 1
     assert got[2]["node"] == "n5"  # the spare holds the crashed node's rank
-    done = [e for e in _controller_events(tmp_path) if e["event"] == "recovery.done"]
+    done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1 and done[0]["taken"] == {VICTIM: "n5"}
     _, k_last = back_to_speed(tmp_path, t_kill)
     assert k_last - done[0]["restore_step"] <= 1
@@ -55,9 +51,9 @@ def test_node_crash_warm_spare_takes_over_bit_identical(cluster, reference, tmp_
     # may share its failure domain), which holds a few KB a step of it, not the model
     assert got[2]["consumed"] == reference[2]["consumed"] is not None
     n1 = cluster.client().show_node("n1").addr
-    fetched = [e for e in _rank_events(tmp_path, "n5") if e["event"] == "transfer.fetched"]
+    fetched = [e for e in rank_events(tmp_path, "n5") if e["event"] == "transfer.fetched"]
     assert any(e["rank"] == 2 and e["source"].split(":")[0] == n1 for e in fetched)
-    stored = [e for e in _rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
+    stored = [e for e in rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
     assert stored and max(e["nbytes"] for e in stored) < 64 * 1024
 
 
@@ -67,13 +63,13 @@ def test_rank_process_kill_recovers_in_process(cluster, reference, tmp_path):
     while max((e["step"] for e in step_events(tmp_path)), default=-1) < 12:
         assert time.monotonic() < deadline, "training never reached step 12"
         time.sleep(0.1)
-    reg = [e for e in _controller_events(tmp_path)
+    reg = [e for e in controller_events(tmp_path)
            if e["event"] == "rank.register" and e["node"] == "n2"]
     os.kill(reg[0]["pid"], signal.SIGKILL)  # only the rank process: the node stays up
     wait_job(cluster, jid, tmp_path, 240, label="rank-kill")
     assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
     assert recomputed_steps(tmp_path) == 0
-    evs = _controller_events(tmp_path)
+    evs = controller_events(tmp_path)
     fenced = [e for e in evs if e["event"] == "fault.fenced"]
     assert fenced[0]["node"] == "n2" and fenced[0]["how"] == "step cancelled"
     assert cluster.client().show_node("n2").state != "DOWN"  # a live node is not drained
@@ -96,18 +92,11 @@ def test_plain_ddp_module_recovers_bit_identical(cluster, reference, tmp_path):
     # settings: the same as with it (tests/test_spank_cluster.py)
     from hpct_slurm.controller.controller import Options
     settings = [e["settings"] for n in ("n1", "n2", "n3", "n4", "n5")
-                for e in _rank_events(tmp_path, n) if e["event"] == "rank.registered"]
+                for e in rank_events(tmp_path, n) if e["event"] == "rank.registered"]
     assert len(settings) == 5 and all(
         s == {"collective_timeout_s": Options.collective_timeout_s,
               "init_timeout_s": Options.init_timeout_s, "store": "rootless"}
         for s in settings), settings
-
-
-def _rank_events(run_dir, node):
-    out = []
-    for f in sorted((run_dir / "events").glob(f"{node}-*.jsonl")):
-        out.extend(read_events(f))
-    return out
 
 
 def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tmp_path):
@@ -121,13 +110,13 @@ def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tm
     assert bitwise_equal(reference, got, tmp_path)  # data positions included
     assert got[2]["consumed"] == reference[2]["consumed"] is not None
     assert len(rolled_back_steps(tmp_path)) <= 1  # see the node-crash test
-    registered = [e for e in _rank_events(tmp_path, "n5") if e["event"] == "rank.registered"]
+    registered = [e for e in rank_events(tmp_path, "n5") if e["event"] == "rank.registered"]
     assert registered and registered[0]["mode"] == "replicated"
-    adopted = [e for e in _rank_events(tmp_path, "n5")
+    adopted = [e for e in rank_events(tmp_path, "n5")
                if e["event"] == "rank.adopted" and e["restore_step"] >= 0]
     n1 = cluster.client().show_node("n1").addr
     assert len(adopted) == 1 and adopted[0]["source"].split(":")[0] == n1
-    stored = [e for e in _rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
+    stored = [e for e in rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
     assert {e["rank"] for e in stored} == {2}  # n1 holds n3's rank, nobody else's
 
 
@@ -141,10 +130,10 @@ def test_a_rotten_source_is_caught_by_its_checksum_and_the_next_one_used(cluster
     assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
     assert recomputed_steps(tmp_path) == 0
     n1 = cluster.client().show_node("n1").addr
-    spare = _rank_events(tmp_path, "n5")
+    spare = rank_events(tmp_path, "n5")
     failed = [e for e in spare if e["event"] == "transfer.source_failed"]
     assert failed and failed[0]["source"].split(":")[0] == n1
     assert "digest" in failed[0]["error"]
     fetched = [e for e in spare if e["event"] == "transfer.fetched"]
     assert fetched and fetched[0]["source"].split(":")[0] != n1
-    assert any(e["event"] == "transfer.fault_injected" for e in _rank_events(tmp_path, "n1"))
+    assert any(e["event"] == "transfer.fault_injected" for e in rank_events(tmp_path, "n1"))

@@ -11,13 +11,11 @@ from __future__ import annotations
 import random
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, rolled_back_steps, step_events,
-                             submit, wait_job)
-from hpct_slurm.events import read_events
+from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, controller_events, rank_events,
+                             rolled_back_steps, submit, wait_job, wait_step)
 
 pytestmark = pytest.mark.cluster
 STEPS = 24
@@ -48,30 +46,13 @@ def reference(_session_cluster, tmp_path_factory):
     return get
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "controller.jsonl"
-    return list(read_events(path)) if path.exists() else []
-
-
-def _rank_events(run_dir: Path, node: str) -> list[dict]:
-    return [e for f in sorted((run_dir / "events").glob(f"{node}-*.jsonl"))
-            for e in read_events(f)]
-
-
-def _wait_step(run_dir: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while max((e["step"] for e in step_events(run_dir)), default=-1) < step:
-        assert time.monotonic() < deadline, f"training never reached step {step}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("parallel,source", [("fsdp", "ring"), ("hsdp", "peer")])
 def test_node_crash_at_a_random_step_recovers_bit_identical(cluster, reference, tmp_path,
                                                            parallel, source):
     ref = reference(parallel)
     kill_at = random.Random(parallel).randrange(3, STEPS - 8)
     jid = submit(cluster, tmp_path, TEMPLATE, _train(parallel))
-    _wait_step(tmp_path, kill_at)
+    wait_step(tmp_path, kill_at)
     cluster.kill_node("n3")  # rank 2
     wait_job(cluster, jid, tmp_path, 240, label=f"{parallel}-crash")
     got = collect(tmp_path, 4)
@@ -79,25 +60,25 @@ def test_node_crash_at_a_random_step_recovers_bit_identical(cluster, reference, 
     assert bitwise_equal(ref, got, tmp_path)
     # at most one step: the lost rank's last position (HSDP) or ring push (FSDP) in flight
     assert len(rolled_back_steps(tmp_path)) <= 1
-    evs = _events(tmp_path)
+    evs = controller_events(tmp_path)
     assign = [e for e in evs if e["event"] == "recovery.assign"]
     assert len(assign) == 1 and assign[0]["sources"]["2"] == source
     assert not [e for e in evs if e["event"] == "recovery.disk_fallback"]
-    adopted = [e for e in _rank_events(tmp_path, "n5") if e["event"] == "rank.adopted"]
+    adopted = [e for e in rank_events(tmp_path, "n5") if e["event"] == "rank.adopted"]
     n1 = cluster.client().show_node("n1").addr
     src = adopted[-1]["source"]
     if parallel == "fsdp":
         # one holder per shard: rank 2's state came from its ring copy on n1, half the ring away
         assert src.split(":")[0] == n1, src
-        stored = [e for e in _rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
+        stored = [e for e in rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
         assert stored and max(e["nbytes"] for e in stored) > 64 * 1024
     else:
         # HSDP: rank 2 = (replicate=1, shard=0); its shard key's other holder is rank 0 on
         # n1, and no replica of the model state was kept anywhere in steady state: the
         # survivors copied their live state when the fault came
         assert src.split(":")[0] == n1, src
-        assert not [e for e in _rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
-        captured = [e for e in _rank_events(tmp_path, "n1")
+        assert not [e for e in rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
+        captured = [e for e in rank_events(tmp_path, "n1")
                     if e["event"] == "snapshot.captured_at_fault"]
         assert captured and captured[0]["step"] >= assign[0]["restore_step"]
 
@@ -111,14 +92,14 @@ def test_both_holders_of_a_shard_lost_fall_back_to_disk(cluster, tmp_path):
     run = tmp_path / "run"
     jid = submit(cluster, run, TEMPLATE,
                  _train("hsdp", "--shard-major", "--persist-every", "4"))
-    _wait_step(run, 14)
+    wait_step(run, 14)
     # a (shard, replicate) mesh: ranks 2 and 3 (n3, n4) are the two holders of shard 1. One
     # spare cannot replace two nodes, and no survivor holds that shard: the job requeues
     # and resumes from every shard's file on disk
     cluster.kill_node("n3")
     cluster.kill_node("n4")
     deadline = time.monotonic() + 120
-    while not any(e["event"] == "escalate.requeue" for e in _events(run)):
+    while not any(e["event"] == "escalate.requeue" for e in controller_events(run)):
         assert time.monotonic() < deadline, "the job did not escalate to a requeue"
         time.sleep(0.2)
     # the requeued job needs four nodes: the admin brings the two back (repaired)
@@ -134,7 +115,7 @@ def test_both_holders_of_a_shard_lost_fall_back_to_disk(cluster, tmp_path):
     wait_job(cluster, jid, run, 400, label="hsdp-both-holders")
     got = collect(run, 4)
     assert bitwise_equal(ref, got, run)
-    evs = _events(run)
+    evs = controller_events(run)
     assert any(e["event"] == "escalate.requeue" for e in evs)
     resumed = [e for e in evs if e["event"] == "controller.resume_from_disk"]
     assert resumed and resumed[-1]["step"] >= 4

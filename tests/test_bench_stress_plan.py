@@ -14,6 +14,7 @@ import pytest
 
 from hpct_slurm.bench import stress as S
 from hpct_slurm.errors import HpctError
+from hpct_slurm.events import read_events
 from hpct_slurm.recovery.snapshot import replica_peer
 
 
@@ -119,7 +120,7 @@ def _start(ctl: _Controller) -> S.JobView:
         ctl.emit("rank.register", node=n, local_rank=0, pid=100 + i,
                  role="spare" if n in ("n4", "n5") else "active")
     ctl.emit("generation.start", generation=0, members=["n1", "n2", "n3"], restore_step=-1)
-    return S.view(S.read_events(ctl.path))
+    return S.view(read_events(ctl.path))
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ The same training job (4 active nodes + 1 spare, an MLP whose parameters + Adam 
 same step, recovered by
   hpct      — the shipped sbatch template: survivors stay resident, a warm spare takes n3's
               rank and pulls the state from a survivor's memory;
-  baseline  — restart-all (bench/restart_all.py): one srun step over all nodes dies, every rank
+  baseline  — restart-all (examples/restart_all.py): one srun step over all nodes dies, every rank
               is relaunched, re-forms through a TCPStore, loads the disk checkpoint written
               every K steps and recomputes the steps since;
 and both compared bit for bit with one uninterrupted reference run. Repeated; medians reported.
@@ -38,21 +38,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..demo import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, collect,
-                    recomputed_steps, step_events,
-                    submit, wait_job)
 from ..errors import HpctError
-from ..events import read_events
 from ..localcluster import LocalCluster
-from ..slurm.client import SlurmCommandError
+from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, cancel,
+                                 collect, controller_events, crash_at, ready_cluster,
+                                 recomputed_steps, submit, submit_baseline, wait_job)
 from .common import write_result
-from .restart_all import batch_script
 
 NAME = "recovery"
 BENCH_ROOT = Path("/tmp/hpct-bench-cluster")
 WORLD = NODES - 1
-ANY_STATE = {"idle", "mixed", "allocated", "completing", "drained", "draining", "down",
-             "down*", "idle*", "drained*"}
 HPCT_PHASES = ("detect", "stop", "fence", "survivors_ready", "reform", "state_transfer",
                "first_step")
 BASELINE_PHASES = ("detect", "relaunch", "process_start", "rendezvous", "init_and_load",
@@ -233,39 +228,8 @@ def summarize(repeats: Sequence[dict], state_mb: float,
     }
 
 
-def ready_cluster(root: Path, nodes: int) -> LocalCluster:
-    """The cluster under `root` up, every node idle and no job left, whatever a previous run
-    (maybe killed half way, with a node crashed) left behind."""
-    cluster = LocalCluster(root, nodes=nodes)
-    if cluster.state():
-        if len(cluster.nodes) != nodes:
-            raise HpctError(f"a cluster of {len(cluster.nodes)} nodes is up under {root}; "
-                            f"this benchmark needs {nodes}: `hpct-slurm localcluster down` it")
-        with contextlib.suppress(HpctError):
-            cluster.heal()  # a crashed node revived now keeps `up` from rebuilding it all
-    # slurmctld keeps a node DOWN across a rebuild, so `up` must not wait for idle: heal does
-    cluster.up(wait=False)
-    cluster.wait_nodes(ANY_STATE, timeout=60)
-    cluster.heal()
-    return cluster
-
-
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _crash_at(cluster: LocalCluster, run_dir: Path, step: int, timeout: float) -> float:
-    """Hard-crash VICTIM once any rank completed `step`; returns when the first SIGKILL went
-    out (the demo's wait_job stamps the crash after every process died instead)."""
-    deadline = time.monotonic() + timeout
-    while max((e["step"] for e in step_events(run_dir)), default=-1) < step:
-        if time.monotonic() > deadline:
-            raise HpctError(f"training never reached step {step} within {timeout:.0f} s; see "
-                            f"{run_dir}")
-        time.sleep(0.05)
-    t = time.time()
-    cluster.kill_node(VICTIM)
-    return t
 
 
 def _wait_unless_escalated(cluster: LocalCluster, job_id: int, run_dir: Path,
@@ -275,19 +239,16 @@ def _wait_unless_escalated(cluster: LocalCluster, job_id: int, run_dir: Path,
     deadline = time.monotonic() + timeout
     slurm = cluster.client()
     while time.monotonic() < deadline:
-        path = run_dir / "controller.jsonl"
-        bad = [e for e in (read_events(path) if path.exists() else [])
+        bad = [e for e in controller_events(run_dir)
                if e["event"] in ("recovery.failed", "escalate.requeue", "escalate.fail")]
         if bad or slurm.job_finished(job_id):
             if bad:
-                with contextlib.suppress(SlurmCommandError):
-                    slurm.cancel(job_id)
+                cancel(cluster, job_id)
                 raise HpctError(f"job {job_id} escalated instead of recovering in place: "
                                 f"{bad[0].get('error') or bad[0].get('reason')}; see {run_dir}")
             return
         time.sleep(0.5)
-    with contextlib.suppress(SlurmCommandError):
-        slurm.cancel(job_id)
+    cancel(cluster, job_id)
     raise HpctError(f"job {job_id} did not finish within {timeout:.0f} s; see {run_dir}")
 
 
@@ -297,9 +258,8 @@ def _run_one(cluster: LocalCluster, d: Path, cfg: Config, ref: dict[int, dict],
         jid = submit(cluster, d, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
                                             *cfg.train_args()])
     else:
-        jid = submit(cluster, d, batch_script(d), [*cfg.train_args(), "--ckpt-every",
-                                                   str(cfg.ckpt_every)])
-    t_crash = _crash_at(cluster, d, cfg.kill_at, cfg.timeout_s)
+        jid = submit_baseline(cluster, d, cfg.train_args(), cfg.ckpt_every)
+    t_crash = crash_at(cluster, d, cfg.kill_at, cfg.timeout_s)
     _wait_unless_escalated(cluster, jid, d, cfg.timeout_s)
     run = RunResult(method, d, jid, t_crash, collect(d, WORLD))
     ctl, ranks = run.controller_events(), run.events()

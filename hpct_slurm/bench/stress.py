@@ -50,15 +50,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..demo import (TEMPLATE, bitwise_equal, collect, recomputed_steps, step_events, submit,
-                    wait_job)
 from ..errors import HpctError
-from ..events import read_events
 from ..localcluster import LocalCluster
-from ..slurm.client import SlurmCommandError
+from ..localcluster.jobs import (TEMPLATE, bitwise_equal, cancel, collect, controller_events,
+                                 last_step, ready_cluster, recomputed_steps, step_events, submit,
+                                 wait_job)
 from ..recovery.snapshot import replica_peer
 from .common import plot_bars, write_result
-from .recovery import BENCH_ROOT, ready_cluster, spread
+from .recovery import BENCH_ROOT, spread
 
 NAME = "stress"
 NODES = 5
@@ -290,15 +289,6 @@ class _Tail:
             self._f.close()
 
 
-def _controller_events(run_dir: Path) -> list[dict]:
-    path = run_dir / "controller.jsonl"
-    return list(read_events(path)) if path.exists() else []
-
-
-def _step(run_dir: Path) -> int:
-    return max((e["step"] for e in step_events(run_dir)), default=-1)
-
-
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -338,7 +328,7 @@ class _Injector:
         polls = 0
         while time.monotonic() < deadline:
             v = view(self.tail.read())
-            step = _step(self.run_dir)
+            step = last_step(self.run_dir)
             if step >= steps - 2 * gap_steps - 5:
                 return None
             polls += 1
@@ -461,7 +451,7 @@ class _Injector:
         if rec["waited_for"] is not None and kills[-1]["role"] in WINDOW_S:  # the timed kill
             rec["delay_s"] = kills[-1]["t"] - rec["waited_for"]["t"]
             rec["in_window"] = rec["delay_s"] <= WINDOW_S[rec["kind"]]
-        rec["step"] = _step(self.run_dir)  # after the kills: reading the logs takes a while
+        rec["step"] = last_step(self.run_dir)  # after the kills: reading the logs takes a while
         return rec
 
     def _signal(self, kind: str, node: str, pid: int | None, sig: signal.Signals,
@@ -682,8 +672,7 @@ def _stress(cluster: LocalCluster, work: Path, cfg: Config, faults: list[Fault])
         except HpctError as exc:
             # a recovery that never ends (or a window never opening): the job is hung, stop it
             error = exc.message
-            with contextlib.suppress(SlurmCommandError):
-                cluster.client().cancel(injector.job_id)
+            cancel(cluster, injector.job_id)
             hung = True
             break
         records.append(rec)
@@ -710,7 +699,7 @@ def _stress(cluster: LocalCluster, work: Path, cfg: Config, faults: list[Fault])
         if not any(leaked.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    ctl = _controller_events(d)
+    ctl = controller_events(d)
     try:
         equal = bitwise_equal(ref, collect(d, ACTIVE), d)
         completed = any(e["event"] == "job.done" for e in ctl)

@@ -3,7 +3,7 @@
 One `srun` step spans all active nodes; when anything fails, the whole step dies (`-K1`), the
 driver finds the dead node, marks it DOWN, swaps in the spare and relaunches every rank, which
 reload the last disk checkpoint and recompute the steps since.
-Usage (as the batch script): python -m hpct_slurm.bench.restart_all --run-dir D -- ARGS...
+Usage (as the batch script): python -m hpct_slurm.examples.restart_all --run-dir D -- ARGS...
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def batch_script(run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     script = run_dir / "baseline.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --exclusive\n#SBATCH --no-kill\n"
-                      f'exec "{sys.executable}" -m hpct_slurm.bench.restart_all '
+                      f'exec "{sys.executable}" -m hpct_slurm.examples.restart_all '
                       f'--run-dir "{run_dir}" -- "$@"\n')
     return script
 

@@ -3,13 +3,12 @@ exactly as shipped, on the real local cluster through a node crash: every rank's
 parameters are bit-identical to the same script's run without a fault (issue 18)."""
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
-from hpct_slurm.demo import TEMPLATE, VICTIM, recomputed_steps, step_events, submit, wait_job
-from hpct_slurm.events import read_events
+from hpct_slurm.localcluster.jobs import (TEMPLATE, VICTIM, collect, controller_events,
+                                          recomputed_steps, step_events, submit, wait_job)
 
 pytestmark = pytest.mark.cluster
 EPOCHS, STEPS_PER_EPOCH = 5, 8          # 512 samples / (4 ranks x batch 16)
@@ -18,8 +17,7 @@ ADOPTED = [sys.executable, "-m", "hpct_slurm.examples.adopted_ddp", "--epochs", 
 
 
 def _params(run_dir) -> dict[int, str]:
-    return {r: json.loads((run_dir / "results" / f"rank{r}.json").read_text())["params_sha256"]
-            for r in range(4)}
+    return {r: res["params_sha256"] for r, res in collect(run_dir, 4).items()}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +40,5 @@ def test_adopted_ddp_script_survives_a_node_crash_bit_identical(cluster, referen
     # model (shared state), so nothing was recomputed for it
     assert {e["step"] for e in step_events(tmp_path)} == set(range(EPOCHS * STEPS_PER_EPOCH))
     assert recomputed_steps(tmp_path) == 0
-    controller = list(read_events(tmp_path / "controller.jsonl"))
-    done = [e for e in controller if e["event"] == "recovery.done"]
+    done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1 and done[0]["taken"] == {VICTIM: "n5"}

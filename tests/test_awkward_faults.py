@@ -14,8 +14,9 @@ from typing import Callable
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, controller_events, rank_events,
-                             recomputed_steps, submit, wait_job)
+from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          rank_events, recomputed_steps, submit, wait_finished,
+                                          wait_job)
 
 pytestmark = pytest.mark.cluster
 STEPS = 24
@@ -58,19 +59,11 @@ def _start(cluster, run_dir: Path, active: int, extra: tuple[str, ...] = (),
                        "HPCT_SPARE_NODES": str(5 - active), **(env or {})})
 
 
-def _wait_gone(cluster, jid: int, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while cluster.run(["squeue", "-h", "-j", str(jid)]).stdout.strip():
-        assert time.monotonic() < deadline, f"{what} never ended"
-        time.sleep(0.3)
-
-
 def _assert_clean_end(cluster, jid: int, run_dir: Path) -> None:
     evs = controller_events(run_dir)
     assert not [e for e in evs if e["event"].startswith("escalate.")], evs[-5:]
     assert [e for e in evs if e["event"] == "job.done"]
-    left = cluster.run(["squeue", "-h", "-j", str(jid)]).stdout.strip()
-    assert left == "", f"job {jid} still in the queue: {left}"
+    assert cluster.client().job_finished(jid), f"job {jid} still in the queue"
 
 
 def test_fault_during_step_zero_rolls_every_rank_back_to_creation(cluster, reference, tmp_path):
@@ -168,7 +161,7 @@ def test_a_script_that_fails_before_its_first_step_ends_the_job(cluster, tmp_pat
     """Issue 18.2: the same error on every rank before any step is the script's: the job
     ends (not requeued) with that error, and `status` says so in one line."""
     jid = _start(cluster, tmp_path, 4, ("--fail-before-start",))
-    _wait_gone(cluster, jid, 120, "the failing job")
+    wait_finished(cluster, jid, 120, "the failing job")
     evs = controller_events(tmp_path)
     failed = [e for e in evs if e["event"] == "job.failed"]
     assert failed and failed[0]["cause"] == "script"
@@ -189,7 +182,7 @@ def test_fewer_spares_than_asked_is_loud_and_refusable(cluster, tmp_path):
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--fail-before-start"], nodes=4,
                  env={"HPCT_ACTIVE_NODES": "4", "HPCT_SPARE_NODES": "1",
                       "HPCT_ON_FEW_SPARES": "refuse"})
-    _wait_gone(cluster, jid, 60, "the refused job")
+    wait_finished(cluster, jid, 60, "the refused job")
     evs = controller_events(tmp_path)
     short = [e for e in evs if e["event"] == "controller.spares_short"]
     assert short and short[0]["wanted"] == 1 and short[0]["got"] == 0

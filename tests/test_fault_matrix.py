@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, controller_events,
-                             recomputed_steps, step_events, submit, wait_job, wait_step)
-from hpct_slurm.events import read_events
+from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          rank_events, recomputed_steps, step_events, submit,
+                                          wait_job, wait_step)
 
 pytestmark = pytest.mark.cluster
 STEPS = 40
@@ -108,8 +108,8 @@ def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):
     # lost address and survivors cut their own connections to it: they are ready at once.
     done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1 and done[0]["phases"]["survivors_ready"] < 5.0, done
-    severed = [e for f in (tmp_path / "events").glob("n[124]-*.jsonl")
-               for e in read_events(f) if e["event"] == "rank.severed"]
+    severed = [e for n in ("n1", "n2", "n4") for e in rank_events(tmp_path, n)
+               if e["event"] == "rank.severed"]
     assert severed
 
 

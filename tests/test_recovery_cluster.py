@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, VICTIM, back_to_speed, bitwise_equal, collect,
-                             controller_events, rank_events, recomputed_steps,
-                             rolled_back_steps, step_events, submit, wait_job)
-from hpct_slurm.events import read_events
+from hpct_slurm.localcluster.jobs import (TEMPLATE, VICTIM, back_to_speed, bitwise_equal,
+                                          collect, controller_events, rank_events,
+                                          recomputed_steps, rolled_back_steps, step_events,
+                                          submit, wait_job)
 
 pytestmark = pytest.mark.cluster
 STEPS = 40
@@ -85,8 +85,7 @@ def test_plain_ddp_module_recovers_bit_identical(cluster, reference, tmp_path):
     wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="ddp-node-crash")
     assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
     assert recomputed_steps(tmp_path) == 0
-    done = [e for e in read_events(tmp_path / "controller.jsonl")
-            if e["event"] == "recovery.done"]
+    done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1
     # without the SPANK plugin (this cluster has none) ranks run with the controller's
     # settings: the same as with it (tests/test_spank_cluster.py)

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from hpct_slurm.demo import (TEMPLATE, bitwise_equal, collect, controller_events, rank_events,
-                             rolled_back_steps, submit, wait_job, wait_step)
+from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          rank_events, rolled_back_steps, submit, wait_job,
+                                          wait_step)
 
 pytestmark = pytest.mark.cluster
 STEPS = 24

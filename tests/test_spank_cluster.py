@@ -264,7 +264,7 @@ def test_sbatch_hpct_options_drive_the_controller(hpct, tmp_path):
     keeps one spare node and the ranks rendezvous through a TCPStore, with no controller flag."""
     import shlex
 
-    from hpct_slurm.events import read_events
+    from hpct_slurm.localcluster.jobs import controller_events, rank_events
 
     run_dir = tmp_path / "run"
     train = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", "3"]
@@ -273,16 +273,16 @@ def test_sbatch_hpct_options_drive_the_controller(hpct, tmp_path):
                   "--wrap", shlex.join([HPCT, "controller", "--run-dir", str(run_dir), "--",
                                         *train])], timeout=180)
     assert p.returncode == 0, (p.stderr, (tmp_path / "out.txt").read_text())
-    evs = list(read_events(run_dir / "controller.jsonl"))
+    evs = controller_events(run_dir)
     [start] = [e for e in evs if e["event"] == "controller.start"]
     assert (start["active"], start["spares"], start["store"]) == (["n1"], ["n2"], "tcpstore")
     assert any(e["event"] == "job.done" for e in evs)
-    rank_events = [e for f in (run_dir / "events").glob("*.jsonl") for e in read_events(f)]
-    assert [e["step"] for e in rank_events if e["event"] == "rank.step"] == [0, 1, 2]
-    assert not any(e["event"] == "store.shard_started" for e in rank_events)
+    ranks = rank_events(run_dir)
+    assert [e["step"] for e in ranks if e["event"] == "rank.step"] == [0, 1, 2]
+    assert not any(e["event"] == "store.shard_started" for e in ranks)
     # the plugin's task prolog derives a rendezvous env (120 s collective timeout for steps
     # nobody supervises); ranks the controller launched keep the controller's settings, the
     # same as without the plugin (tests/test_recovery_cluster.py checks those)
-    settings = [e["settings"] for e in rank_events if e["event"] == "rank.registered"]
+    settings = [e["settings"] for e in ranks if e["event"] == "rank.registered"]
     assert settings and all(s == {**CONTROLLER_SETTINGS, "store": "tcpstore"}
                             for s in settings), settings

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from .aio import read_msg, write_msg
 from .blocking import BodySink, FrameWriter, recv_msg, send_msg
-from .channel import Channel, client_hello, server_hello, server_hello_async
+from .channel import (Channel, client_hello, client_hello_async, server_hello,
+                      server_hello_async)
 from .digest import CHUNK, PartHasher, hash_pool, hash_workers, part_digest
 from .errors import ConnectionClosed, DigestMismatch, ProtocolError, ProtocolTimeout
 from .messages import (MESSAGE_TYPES, Ack, Assign, Envelope, FetchState, Goodbye, Heartbeat,
@@ -38,7 +39,7 @@ from .wire import (DEFAULT_MAX_BODY, DIGEST_LEN, HEADER_MAX, MAC_LEN, MAX_PARTS,
 __all__ = [
     "read_msg", "write_msg",
     "BodySink", "FrameWriter", "recv_msg", "send_msg",
-    "Channel", "client_hello", "server_hello", "server_hello_async",
+    "Channel", "client_hello", "client_hello_async", "server_hello", "server_hello_async",
     "CHUNK", "PartHasher", "hash_pool", "hash_workers", "part_digest",
     "ConnectionClosed", "DigestMismatch", "ProtocolError", "ProtocolTimeout",
     "MESSAGE_TYPES", "Ack", "Assign", "Envelope", "FetchState", "Goodbye", "Heartbeat",

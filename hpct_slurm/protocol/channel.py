@@ -16,7 +16,8 @@ from .aio import read_msg, write_msg
 from .blocking import BodySink, FrameWriter, _recv_exact, _sendall, recv_msg, send_msg
 from .errors import ProtocolError
 from .messages import Envelope
-from .wire import DEFAULT_MAX_BODY, NONCE_BYTES, TO_CLIENT, TO_SERVER, Body
+from .wire import (DEFAULT_MAX_BODY, NONCE_BYTES, TO_CLIENT, TO_SERVER, Body, decode_frame,
+                   encode)
 
 
 class Channel:
@@ -53,6 +54,18 @@ class Channel:
             raise ProtocolError(f"replayed or reordered frame: seq {env.seq} after {self._last_in}")
         self._last_in = env.seq
         return env
+
+    # Whole frames in memory (a frame recorded, forged or relayed by a test or a proxy).
+    def encode(self, msg: Any, body: Body = b"",
+               digests: Sequence[bytes | None] | None = None) -> bytes:
+        """The next outgoing frame, as bytes."""
+        return encode(msg, self.secret, self.next_seq(), self.job_id, body, digests,
+                      context=self.send_context)
+
+    def decode(self, frame: bytes | memoryview, max_body: int = DEFAULT_MAX_BODY) -> Envelope:
+        """Authenticate one whole incoming frame and check its sequence number."""
+        return self.accept(decode_frame(frame, self.secret, self.job_id, max_body,
+                                        context=self.recv_context))
 
     # Blocking sockets.
     def send(self, sock: socket.socket, msg: Any, body: Body = b"", timeout: float | None = None,
@@ -108,3 +121,13 @@ async def server_hello_async(writer: asyncio.StreamWriter, secret: bytes,
     await writer.drain()
     return Channel(secret, job_id, nonce, "server")
 
+
+async def client_hello_async(reader: asyncio.StreamReader, secret: bytes,
+                             job_id: str) -> Channel:
+    """`client_hello` on an asyncio stream; wrap in `asyncio.wait_for` for a timeout."""
+    try:
+        nonce = await reader.readexactly(NONCE_BYTES)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(f"truncated connection nonce: peer closed after {len(exc.partial)} "
+                            f"of {NONCE_BYTES} bytes") from None
+    return Channel(secret, job_id, nonce, "client")

@@ -557,8 +557,7 @@ class Job:
                 outs.append(micro_step(step))
             # sum over every shard of the original world, then average by that world: the
             # same global batch and the same update size however many ranks remain
-            with _collective(self.client):
-                average_gradients(parameter_gradients(self.model), self.data_world)
+            self.allreduce_gradients()
             self.optimizer.step()
             return outs[0]
         return step_fn

@@ -69,12 +69,11 @@ class FakeRank:
     async def start(self) -> None:
         try:
             self.reader, self.writer = await asyncio.open_connection(*self.address)
-            nonce = await self.reader.readexactly(P.NONCE_BYTES)
-        except (OSError, asyncio.IncompleteReadError):
+            self.chan = await P.client_hello_async(self.reader, self.secret, str(JOB))
+        except (OSError, P.ProtocolError):
             self.closed = True  # the controller is gone: the process exits
             self.step_proc.exit(1)
             return
-        self.chan = P.Channel(self.secret, str(JOB), nonce, "client")
         gate = self.step_proc.cluster.register_gate
         if gate is not None:
             await gate.wait()

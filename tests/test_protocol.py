@@ -205,14 +205,16 @@ def test_known_digests_are_sent_not_recomputed_and_wrong_ones_caught():
 def test_channel_rejects_replayed_sequence_numbers_and_other_connections_frames():
     nonce = os.urandom(P.NONCE_BYTES)
     tx, rx = P.Channel(SECRET, JOB, nonce, "client"), P.Channel(SECRET, JOB, nonce, "server")
-    frame = P.encode(P.Heartbeat(0, 1, 5, "train"), SECRET, tx.next_seq(), JOB,
-                     context=tx.send_context)
-    rx.accept(P.decode_frame(frame, SECRET, JOB, context=rx.recv_context))
+    frame = tx.encode(P.Heartbeat(0, 1, 5, "train"))
+    assert rx.decode(frame).msg == P.Heartbeat(0, 1, 5, "train")
     with pytest.raises(P.ProtocolError, match="replayed"):
-        rx.accept(P.decode_frame(frame, SECRET, JOB, context=rx.recv_context))
+        rx.decode(frame)
     later = P.Channel(SECRET, JOB, os.urandom(P.NONCE_BYTES), "server")
     with pytest.raises(P.ProtocolError, match="bad MAC"):
-        P.decode_frame(frame, SECRET, JOB, context=later.recv_context)
+        later.decode(frame)
+    with pytest.raises(P.ProtocolError, match="bad MAC"):  # reflected back at its sender
+        tx.decode(frame)
+    assert rx.decode(tx.encode(P.Goodbye("x"), b"body")).body == b"body"
 
 
 # --- sockets ---------------------------------------------------------------------------------------

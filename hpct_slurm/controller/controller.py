@@ -1,6 +1,6 @@
 """The controller on the batch host: steps, heartbeats, detection, relaunch onto a spare.
 
-One asyncio loop owns all state. Ranks connect over TCP (protocol.py, per-job secret); every
+One asyncio loop owns all state. Ranks connect over TCP (hpct_slurm.protocol, per-job secret); every
 active node runs its own `srun -N1 -w node` step (a node's failure then ends only its own step),
 every spare node a warm-spare step. A fault — a dropped connection, missed heartbeats, a step
 that exits, srun's "Node failure on" line — starts one recovery round: STOP to the survivors,

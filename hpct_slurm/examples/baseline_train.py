@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hpct_slurm.events import EventLog
 from hpct_slurm.examples.train import build, one_step, write_result
+from hpct_slurm.recovery.gradients import average_gradients, parameter_gradients
 from hpct_slurm.recovery.job import seed_everything, step_seed
 from hpct_slurm.slurm.env import SlurmEnv
 
@@ -60,10 +61,7 @@ def main() -> None:  # noqa: C901 - one flat script, as users write it
     losses: dict[int, float] = {}
 
     def allreduce() -> None:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad.div_(world)
+        average_gradients(parameter_gradients(model), world)
 
     for step in range(start, args.steps):
         seed_everything(step_seed(SEED, rank, step))

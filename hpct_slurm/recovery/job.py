@@ -52,6 +52,7 @@ from ..rendezvous import pg
 from ..rendezvous.store import make_store, serve_shard
 from ..slurm.env import SlurmEnv, check_job_id
 from .client import ControllerAddress, CoordinationClient
+from .gradients import average_gradients, parameter_gradients
 from .health import health_check
 from .loop import StepLoop
 from .persist import DiskPersister
@@ -334,10 +335,7 @@ class Job:
         """Average gradients over the group in a fixed per-parameter order (bit-reproducible
         across re-formed groups, unlike DDP's rebuilt buckets)."""
         with _collective(self.client):
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(self.data_world)
+            average_gradients(parameter_gradients(self.model), self.data_world)
 
     @property
     def step(self) -> int:
@@ -559,11 +557,7 @@ class Job:
                 outs.append(micro_step(step))
             # sum over every shard of the original world, then average by that world: the
             # same global batch and the same update size however many ranks remain
-            with _collective(self.client):
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad.div_(self.data_world)
+            self.allreduce_gradients()
             self.optimizer.step()
             return outs[0]
         return step_fn
@@ -887,15 +881,10 @@ class _collective:
 def _per_parameter_allreduce(client, bucket):  # DDP checks hook annotations: leave them off
     """DDP comm hook: average each parameter's gradient with its own allreduce. Each sum then
     depends only on that parameter's tensor, never on how DDP grouped it into buckets."""
-    world = dist.get_world_size()
     with _collective(client):
-        works = [dist.all_reduce(g, async_op=True) for g in bucket.gradients()]
-        for w in works:
-            w.wait()
-    buf = bucket.buffer()
-    buf.div_(world)
+        average_gradients(bucket.gradients(), dist.get_world_size(), concurrent=True)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
+    fut.set_result(bucket.buffer())
     return fut
 
 

@@ -18,10 +18,8 @@ import hashlib
 import hmac
 import json
 import os
-import queue
 import re
 import struct
-import threading
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from ..events import EventLog
 from ..rundir import replacing
 from .snapshot import SnapshotStore
 from .state import Layout, as_memoryview
+from .worker import BackgroundQueue
 
 KEEP = 2
 MAGIC = b"HPCTSNP2"
@@ -166,9 +165,8 @@ class DiskPersister:
         self.last_saved: int | None = None
         self._last_commit: int | None = None
         self._buf: torch.Tensor | None = None
-        self._due: queue.Queue[int | None] = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._loop, name=f"hpct-persist-r{rank}", daemon=True)
-        self._thread.start()
+        self._due: BackgroundQueue[int] = BackgroundQueue(f"hpct-persist-r{rank}", self._save,
+                                                          maxsize=1)
 
     def after_commit(self, step: int) -> bool:
         """Call after each `store.commit(step)`; returns whether a save was queued."""
@@ -177,41 +175,30 @@ class DiskPersister:
             prev = step - 1
         if step // self.every == prev // self.every:  # no multiple of `every` in (prev, step]
             return False
-        try:
-            self._due.put_nowait(step)
-        except queue.Full:
-            return False
-        return True
+        return self._due.put(step, wait=False)
 
-    def _loop(self) -> None:
-        while (step := self._due.get()) is not None:
-            try:
-                with self.store.lease(step) as snap:
-                    if snap is None:
-                        continue  # already superseded twice; the next due step will be saved
-                    n = snap.layout.nbytes
-                    if self._buf is None or self._buf.numel() < n:
-                        self._buf = torch.empty(n, dtype=torch.uint8)
-                    data = as_memoryview(self._buf)[:n]
-                    data[:] = snap.data
-                    layout, digest = snap.layout, snap.digest()
-                path = write_snapshot(self.root, self.rank, step, layout, data, digest,
-                                      key=self.key)
-                self.last_saved = step
-                if self.events:
-                    self.events.emit(EV_SAVED, rank=self.rank, step=step, path=str(path), nbytes=n)
-            except (OSError, HpctError) as exc:
-                if self.events:
-                    self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step,
-                                     error=describe(exc))
-            finally:
-                self._due.task_done()
+    def _save(self, step: int) -> None:
+        try:
+            with self.store.lease(step) as snap:
+                if snap is None:
+                    return  # already superseded twice; the next due step will be saved
+                n = snap.layout.nbytes
+                if self._buf is None or self._buf.numel() < n:
+                    self._buf = torch.empty(n, dtype=torch.uint8)
+                data = as_memoryview(self._buf)[:n]
+                data[:] = snap.data
+                layout, digest = snap.layout, snap.digest()
+            path = write_snapshot(self.root, self.rank, step, layout, data, digest, key=self.key)
+            self.last_saved = step
+            if self.events:
+                self.events.emit(EV_SAVED, rank=self.rank, step=step, path=str(path), nbytes=n)
+        except (OSError, HpctError) as exc:
+            if self.events:
+                self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step, error=describe(exc))
 
     def flush(self) -> None:
         """Wait until queued saves are on disk."""
-        self._due.join()
+        self._due.flush()
 
     def close(self) -> None:
-        self.flush()
-        self._due.put(None)
-        self._thread.join()
+        self._due.close()

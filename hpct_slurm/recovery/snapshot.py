@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import queue
 import threading
 from typing import Callable, Iterator, Literal
 
@@ -31,6 +30,7 @@ import torch
 from .. import protocol as P
 from ..errors import HpctError
 from .state import Layout, Scope, TrainState, as_memoryview, copy_pairs
+from .worker import BackgroundQueue
 
 Mode = Literal["jit", "replicated"]
 
@@ -86,29 +86,14 @@ class Snapshot:
         return hmac.compare_digest(P.part_digest(self.data), self._digest)  # type: ignore[arg-type]
 
 
-class _Sealer:
-    """One thread per process sealing the snapshots queued after commits (newest wins)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Snapshot] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, snap: Snapshot) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="hpct-sealer", daemon=True)
-                self._thread.start()
-        self._queue.put(snap)
-
-    def _loop(self) -> None:
-        while True:
-            snap = self._queue.get()
-            if not snap.superseded.is_set():
-                snap.seal_in_background()
+def _seal(snap: Snapshot) -> None:
+    if not snap.superseded.is_set():
+        snap.seal_in_background()
 
 
-_SEALER = _Sealer()
+# One thread per process sealing the snapshots queued after commits; a superseded one is
+# skipped, so the newest wins.
+_SEALER: BackgroundQueue[Snapshot] = BackgroundQueue("hpct-sealer", _seal, lazy=True)
 
 
 class DoubleBuffer:
@@ -268,7 +253,7 @@ class SnapshotStore:
             raise
         snap = self.slots.publish(idx, buf, step, layout, None)
         if self.background_seal:
-            _SEALER.submit(snap)
+            _SEALER.put(snap)
         return snap
 
     def commit(self, step: int) -> Snapshot:

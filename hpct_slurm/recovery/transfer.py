@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import queue
 import socket
 import threading
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from ..events import EventLog
 from .persist import load_latest
 from .snapshot import ReplicaStore, Snapshot, SnapshotStore
 from .state import Layout, as_flat_u8, as_memoryview
+from .worker import BackgroundQueue
 
 EV_FETCHED = "transfer.fetched"
 EV_SOURCE_FAILED = "transfer.source_failed"
@@ -493,30 +493,26 @@ class ReplicaPusher:
         self.store, self.rank, self.peer = store, rank, (str(peer[0]), int(peer[1]))
         self.secret, self.job_id, self.events, self.timeout = secret, job_id, events, timeout
         self.acked_step: int | None = None
-        self._due: queue.Queue[int | None] = queue.Queue(maxsize=1)
         self._sock: socket.socket | None = None
         self._chan: P.Channel | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"hpct-push-r{rank}", daemon=True)
-        self._thread.start()
+        self._due: BackgroundQueue[int] = BackgroundQueue(f"hpct-push-r{rank}", self._push_step,
+                                                          maxsize=1)
 
     def after_commit(self, step: int) -> None:
         """Queue `step` for pushing; waits while the previous push is still queued."""
         self._due.put(step)
 
-    def _loop(self) -> None:
-        while (step := self._due.get()) is not None:
-            try:
-                with self.store.lease(step) as snap:
-                    if snap is not None:
-                        self._push(snap)
-                        self.acked_step = snap.step
-            except (HpctError, OSError) as exc:
-                self._drop()
-                if self.events:
-                    self.events.emit(EV_PUSH_FAILED, rank=self.rank, step=step,
-                                     peer=f"{self.peer[0]}:{self.peer[1]}", error=str(exc))
-            finally:
-                self._due.task_done()
+    def _push_step(self, step: int) -> None:
+        try:
+            with self.store.lease(step) as snap:
+                if snap is not None:
+                    self._push(snap)
+                    self.acked_step = snap.step
+        except (HpctError, OSError) as exc:
+            self._drop()
+            if self.events:
+                self.events.emit(EV_PUSH_FAILED, rank=self.rank, step=step,
+                                 peer=f"{self.peer[0]}:{self.peer[1]}", error=str(exc))
 
     def _push(self, snap: Snapshot) -> None:
         if self._sock is None:
@@ -532,12 +528,10 @@ class ReplicaPusher:
 
     def flush(self) -> None:
         """Wait until every queued push has finished (or failed)."""
-        self._due.join()
+        self._due.flush()
 
     def close(self) -> None:
-        self.flush()
-        self._due.put(None)
-        self._thread.join()
+        self._due.close()
         if self._sock is not None and self._chan is not None:
             with contextlib.suppress(P.ProtocolError, OSError):
                 self._chan.send(self._sock, P.Goodbye("closing"), timeout=self.timeout)

@@ -1,0 +1,108 @@
+"""Part digests: how a frame's body is bound to its authenticated header.
+
+A two-level SHA-256 tree, so leaves hash in parallel (hashlib releases the GIL) and a receiver
+hashes each leaf as soon as it has arrived::
+
+    leaf_i = SHA256(0x00 | data[i*CHUNK:(i+1)*CHUNK])
+    digest = SHA256(0x01 | u64 len(data) | u32 CHUNK | leaf_0 | leaf_1 | ...)
+
+The root binds the length and leaf size, so the tree shape is fixed by the data length and a
+collision of the root implies a SHA-256 collision. SHA-256 because it is the fastest strong
+hash in hashlib where SHA-NI exists (measured on the 2-core dev VM: sha256 1.42 GB/s,
+blake2b 0.93 GB/s). A snapshot's digest is this digest of its bytes (recovery/snapshot.py),
+computed once and reused by every send of it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import struct
+import threading
+from typing import Iterable
+
+# Large bodies move through the kernel in slices this big, and each slice is one leaf of the
+# part digest, hashed on the pool as soon as it has arrived.
+CHUNK = 4 * 1024 * 1024
+
+_ROOT = struct.Struct(">QI")
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def hash_workers() -> int:
+    """Threads hashing leaves: one per usable core, at most 8 (memory bandwidth saturates)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(hash_workers(),
+                                                          thread_name_prefix="hpct-hash")
+        return _pool
+
+
+def _leaf(piece: memoryview) -> bytes:
+    h = hashlib.sha256(b"\x00")
+    h.update(piece)
+    return h.digest()
+
+
+def _root(nbytes: int, leaves: Iterable[bytes]) -> bytes:
+    h = hashlib.sha256(b"\x01" + _ROOT.pack(nbytes, CHUNK))
+    for leaf in leaves:
+        h.update(leaf)
+    return h.digest()
+
+
+def _flat(data: bytes | bytearray | memoryview) -> memoryview:
+    mv = memoryview(data)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def part_digest(data: bytes | bytearray | memoryview, parallel: bool = True,
+                cancel: threading.Event | None = None) -> bytes | None:
+    """The digest of one body part. `parallel`: leaves on the hash pool; otherwise in this thread,
+    checking `cancel` between leaves (returns None once it is set)."""
+    mv = _flat(data)
+    pieces = [mv[off:off + CHUNK] for off in range(0, len(mv), CHUNK)]
+    if parallel and len(pieces) > 1:
+        return _root(len(mv), hash_pool().map(_leaf, pieces))
+    leaves = []
+    for piece in pieces:
+        if cancel is not None and cancel.is_set():
+            return None
+        leaves.append(_leaf(piece))
+    return _root(len(mv), leaves)
+
+
+class PartHasher:
+    """One part's digest, its CHUNK-sized leaves hashed on the pool as they are added (in
+    order) while the caller goes on receiving or sending; `digest` waits for them."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._leaves: list[concurrent.futures.Future[bytes]] = []
+        self._pool = hash_pool() if nbytes > CHUNK else None
+
+    def add(self, piece: memoryview) -> None:
+        if self._pool is None:
+            done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+            done.set_result(_leaf(piece))
+            self._leaves.append(done)
+        else:
+            self._leaves.append(self._pool.submit(_leaf, piece))
+
+    def digest(self) -> bytes:
+        return _root(self.nbytes, (f.result() for f in self._leaves))
+
+    def cancel(self) -> None:
+        for f in self._leaves:
+            f.cancel()
+

@@ -1,0 +1,234 @@
+"""The protocol's messages: one frozen dataclass per message type, and their checked
+reconstruction from a header's JSON.
+
+`TYPE` strings and field names are the wire format. JSON has only str keys and lists, so a
+received message's fields are coerced back to the annotated types, and anything else is a
+`ProtocolError` naming the field rather than a crash later in the controller or a rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Union
+
+from .errors import ProtocolError
+
+# `TYPE` strings are part of the wire format: never rename them.
+
+
+@dataclass(frozen=True)
+class Register:
+    TYPE: ClassVar[str] = "register"
+    job_id: str
+    node: str
+    local_rank: int
+    role: Literal["active", "spare"]
+    pid: int
+    host_addr: str
+    transfer_port: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    TYPE: ClassVar[str] = "heartbeat"
+    rank: int
+    generation: int
+    step: int
+    state: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    TYPE: ClassVar[str] = "stop"
+    generation: int
+    reason: str
+    # The lost nodes' addresses: a rank cuts its own connections to them (gloo has no abort,
+    # and a crashed or partitioned peer sends no FIN to end a blocked collective).
+    lost_addrs: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Assign:
+    TYPE: ClassVar[str] = "assign"
+    generation: int
+    rank: int
+    world_size: int
+    members: list[str]
+    tasks_per_node: int
+    restore_step: int
+    # rank -> replica holders of that rank's state, in the order to try them.
+    sources: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    # Data-parallel shards this rank computes each step (after an elastic shrink a survivor
+    # also computes the lost ranks' shards) and the world they average over; empty/0: its
+    # own rank and world_size.
+    data_ranks: list[int] = field(default_factory=list)
+    data_world: int = 0
+    # rank -> its transfer server (host, port) in this generation: where a rank pushes the
+    # replica it keeps on its ring neighbour, and where a replacement finds that neighbour.
+    peers: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resume:
+    TYPE: ClassVar[str] = "resume"
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    TYPE: ClassVar[str] = "step_done"
+    rank: int
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    TYPE: ClassVar[str] = "ack"
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Goodbye:
+    TYPE: ClassVar[str] = "goodbye"
+    reason: str
+
+
+@dataclass(frozen=True)
+class FetchState:
+    """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own|replica)."""
+    TYPE: ClassVar[str] = "fetch_state"
+    rank: int
+    step: int
+    slot: Literal["own", "replica", "any"] = "any"
+
+
+@dataclass(frozen=True)
+class StateBlob:
+    """A snapshot: body part 0 is the layout JSON (`layout_nbytes`), part 1 the `nbytes` of data
+    (whose part digest is the snapshot's digest)."""
+    TYPE: ClassVar[str] = "state_blob"
+    rank: int
+    step: int
+    nbytes: int
+    layout_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What a rank can restore from, sent right before its `ready` heartbeat after a fault:
+    the controller picks a restore step only where every position of the next generation has
+    a copy (its own, a ring replica, or disk). `rank` is the position it held (-1: none yet);
+    `own`: steps of its own snapshot (the whole state in replicated mode, the shared state in
+    jit mode); `rank_own`: steps of its own per-rank state; `replicas`: rank -> steps of that
+    rank's state kept here; `error`: the failure that ended its generation; `shard_keys`: see
+    below."""
+    TYPE: ClassVar[str] = "holdings"
+    rank: int
+    generation: int
+    mode: Literal["jit", "replicated"]
+    rank_state: bool
+    own: list[int]
+    rank_own: list[int]
+    replicas: dict[int, list[int]]
+    error: str = ""
+    # A sharded job's shard key of every rank (sharding.MeshSpec), by rank: ranks with the
+    # same key hold the same state. Empty: plain data parallelism (one key).
+    shard_keys: list[int] = field(default_factory=list)
+
+
+Message = Union[Register, Heartbeat, Stop, Assign, Resume, StepDone, Ack, Goodbye,
+                FetchState, StateBlob, Holdings]
+MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
+_HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A decoded, authenticated frame; `digests` are the verified digests of its body parts."""
+    msg: Any
+    job_id: str
+    seq: int
+    body: memoryview = memoryview(b"")
+    digests: tuple[bytes, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Field validation: JSON only has str keys and lists, so values are coerced back to the
+# annotated types, and anything else is a clear error rather than a crash later.
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"field {where} must be an int, got {value!r:.80}")
+        return value
+    if tp is bool or tp is str:
+        if not isinstance(value, tp):
+            raise ProtocolError(f"field {where} must be a {tp.__name__}, got {value!r:.80}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"field {where} must be a number, got {value!r:.80}")
+        return float(value)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ProtocolError(f"field {where} must be one of {typing.get_args(tp)}, got {value!r:.80}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"field {where} must be a list, got {value!r:.80}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(items):
+            raise ProtocolError(f"field {where} must be a {len(items)}-item list, got {value!r:.80}")
+        return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, items)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"field {where} must be an object, got {value!r:.80}")
+        ktp, vtp = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if ktp is int:
+                try:
+                    key = int(k)
+                except (TypeError, ValueError):
+                    raise ProtocolError(f"field {where} key {k!r:.40} is not an int") from None
+            else:
+                key = _coerce(k, ktp, f"{where} key")
+            out[key] = _coerce(v, vtp, f"{where}[{k!r:.40}]")
+        return out
+    raise TypeError(f"unsupported field annotation {tp!r}")  # a bug in this module, not input
+
+
+def _build(type_name: Any, fields: Any) -> Any:
+    cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name!r:.80}")
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{type_name}: 'fields' must be an object, got {fields!r:.80}")
+    hints = _HINTS[cls]
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(fields) - set(known)
+    if extra:
+        raise ProtocolError(f"{type_name}: unknown fields {sorted(extra)!r:.120}")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in fields:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{type_name}: missing field {name!r}")
+            continue
+        kwargs[name] = _coerce(fields[name], hints[name], f"{type_name}.{name}")
+    return cls(**kwargs)
+
+
+def _fields_json(msg: Any) -> dict:
+    if type(msg) not in _HINTS:
+        raise ProtocolError(f"cannot send {type(msg).__name__}: not a protocol message")
+    return dataclasses.asdict(msg)
+

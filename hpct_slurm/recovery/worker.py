@@ -1,0 +1,84 @@
+"""One daemon thread working through a queue, in order: the shape shared by the disk persister
+(persist.py), the replica pusher (transfer.py) and the snapshot sealer (snapshot.py).
+
+Each hands `BackgroundQueue` a handler and chooses how a full queue behaves (`put(wait=...)`);
+the queue does the rest once: starting the thread (now or at the first item), `flush` (wait
+until everything queued so far is handled), `close` (flush, then end the thread) and errors.
+A handler reports the failures it expects itself (an event: a failed save or push does not
+stop training); anything else it lets escape is a bug: reported at once (`threading.excepthook`,
+as for any thread), kept and raised again by the next `flush` or `close` in the caller's
+thread, and the thread goes on with the next item, so a `flush` never waits for a thread that
+has died.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+_STOP = object()
+
+
+class BackgroundQueue(Generic[T]):
+    """Items handled one at a time by one daemon thread named `name`. `maxsize`: how many may wait
+    (0: unbounded). `lazy`: start the thread with the first `put` rather than now."""
+
+    def __init__(self, name: str, handle: Callable[[T], None], maxsize: int = 0,
+                 lazy: bool = False):
+        self.name = name
+        self._handle = handle
+        self._queue: queue.Queue[object] = queue.Queue(maxsize)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        if not lazy:
+            self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+
+    def put(self, item: T, wait: bool = True) -> bool:
+        """Queue `item`. With `wait` False and the queue full, drop it and return False; with
+        `wait`, wait for room."""
+        self._start()
+        try:
+            self._queue.put(item, block=wait)
+        except queue.Full:
+            return False
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._handle(item)  # type: ignore[arg-type]
+            except Exception as exc:  # a bug in the handler
+                threading.excepthook(threading.ExceptHookArgs(
+                    (type(exc), exc, exc.__traceback__, threading.current_thread())))
+                if self._error is None:
+                    self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        exc, self._error = self._error, None
+        if exc is not None:
+            raise exc
+
+    def flush(self) -> None:
+        """Wait until every item queued so far has been handled."""
+        self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Handle what is queued, then end the thread."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+        self._raise()

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable
 
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import EventLog
+from ..events import Ev, EventLog
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
 from .policy import (Held, RestorePlan, World, data_ranks, initial_shards, plan_restore, replace,
@@ -198,7 +198,7 @@ class Controller:
             warning = ("the tcpstore rendezvous is not authenticated: any host that reaches "
                        "MASTER_PORT can read and overwrite its keys; use --store rootless on a "
                        "shared network (docs/admin.md)")
-            self.events.emit("controller.store_unauthenticated", store="tcpstore",
+            self.events.emit(Ev.CONTROLLER_STORE_UNAUTHENTICATED, store="tcpstore",
                              warning=warning)
             print(f"hpct-slurm: warning: {warning}", file=sys.stderr)
 
@@ -211,14 +211,14 @@ class Controller:
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: asyncio.ensure_future(self._terminate("SIGTERM")))
         self.address = server.sockets[0].getsockname()[:2]
-        self.events.emit("controller.start", job_id=self.o.job_id, active=self.world.members,
+        self.events.emit(Ev.CONTROLLER_START, job_id=self.o.job_id, active=self.world.members,
                          spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
                          store=self.o.store,
                          address=f"{self.address[0]}:{self.address[1]}",
                          command=self.o.command)
         if self._spares_short():
             self.exit_code = 1
-            self.events.emit("controller.exit", code=self.exit_code)
+            self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)
             server.close()
             return self.exit_code
         for node in self.world.members:
@@ -236,7 +236,7 @@ class Controller:
             server.close()
             await self._stop_steps()
             await self._release_borrowed()
-        self.events.emit("controller.exit", code=self.exit_code)
+        self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)
         return self.exit_code
 
     def _spares_short(self) -> bool:
@@ -246,11 +246,11 @@ class Controller:
         if want is None or got >= want:
             return False
         refuse = self.o.on_few_spares == "refuse" and self.o.restart_count == 0
-        self.events.emit("controller.spares_short", wanted=want, got=got,
+        self.events.emit(Ev.CONTROLLER_SPARES_SHORT, wanted=want, got=got,
                          action="refuse" if refuse else "warn",
                          nodes=len(self.o.nodes), restart_count=self.o.restart_count)
         if refuse:
-            self.events.emit("job.failed", cause="config",
+            self.events.emit(Ev.JOB_FAILED, cause="config",
                              reason=f"asked for {want} warm spare(s), the allocation gave {got}")
         return refuse
 
@@ -270,10 +270,10 @@ class Controller:
                     if got != step:
                         raise HpctError(f"shard key {k}'s file of step {step} is damaged")
             except HpctError as exc:
-                self.events.emit("controller.persisted_step_incomplete", step=step,
+                self.events.emit(Ev.CONTROLLER_PERSISTED_STEP_INCOMPLETE, step=step,
                                  error=exc.message)
                 continue
-            self.events.emit("controller.resume_from_disk", step=step,
+            self.events.emit(Ev.CONTROLLER_RESUME_FROM_DISK, step=step,
                              restart_count=os.environ.get("SLURM_RESTART_COUNT", "0"))
             return step
         return -1
@@ -305,7 +305,7 @@ class Controller:
         log = open(self.run_dir / "logs" / f"{node}.out", "ab")
         proc_task = asyncio.create_task(self._run_step(node, role, argv, env, log))
         proc_task.add_done_callback(lambda t: log.close())
-        self.events.emit("step.launch", node=node, role=role)
+        self.events.emit(Ev.STEP_LAUNCH, node=node, role=role)
 
     async def _run_step(self, node: str, role: str, argv: list[str], env: dict, log) -> None:
         proc = await self.spawn_step(node, role, argv, env, log)
@@ -323,7 +323,7 @@ class Controller:
         rc = await proc.wait()
         if self.steps.get(node) is proc:
             del self.steps[node]
-        self.events.emit("step.exit", node=node, role=role, code=rc,
+        self.events.emit(Ev.STEP_EXIT, node=node, role=role, code=rc,
                          error=self.last_error.get(node, "") if rc else "")
         if rc and not self.trained and not self.finished.is_set() \
                 and proc.pid not in self.expected_exits:
@@ -378,12 +378,12 @@ class Controller:
                     raise P.ProtocolError(f"node {r.node} is not part of this job")
                 self.pool_nodes.add(r.node)
                 self.world.spares.append(r.node)
-                self.events.emit("pool.spare_joined", node=r.node)
+                self.events.emit(Ev.POOL_SPARE_JOINED, node=r.node)
             conn = Conn(r.node, r.local_rank, r.role, r.pid, r.host_addr, r.transfer_port,
                         writer, chan)
             self.unregistered.pop(writer, None)
             self.conns[(r.node, r.local_rank)] = conn
-            self.events.emit("rank.register", node=r.node, local_rank=r.local_rank,
+            self.events.emit(Ev.RANK_REGISTER, node=r.node, local_rank=r.local_rank,
                              role=r.role, pid=r.pid)
             self._maybe_start()
             while True:
@@ -393,7 +393,7 @@ class Controller:
             pass
         except (HpctError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             # Unauthenticated or malformed input never gets further than this line.
-            self.events.emit("protocol.rejected", peer=str(peer), error=describe(exc),
+            self.events.emit(Ev.PROTOCOL_REJECTED, peer=str(peer), error=describe(exc),
                              node=conn.node if conn else None)
         finally:
             self.unregistered.pop(writer, None)
@@ -434,7 +434,7 @@ class Controller:
     def _refuse(self, conn: Conn, msg, name: str, why: str) -> None:
         """Drop a message from a registered rank whose field `name` contradicts what the
         controller knows of that rank; the connection stays (the rank is authentic)."""
-        self.events.emit("protocol.rejected", node=conn.node, local_rank=conn.local_rank,
+        self.events.emit(Ev.PROTOCOL_REJECTED, node=conn.node, local_rank=conn.local_rank,
                          type=msg.TYPE, field=name, error=f"{msg.TYPE}.{name} {why}")
 
     def _current(self, conn: Conn, msg) -> bool:
@@ -506,7 +506,7 @@ class Controller:
         elif isinstance(msg, P.Goodbye):
             conn.state = "done" if msg.reason == "done" else conn.state
         else:
-            self.events.emit("protocol.unexpected", node=conn.node, type=msg.TYPE)
+            self.events.emit(Ev.PROTOCOL_UNEXPECTED, node=conn.node, type=msg.TYPE)
 
     async def _send(self, conn: Conn, msg) -> None:
         if conn.gone:
@@ -536,7 +536,7 @@ class Controller:
 
     async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:
         g = self.world.generation
-        self.events.emit("generation.start", generation=g, members=self.world.members,
+        self.events.emit(Ev.GENERATION_START, generation=g, members=self.world.members,
                          restore_step=restore)
         members = [c for node in self.world.members for c in self._live(node)]
         for c in members:
@@ -559,7 +559,7 @@ class Controller:
         if node not in self.world.members and node not in self.world.spares:
             return
         self.pending_faults[node] = reason
-        self.events.emit("fault.detected", node=node, reason=reason,
+        self.events.emit(Ev.FAULT_DETECTED, node=node, reason=reason,
                          generation=self.world.generation,
                          role="spare" if node in self.world.spares else "active")
         self.fault_event.set()
@@ -599,7 +599,7 @@ class Controller:
             try:
                 nodes = await asyncio.to_thread(self.slurm.nodes)
             except HpctError as exc:
-                self.events.emit("slurm.error", error=exc.message)
+                self.events.emit(Ev.SLURM_ERROR, error=exc.message)
                 continue
             for n in nodes:
                 if n.lost and (n.name in self.world.members or n.name in self.world.spares):
@@ -618,7 +618,7 @@ class Controller:
                 except Exception as exc:  # never let the fault loop die: escalate instead
                     why = exc.message if isinstance(exc, HpctError) else \
                         f"{type(exc).__name__}: {exc}"
-                    self.events.emit("recovery.failed", error=why)
+                    self.events.emit(Ev.RECOVERY_FAILED, error=why)
                     await self._escalate(why, script=isinstance(exc, ScriptError))
                 finally:
                     self.recovering = False
@@ -644,7 +644,7 @@ class Controller:
         if not lost_active and not in_place:
             return
         if in_place:
-            self.events.emit("fault.in_process", nodes=in_place,
+            self.events.emit(Ev.FAULT_IN_PROCESS, nodes=in_place,
                              generation=self.world.generation)
         g = self.world.generation
         survivors = [c for n in self.world.members if n not in lost for c in self._live(n)]
@@ -654,7 +654,7 @@ class Controller:
                                           f"{'; '.join(lost[n] for n in lost_active)}",
                                        lost_addrs))
         t_stop = time.time()
-        self.events.emit("fault.stop_sent", generation=g, survivors=len(survivors))
+        self.events.emit(Ev.FAULT_STOP_SENT, generation=g, survivors=len(survivors))
         for node in lost_active:
             await self._fence(node, lost[node])
         t_fenced = time.time()
@@ -667,7 +667,7 @@ class Controller:
             del self.pending_faults[node]  # the same loss seen twice (e.g. EOF, then step exit)
         if self.pending_faults:
             extra = list(self.pending_faults)
-            self.events.emit("fault.second", nodes=extra, during="recovery")
+            self.events.emit(Ev.FAULT_SECOND, nodes=extra, during="recovery")
             for node in extra:
                 lost[node] = self.pending_faults.pop(node)
                 await self._fence(node, lost[node])
@@ -680,7 +680,7 @@ class Controller:
         old_rank = {c.node: c.rank for c in survivors}
         if len(spares) < len(lost_active) and self.o.on_no_spare == "shrink":
             rep, self.shards = shrink(self.world, lost_active, self.shards)
-            self.events.emit("recovery.shrink", generation=rep.generation, lost=lost_active,
+            self.events.emit(Ev.RECOVERY_SHRINK, generation=rep.generation, lost=lost_active,
                              members=rep.members, shards=self.shards)
         else:
             rep = replace(self.world, lost_active, spares)
@@ -718,14 +718,14 @@ class Controller:
                          "t_detect": t_detect, "t_stop": t_stop, "t_fenced": t_fenced,
                          "t_ready": t_ready, "t_assigned": time.time(),
                          "first_step": restore + 1, "done_ranks": set()}
-        self.events.emit("recovery.assign", generation=rep.generation, restore_step=restore,
+        self.events.emit(Ev.RECOVERY_ASSIGN, generation=rep.generation, restore_step=restore,
                          taken=rep.taken, members=rep.members,
                          newest_held=max((c.step for c in survivors), default=-1),
                          sources={str(r): src for r, src in sorted(plan.sources.items())})
         if plan.from_disk:
             # Memory could not serve a consistent state for every rank: say so, with the
             # steps this costs, instead of calling it an in-memory recovery.
-            self.events.emit("recovery.disk_fallback", generation=rep.generation,
+            self.events.emit(Ev.RECOVERY_DISK_FALLBACK, generation=rep.generation,
                              restore_step=restore, ranks=plan.from_disk,
                              newest_held=max((c.step for c in survivors), default=-1))
         await self._assign(restore, sources)
@@ -794,14 +794,14 @@ class Controller:
         if alive and not usable:
             # an admin (or Slurm) took the node out: its steps are gone, never reuse it
             self.dead_nodes.add(node)
-            self.events.emit("fault.fenced", node=node, how="node unavailable in slurm",
+            self.events.emit(Ev.FAULT_FENCED, node=node, how="node unavailable in slurm",
                              reason=reason)
             return
         if alive and not reason.startswith("srun: node failure"):
             if node in self.steps:
                 self.expected_exits.add(self.steps[node].pid)
             await loop.run_in_executor(None, self._cancel_steps_on, node)
-            self.events.emit("fault.fenced", node=node, how="step cancelled", reason=reason)
+            self.events.emit(Ev.FAULT_FENCED, node=node, how="step cancelled", reason=reason)
             # the node is healthy: it becomes a warm spare again
             asyncio.get_running_loop().call_later(1.0, self._replenish, node)
             return
@@ -810,8 +810,8 @@ class Controller:
             await loop.run_in_executor(None, lambda: self.slurm.update_node(
                 node, "DOWN", f"hpct: {reason} (job {self.o.job_id})"))
         except SlurmCommandError as exc:
-            self.events.emit("slurm.error", node=node, error=exc.message)
-        self.events.emit("fault.fenced", node=node, how="node down", reason=reason)
+            self.events.emit(Ev.SLURM_ERROR, node=node, error=exc.message)
+        self.events.emit(Ev.FAULT_FENCED, node=node, how="node down", reason=reason)
 
     def _replenish(self, node: str) -> None:
         if self.finished.is_set() or node in self.world.spares:
@@ -843,10 +843,10 @@ class Controller:
             job = self.slurm.sbatch(script, options=options, script_args=self.o.command,
                                     env=env)
         except HpctError as exc:
-            self.events.emit("pool.borrow_failed", error=describe(exc))
+            self.events.emit(Ev.POOL_BORROW_FAILED, error=describe(exc))
             return
         self.borrowed.append(job)
-        self.events.emit("pool.borrow", companion_job=job,
+        self.events.emit(Ev.POOL_BORROW, companion_job=job,
                          reservation=self.o.pool_reservation)
 
     async def _release_borrowed(self) -> None:
@@ -895,7 +895,7 @@ class Controller:
                       "fence": rec["t_fenced"] - rec["t_stop"],
                       "survivors_ready": rec["t_ready"] - rec["t_fenced"],
                       "reform_restore_first_step": now - rec["t_assigned"]}
-            self.events.emit("recovery.done", generation=rec["generation"],
+            self.events.emit(Ev.RECOVERY_DONE, generation=rec["generation"],
                              restore_step=rec["restore_step"], lost=rec["lost"],
                              taken=rec["taken"], reasons=rec["reasons"],
                              recovery_s=now - rec["t_detect"], phases=phases)
@@ -913,15 +913,15 @@ class Controller:
         if self.finished.is_set():
             return
         if script:
-            self.events.emit("job.failed", cause="script", reason=why)
+            self.events.emit(Ev.JOB_FAILED, cause="script", reason=why)
         elif self.o.on_no_spare == "requeue":
-            self.events.emit("escalate.requeue", cause="infrastructure", reason=why)
+            self.events.emit(Ev.ESCALATE_REQUEUE, cause="infrastructure", reason=why)
             try:
                 await asyncio.to_thread(self.slurm.requeue, self.o.job_id)
             except SlurmCommandError as exc:
-                self.events.emit("slurm.error", error=exc.message)
+                self.events.emit(Ev.SLURM_ERROR, error=exc.message)
         else:
-            self.events.emit("escalate.fail", cause="infrastructure", reason=why)
+            self.events.emit(Ev.ESCALATE_FAIL, cause="infrastructure", reason=why)
         self.exit_code = 1
         await self._goodbye_all(f"job escalated: {why}")
         self.finished.set()
@@ -930,7 +930,7 @@ class Controller:
     async def _terminate(self, why: str) -> None:
         if self.finished.is_set():
             return
-        self.events.emit("controller.terminated", signal=why)
+        self.events.emit(Ev.CONTROLLER_TERMINATED, signal=why)
         self.exit_code = 143
         await self._goodbye_all(f"terminated: {why}")
         self.finished.set()
@@ -941,7 +941,7 @@ class Controller:
             return
         if all(c.state == "done" for c in actives) and not self.done_sent:
             self.done_sent = True
-            self.events.emit("job.done", generation=self.world.generation,
+            self.events.emit(Ev.JOB_DONE, generation=self.world.generation,
                              lost=self.world.lost)
             asyncio.create_task(self._finish())
 

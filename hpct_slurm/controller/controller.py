@@ -27,8 +27,8 @@ from ..errors import HpctError, describe
 from ..events import Ev, EventLog
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .policy import (Held, RestorePlan, World, data_ranks, initial_shards, plan_restore, replace,
-                     shrink)
+from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
+                     data_ranks, decide_recovery, initial_shards)
 
 NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
 RANK_DIR_RE = re.compile(r"rank[0-9]{1,9}")  # ASCII digits: '²'.isdigit() but int('²') fails
@@ -184,7 +184,7 @@ class Controller:
         self.last_error: dict[str, str] = {}  # node -> the last error line its step printed
         self.fault_event = asyncio.Event()
         self.recovering = False
-        self.recovery: dict | None = None
+        self.recovery: RecoveryRecord | None = None  # the round whose first step is awaited
         self.finished = asyncio.Event()
         self.done_sent = False
         self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
@@ -626,7 +626,9 @@ class Controller:
                     self.fault_event.set()
 
     async def _recover(self) -> None:
-        t_detect = time.time()
+        """One recovery round: detect, stop, fence, survivors ready (the I/O, here), the
+        decision (policy.decide_recovery), then the new generation's assignment."""
+        rec = RecoveryRecord(t_detect=time.time())
         lost = dict(self.pending_faults)
         self.pending_faults.clear()
         lost_spares = [n for n in lost if n in self.world.spares]
@@ -653,11 +655,11 @@ class Controller:
             await self._send(c, P.Stop(g, f"{', '.join(lost_active)}: "
                                           f"{'; '.join(lost[n] for n in lost_active)}",
                                        lost_addrs))
-        t_stop = time.time()
+        rec.t_stop = time.time()
         self.events.emit(Ev.FAULT_STOP_SENT, generation=g, survivors=len(survivors))
         for node in lost_active:
             await self._fence(node, lost[node])
-        t_fenced = time.time()
+        rec.t_fenced = time.time()
         await self._wait_ready(survivors)
         # a survivor that failed its health check or never answered is lost as well
         for c in survivors:
@@ -675,36 +677,22 @@ class Controller:
                     self.world.spares.remove(node)
             lost_active = [n for n in lost if n in self.world.members]
             survivors = [c for c in survivors if c.node not in lost]
-        t_ready = time.time()
-        spares = [s for s in self.world.spares if self._node_ready(s)]
-        old_rank = {c.node: c.rank for c in survivors}
-        if len(spares) < len(lost_active) and self.o.on_no_spare == "shrink":
-            rep, self.shards = shrink(self.world, lost_active, self.shards)
-            self.events.emit(Ev.RECOVERY_SHRINK, generation=rep.generation, lost=lost_active,
-                             members=rep.members, shards=self.shards)
-        else:
-            rep = replace(self.world, lost_active, spares)
-            for lost_node, spare in rep.taken.items():
-                self.shards[spare] = self.shards.pop(lost_node)
-        plan = await self._plan_restore(rep.members, survivors, old_rank)
-        # Restarts in place that keep failing at the same step (a failing restore, a step that
-        # raises every time) must not loop forever: after a few, the job ends with the
-        # script's error (requeueing would only run it into the same error again).
-        if not lost_active and self.recovery is not None \
-                and self.recovery["restore_step"] == plan.step:
-            self.stalled_restarts += 1
-        else:
-            self.stalled_restarts = 0
-        if self.stalled_restarts >= self.o.max_stalled_restarts:
-            errors = sorted({c.error for c in survivors if c.error})
-            raise ScriptError(f"{self.stalled_restarts} restarts in place made no progress "
-                              f"past step {plan.step}"
-                              + (f": {'; '.join(errors)}" if errors else ""))
-        # A node fenced alive in this round may already be back as a fresh spare step
-        # (_replenish): it is a spare now, not a lost member.
-        back = [n for n in self.world.spares if n not in rep.spares and n not in rep.members
-                and n not in self.dead_nodes and n not in lost_spares]
-        self.world.members, self.world.spares = rep.members, rep.spares + back
+        rec.t_ready = time.time()
+        d = await self._decide(lost_active, survivors, lost_spares)
+        if d.shrunk:
+            assert d.replacement is not None
+            self.shards = d.shards
+            self.events.emit(Ev.RECOVERY_SHRINK, generation=d.replacement.generation,
+                             lost=lost_active, members=d.replacement.members, shards=self.shards)
+        if d.plan is not None:
+            self.stalled_restarts = d.stalled_restarts
+        if d.escalates:
+            # _faults reports it (recovery.failed) and escalates: requeue or fail
+            raise (ScriptError if d.script else HpctError)(d.reason)
+        assert d.replacement is not None and d.plan is not None
+        rep, plan = d.replacement, d.plan
+        self.shards = d.shards
+        self.world.members, self.world.spares = rep.members, d.spares
         self.world.generation = rep.generation
         self.world.lost += lost_active
         restore = plan.step
@@ -712,12 +700,11 @@ class Controller:
         # first, so a corrupted or vanished source costs one retry, not the recovery
         sources = {self.world.rank_of(c.node, c.local_rank): [(c.host_addr, c.transfer_port)]
                    for c in survivors}
-        self.recovery = {"generation": rep.generation, "restore_step": restore,
-                         "lost": lost_active, "taken": rep.taken,
-                         "reasons": {n: lost[n] for n in lost_active},
-                         "t_detect": t_detect, "t_stop": t_stop, "t_fenced": t_fenced,
-                         "t_ready": t_ready, "t_assigned": time.time(),
-                         "first_step": restore + 1, "done_ranks": set()}
+        rec.generation, rec.restore_step = rep.generation, restore
+        rec.lost, rec.taken = lost_active, rep.taken
+        rec.reasons = {n: lost[n] for n in lost_active}
+        rec.t_assigned = time.time()
+        self.recovery = rec
         self.events.emit(Ev.RECOVERY_ASSIGN, generation=rep.generation, restore_step=restore,
                          taken=rep.taken, members=rep.members,
                          newest_held=max((c.step for c in survivors), default=-1),
@@ -731,6 +718,23 @@ class Controller:
         await self._assign(restore, sources)
         self._maybe_borrow()
 
+    async def _decide(self, lost_active: list[str], survivors: list[Conn],
+                      lost_spares: list[str]) -> RecoveryDecision:
+        """What the round does (policy.decide_recovery), from what the controller knows now:
+        the ready spares, the survivors' Holdings reports and the steps on disk."""
+        reports = [SurvivorReport(c.node, c.local_rank, c.held, c.held_rank, c.mode,
+                                  c.rank_state, tuple(c.shard_keys), c.error, not c.gone)
+                   for c in survivors if c.held is not None]
+        disk_shared, disk_rank = await asyncio.to_thread(self._persisted_steps)
+        return decide_recovery(
+            self.world, lost_active, [s for s in self.world.spares if self._node_ready(s)],
+            self.shards, reports, on_no_spare=self.o.on_no_spare, disk_shared=disk_shared,
+            disk_rank=disk_rank,
+            previous_restore=self.recovery.restore_step if self.recovery else None,
+            stalled_restarts=self.stalled_restarts,
+            max_stalled_restarts=self.o.max_stalled_restarts,
+            unusable=self.dead_nodes | set(lost_spares))
+
     async def _wait_ready(self, survivors: list[Conn]) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s
         while time.monotonic() < deadline:
@@ -741,34 +745,6 @@ class Controller:
             if self.pending_faults:
                 await asyncio.sleep(0.05)  # a second fault: keep waiting for the rest
             await asyncio.sleep(0.02)
-
-    async def _plan_restore(self, members: list[str], survivors: list[Conn],
-                            old_rank: dict[str, int]) -> RestorePlan:
-        """The restore step of the next generation: the newest one every rank can reach from
-        its own memory, a peer's, or disk (plan_restore). Raises when there is none."""
-        tpn = self.o.tasks_per_node
-        needs: dict[int, int] = {}
-        held: dict[int, Held] = {}
-        for i, node in enumerate(members):
-            for local in range(tpn):
-                rank = i * tpn + local
-                conn = self.conns.get((node, local))
-                survivor = conn is not None and not conn.gone and conn.held is not None \
-                    and node in old_rank
-                # positions never move on a replacement; a shrink renumbers the survivors
-                needs[rank] = conn.held_rank if survivor and conn.held_rank >= 0 else rank
-                if survivor and conn.held_rank >= 0:
-                    held[rank] = conn.held
-        reports = [c for c in survivors if c.held is not None]
-        mode = reports[0].mode if reports else "jit"
-        rank_state = any(c.rank_state for c in reports)
-        keys = next((c.shard_keys for c in reports if c.shard_keys), [])
-        if keys and len(keys) != len(needs):
-            raise HpctError(f"the ranks report shard keys for {len(keys)} ranks, the next "
-                            f"generation has {len(needs)}: a sharded job cannot change size")
-        disk_shared, disk_rank = await asyncio.to_thread(self._persisted_steps)
-        return plan_restore(needs, held, mode=mode, rank_state=rank_state,
-                            disk_shared=disk_shared, disk_rank=disk_rank, shard_keys=keys)
 
     def _persisted_steps(self) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
         """Steps on disk: shard key -> those of the shared state (key 0 alone for plain data
@@ -885,20 +861,12 @@ class Controller:
     def _track_first_step(self, step: int) -> None:
         self.trained = True
         rec = self.recovery
-        if not rec or step != rec["first_step"]:
+        if not rec or step != rec.first_step:
             return
         ranks = {c.rank for c in self.conns.values() if not c.gone and c.step >= step
-                 and c.generation == rec["generation"]}
+                 and c.generation == rec.generation}
         if len(ranks) == self.world.world_size:
-            now = time.time()
-            phases = {"detect_to_stop": rec["t_stop"] - rec["t_detect"],
-                      "fence": rec["t_fenced"] - rec["t_stop"],
-                      "survivors_ready": rec["t_ready"] - rec["t_fenced"],
-                      "reform_restore_first_step": now - rec["t_assigned"]}
-            self.events.emit(Ev.RECOVERY_DONE, generation=rec["generation"],
-                             restore_step=rec["restore_step"], lost=rec["lost"],
-                             taken=rec["taken"], reasons=rec["reasons"],
-                             recovery_s=now - rec["t_detect"], phases=phases)
+            self.events.emit(Ev.RECOVERY_DONE, **rec.done_fields(time.time()))
             self.recovery = None
 
     async def _escalate(self, why: str, script: bool = False) -> None:

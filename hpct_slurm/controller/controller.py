@@ -24,7 +24,8 @@ from typing import Any, Awaitable, Callable
 
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import Ev, EventLog
+from .. import events
+from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
@@ -44,8 +45,7 @@ IN_PROCESS_GRACE_S = 0.5
 # How long an escalation before the first step waits for more nodes failing the same way.
 START_FAILURE_GRACE_S = 3.0
 # What a rank may say in a heartbeat (recovery/job.py sets them); anything else is refused.
-HEARTBEAT_STATES = frozenset({"registering", "forming", "running", "collective", "ready",
-                              "unhealthy", "done"})
+HEARTBEAT_STATES = events.HEARTBEAT_STATES
 # A rank's transfer address: an IPv4/IPv6 address or a host name, nothing else.
 HOST_ADDR_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}")
 # Connections that have not registered yet. At the cap the oldest is dropped for a newcomer,
@@ -107,7 +107,7 @@ class Conn:
     chan: P.Channel
     rank: int = -1
     generation: int = -1
-    state: str = "registered"
+    state: RankState = RankState.REGISTERED
     step: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     progress_at: float = field(default_factory=time.monotonic)  # last time `step` advanced
@@ -222,9 +222,9 @@ class Controller:
             server.close()
             return self.exit_code
         for node in self.world.members:
-            self._launch(node, "active")
+            self._launch(node, Role.ACTIVE)
         for node in self.world.spares:
-            self._launch(node, "spare")
+            self._launch(node, Role.SPARE)
         self._maybe_borrow()
         tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._faults()),
                  asyncio.create_task(self._poll_slurm())]
@@ -374,7 +374,7 @@ class Controller:
             if old and not old.gone:
                 raise P.ProtocolError(f"{r.node}/{r.local_rank} is already registered")
             if r.node not in self.world.members and r.node not in self.world.spares:
-                if r.role != "spare" or not self.borrowed or r.node in self.dead_nodes:
+                if r.role != Role.SPARE or not self.borrowed or r.node in self.dead_nodes:
                     raise P.ProtocolError(f"node {r.node} is not part of this job")
                 self.pool_nodes.add(r.node)
                 self.world.spares.append(r.node)
@@ -400,7 +400,7 @@ class Controller:
             writer.close()
             if conn is not None and not conn.gone:
                 conn.gone = True
-                if conn.state != "done" and not self.finished.is_set():
+                if conn.state != RankState.DONE and not self.finished.is_set():
                     self._fault(conn.node, "connection lost")
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
@@ -427,7 +427,7 @@ class Controller:
             raise P.ProtocolError(f"register.transfer_port {r.transfer_port} is not a TCP port")
         if not HOST_ADDR_RE.fullmatch(r.host_addr):
             raise P.ProtocolError(f"register.host_addr {r.host_addr!r:.80} is not an address")
-        if r.role == "active" and r.node not in self.world.members:
+        if r.role == Role.ACTIVE and r.node not in self.world.members:
             raise P.ProtocolError(f"register.role 'active' from {r.node}, which is not an "
                                   f"active member ({', '.join(self.world.members)})")
 
@@ -466,15 +466,15 @@ class Controller:
             if not self._current(conn, msg):
                 return
             previous = conn.state
-            conn.state, conn.step = msg.state, msg.step
-            if msg.state == "done":
+            conn.state, conn.step = RankState(msg.state), msg.step
+            if conn.state == RankState.DONE:
                 self._maybe_finish()
-            elif msg.state in ("ready", "unhealthy"):
-                if not self.recovering and previous not in ("ready", "unhealthy") \
+            elif conn.state in (RankState.READY, RankState.UNHEALTHY):
+                if not self.recovering and previous not in (RankState.READY, RankState.UNHEALTHY) \
                         and conn.rank >= 0 and conn.generation == self.world.generation \
                         and conn.node in self.world.members:
                     # nobody told it to stop: the rank failed on its own
-                    if msg.state == "unhealthy":
+                    if conn.state == RankState.UNHEALTHY:
                         self._fault(conn.node, "rank failed its health check")
                     else:
                         conn.reported_at = time.monotonic()
@@ -494,7 +494,7 @@ class Controller:
             if msg.step > conn.step:
                 conn.progress_at = time.monotonic()
             conn.step = msg.step
-            conn.state = "running"
+            conn.state = RankState.RUNNING
             self._track_first_step(msg.step)
         elif isinstance(msg, P.Holdings):
             if msg.generation == conn.generation and msg.rank == conn.rank:
@@ -504,7 +504,7 @@ class Controller:
                 conn.shard_keys = list(msg.shard_keys)
                 conn.error = msg.error
         elif isinstance(msg, P.Goodbye):
-            conn.state = "done" if msg.reason == "done" else conn.state
+            conn.state = RankState.DONE if msg.reason == "done" else conn.state
         else:
             self.events.emit(Ev.PROTOCOL_UNEXPECTED, node=conn.node, type=msg.TYPE)
 
@@ -543,7 +543,7 @@ class Controller:
             c.rank = self.world.rank_of(c.node, c.local_rank)
         peers = {c.rank: (c.host_addr, c.transfer_port) for c in members}
         for c in members:
-            c.generation, c.state, c.role = g, "assigned", "active"
+            c.generation, c.state, c.role = g, RankState.ASSIGNED, Role.ACTIVE
             c.progress_at, c.reported_at = time.monotonic(), None
             c.held, c.error = None, ""
             await self._send(c, P.Assign(
@@ -561,7 +561,7 @@ class Controller:
         self.pending_faults[node] = reason
         self.events.emit(Ev.FAULT_DETECTED, node=node, reason=reason,
                          generation=self.world.generation,
-                         role="spare" if node in self.world.spares else "active")
+                         role=Role.SPARE if node in self.world.spares else Role.ACTIVE)
         self.fault_event.set()
 
     async def _watchdog(self) -> None:
@@ -570,11 +570,12 @@ class Controller:
             now = time.monotonic()
             reported = []
             for c in list(self.conns.values()):
-                if c.gone or c.state == "done":
+                if c.gone or c.state == RankState.DONE:
                     continue
                 if now - c.last_seen > self.o.heartbeat_timeout_s:
                     self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
-                elif c.state == "running" and not self.recovering and not self.pending_faults \
+                elif c.state == RankState.RUNNING and not self.recovering \
+                        and not self.pending_faults \
                         and now - c.progress_at > self.o.progress_timeout_s:
                     # (while a fault is handled nobody progresses: survivors are tearing down)
                     self._fault(c.node, f"no progress for {now - c.progress_at:.0f} s "
@@ -585,7 +586,7 @@ class Controller:
             # because it left (and all of them restart in place anyway).
             if reported and not self.recovering and not self.pending_faults:
                 first = min(reported, key=lambda c: c.reported_at or now)
-                if first.state == "ready" and first.generation == self.world.generation:
+                if first.state == RankState.READY and first.generation == self.world.generation:
                     self._fault(first.node, IN_PROCESS)
             for c in reported:
                 c.reported_at = None
@@ -639,7 +640,7 @@ class Controller:
         # they restart in place, like every other survivor.
         in_place = [n for n in lost if lost[n] == IN_PROCESS and n in self.world.members
                     and self._node_ready(n)
-                    and all(c.state == "ready" for c in self._live(n))]
+                    and all(c.state == RankState.READY for c in self._live(n))]
         for node in in_place:
             del lost[node]
         lost_active = [n for n in lost if n in self.world.members]
@@ -663,7 +664,7 @@ class Controller:
         await self._wait_ready(survivors)
         # a survivor that failed its health check or never answered is lost as well
         for c in survivors:
-            if c.gone or c.state != "ready":
+            if c.gone or c.state != RankState.READY:
                 self.pending_faults.setdefault(c.node, f"not ready after fault ({c.state})")
         for node in [n for n in self.pending_faults if n in lost]:
             del self.pending_faults[node]  # the same loss seen twice (e.g. EOF, then step exit)
@@ -739,8 +740,8 @@ class Controller:
         deadline = time.monotonic() + self.o.ready_timeout_s
         while time.monotonic() < deadline:
             # ready counts once its Holdings report is in (it is sent just before)
-            if all(c.gone or c.state == "unhealthy" or (c.state == "ready" and c.held is not None)
-                   for c in survivors):
+            if all(c.gone or c.state == RankState.UNHEALTHY
+                   or (c.state == RankState.READY and c.held is not None) for c in survivors):
                 break
             if self.pending_faults:
                 await asyncio.sleep(0.05)  # a second fault: keep waiting for the rest
@@ -795,7 +796,7 @@ class Controller:
         for key in [k for k, c in self.conns.items() if k[0] == node and c.gone]:
             del self.conns[key]
         self.world.spares.append(node)
-        self._launch(node, "spare")
+        self._launch(node, Role.SPARE)
 
     def _maybe_borrow(self) -> None:
         """Keep one warm spare from the cluster pool once the allocation's own are used up:
@@ -907,7 +908,7 @@ class Controller:
         actives = [c for n in self.world.members for c in self._live(n)]
         if self.recovering or len(actives) != self.world.world_size:
             return
-        if all(c.state == "done" for c in actives) and not self.done_sent:
+        if all(c.state == RankState.DONE for c in actives) and not self.done_sent:
             self.done_sent = True
             self.events.emit(Ev.JOB_DONE, generation=self.world.generation,
                              lost=self.world.lost)

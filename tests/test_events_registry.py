@@ -107,3 +107,9 @@ def test_every_event_name_the_tests_read_is_registered():
                 bad.append(f"{p.name}: {m.group(1)!r}")
     assert bad == []
 
+
+
+def test_the_troubleshooting_guide_names_every_registered_event():
+    guide = (DOCS / "troubleshooting.md").read_text()
+    missing = sorted(n for n in NAMES if f"`{n}`" not in guide)
+    assert missing == [], f"docs/troubleshooting.md does not mention {missing}"

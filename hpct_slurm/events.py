@@ -1,7 +1,11 @@
 """Structured events: one JSON object a line, with a stable set of names.
 
-The controller, the ranks, the report and the tests all read the same record, so event
-names are constants here and nowhere else.
+The controller, the ranks, the hooks, the report and the tests all read the same record, so
+event names are constants here (`Ev`) and nowhere else: `EventLog.emit` refuses a name that is
+not registered, so a typo fails where it is written instead of silently breaking
+`hpct-slurm report`. The states a rank reports and the controller tracks (`RankState`) and the
+roles a process registers with (`Role`) are registered here too. All three are str-valued: the
+JSON lines hold the plain strings, and a member compares equal to its string.
 """
 from __future__ import annotations
 
@@ -12,10 +16,162 @@ import stat
 import sys
 import threading
 import time
+from enum import Enum, unique
 from pathlib import Path
 from typing import IO, Any, Iterator
 
 from .errors import HpctError
+
+
+class _Name(str, Enum):
+    """A str-valued enum that prints, formats and serializes as its plain value."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    __format__ = str.__format__
+
+
+@unique
+class Ev(_Name):
+    """Every event name any part of hpct-slurm emits (docs/troubleshooting.md says what each
+    means)."""
+
+    # controller (controller.jsonl)
+    CONTROLLER_START = "controller.start"
+    CONTROLLER_EXIT = "controller.exit"
+    CONTROLLER_TERMINATED = "controller.terminated"
+    CONTROLLER_SPARES_SHORT = "controller.spares_short"
+    CONTROLLER_STORE_UNAUTHENTICATED = "controller.store_unauthenticated"
+    CONTROLLER_PERSISTED_STEP_INCOMPLETE = "controller.persisted_step_incomplete"
+    CONTROLLER_RESUME_FROM_DISK = "controller.resume_from_disk"
+    STEP_LAUNCH = "step.launch"
+    STEP_EXIT = "step.exit"
+    RANK_REGISTER = "rank.register"
+    GENERATION_START = "generation.start"
+    FAULT_DETECTED = "fault.detected"
+    FAULT_IN_PROCESS = "fault.in_process"
+    FAULT_STOP_SENT = "fault.stop_sent"
+    FAULT_FENCED = "fault.fenced"
+    FAULT_SECOND = "fault.second"
+    RECOVERY_SHRINK = "recovery.shrink"
+    RECOVERY_ASSIGN = "recovery.assign"
+    RECOVERY_DISK_FALLBACK = "recovery.disk_fallback"
+    RECOVERY_DONE = "recovery.done"
+    RECOVERY_FAILED = "recovery.failed"
+    ESCALATE_REQUEUE = "escalate.requeue"
+    ESCALATE_FAIL = "escalate.fail"
+    JOB_DONE = "job.done"
+    JOB_FAILED = "job.failed"
+    POOL_BORROW = "pool.borrow"
+    POOL_BORROW_FAILED = "pool.borrow_failed"
+    POOL_SPARE_JOINED = "pool.spare_joined"
+    PROTOCOL_REJECTED = "protocol.rejected"
+    PROTOCOL_UNEXPECTED = "protocol.unexpected"
+    SLURM_ERROR = "slurm.error"
+
+    # ranks (events/<node>-<local rank>.jsonl)
+    RANK_REGISTERED = "rank.registered"
+    RANK_MESH_INFERRED = "rank.mesh_inferred"
+    RANK_ADOPTED = "rank.adopted"
+    RANK_STEP = "rank.step"
+    RANK_FAULT = "rank.fault"
+    RANK_READY = "rank.ready"
+    RANK_FINISHED = "rank.finished"
+    RANK_TEARDOWN_HUNG = "rank.teardown_hung"
+    RANK_EXIT = "rank.exit"
+    RANK_CONTROLLER_ALIVE = "rank.controller_alive"
+    RANK_CONTROLLER_LOST = "rank.controller_lost"
+    RANK_REQUEUED_JOB = "rank.requeued_job"
+    RANK_REQUEUE_FAILED = "rank.requeue_failed"
+    RANK_SEVERED = "rank.severed"
+    RANK_SEVER_FAILED = "rank.sever_failed"
+    RANK_UNEXPECTED_MESSAGE = "rank.unexpected_message"
+    RENDEZVOUS_FORMED = "rendezvous.formed"
+    SNAPSHOT_CAPTURED_AT_FAULT = "snapshot.captured_at_fault"
+    SNAPSHOT_COPY_FAILED = "snapshot.copy_failed"
+    SNAPSHOT_FOLLOW_UP_FAILED = "snapshot.follow_up_failed"
+    RESTORE_REPLICA_MISSING = "restore.replica_missing"
+    REPLICA_ROLLED_BACK = "replica.rolled_back"
+    REPLICA_STORED = "replica.stored"
+    REPLICA_REJECTED = "replica.rejected"
+    REPLICA_PUSH_FAILED = "replica.push_failed"
+    TRANSFER_FETCHED = "transfer.fetched"
+    TRANSFER_SOURCE_FAILED = "transfer.source_failed"
+    TRANSFER_FALLBACK_DISK = "transfer.fallback_disk"
+    TRANSFER_SERVE_CORRUPT = "transfer.serve_corrupt"
+    TRANSFER_BAD_FRAME = "transfer.bad_frame"
+    TRANSFER_CONNECTION_EVICTED = "transfer.connection_evicted"
+    TRANSFER_CONNECTION_REFUSED = "transfer.connection_refused"
+    TRANSFER_ACCEPT_FAILED = "transfer.accept_failed"
+    TRANSFER_FAULT_INJECTED = "transfer.fault_injected"
+    PERSIST_SAVED = "persist.saved"
+    PERSIST_SAVE_FAILED = "persist.save_failed"
+    PERSIST_CORRUPT = "persist.corrupt"
+
+    # the rootless rendezvous store's shards
+    STORE_AUTH_REJECTED = "store.auth_rejected"
+    STORE_SHARD_STARTED = "store.shard_started"
+    STORE_SHARD_STOPPED = "store.shard_stopped"
+    STORE_ACCEPT_FAILED = "store.accept_failed"
+
+    # the node hooks (Prolog, Epilog)
+    HOOK_JOB_DIR = "hook_job_dir"
+    HOOK_STALE_REMOVED = "hook_stale_removed"
+    HOOK_STALE_SKIPPED = "hook_stale_skipped"
+    HOOK_STALE_REMOVE_FAILED = "hook_stale_remove_failed"
+    HOOK_HEALTH_FAILED = "hook_health_failed"
+    HOOK_DRAIN_FAILED = "hook_drain_failed"
+    HOOK_JOB_DIR_REMOVED = "hook_job_dir_removed"
+    HOOK_JOB_DIR_REMOVE_FAILED = "hook_job_dir_remove_failed"
+
+    # the baselines (examples/baseline_train.py, bench/restart_all.py)
+    BASELINE_IMPORTED = "baseline.imported"
+    BASELINE_PG_READY = "baseline.pg_ready"
+    BASELINE_START = "baseline.start"
+    BASELINE_LAUNCH = "baseline.launch"
+    BASELINE_STEP_EXIT = "baseline.step_exit"
+    BASELINE_RESTART_ALL = "baseline.restart_all"
+    BASELINE_NO_SPARE = "baseline.no_spare"
+
+
+NAMES: frozenset[str] = frozenset(e.value for e in Ev)
+
+
+class RankState(_Name):
+    """Where one rank process stands: what its heartbeats say (recovery/job.py sets them), and
+    the two states only the controller gives a connection (registered, assigned)."""
+
+    REGISTERING = "registering"  # connecting; not yet accepted
+    REGISTERED = "registered"    # controller: Register accepted, no assignment yet
+    ASSIGNED = "assigned"        # controller: an Assign sent, no heartbeat of it back yet
+    FORMING = "forming"          # forming the generation's process group, restoring
+    RUNNING = "running"          # training
+    COLLECTIVE = "collective"    # inside a collective
+    READY = "ready"              # stopped after a fault, healthy, waiting for an Assign
+    UNHEALTHY = "unhealthy"      # failed its health check
+    DONE = "done"                # finished the script
+
+
+# What a rank may say in a heartbeat; anything else is refused by the controller.
+HEARTBEAT_STATES: frozenset[str] = frozenset(
+    s.value for s in RankState if s not in (RankState.REGISTERED, RankState.ASSIGNED))
+
+
+class Role(_Name):
+    """What a process registers as, and the controller's view of a node."""
+
+    ACTIVE = "active"
+    SPARE = "spare"
+
+
+def check_name(event: str) -> str:
+    """`event` as the plain string written to the log; raises unless it is registered."""
+    name = str(event)
+    if name not in NAMES:
+        raise HpctError(f"event name {name!r} is not registered in hpct_slurm.events.Ev: "
+                        f"add it there (and to docs/troubleshooting.md)")
+    return name
 
 
 class EventLog:
@@ -30,8 +186,9 @@ class EventLog:
         if self._path:
             self._path.parent.mkdir(parents=True, exist_ok=True)
 
-    def emit(self, event: str, **fields: Any) -> dict:
-        record = {"t": time.time(), "event": event}
+    def emit(self, event: Ev | str, **fields: Any) -> dict:
+        """Append one record; `event` must be a registered name (an `Ev`)."""
+        record = {"t": time.time(), "event": check_name(event)}
         if self._source:
             record["source"] = self._source
         record.update(fields)

@@ -653,3 +653,111 @@ def test_the_same_error_on_two_nodes_before_the_first_step_is_the_scripts(tmp_pa
             assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
             assert [e["code"] for e in c.events("controller.exit")] == [1]
     run(scenario)
+
+
+def test_no_spare_left_with_shrink_spreads_the_lost_shard_over_the_survivors(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2"], spares=0,
+                               on_no_spare="shrink") as c:
+            await c.started()
+            assert [c.rank(n).assigns[0].data_ranks for n in ("localhost", "a1", "a2")] == \
+                [[0], [1], [2]]
+            await c.train(["localhost", "a1", "a2"], 3)
+            await c.crash("a2")
+
+            lh, a1 = await c.assigned("localhost", 1), await c.assigned("a1", 1)
+            [shrunk] = c.events("recovery.shrink")
+            assert shrunk["lost"] == ["a2"] and shrunk["members"] == ["localhost", "a1"]
+            assert shrunk["shards"] == {"localhost": [0, 2], "a1": [1]}
+            # the same global batch: the world shrinks, the data world does not
+            assert (lh.world_size, lh.data_ranks, lh.restore_step) == (2, [0, 2], 3)
+            assert (a1.rank, a1.data_ranks) == (1, [1])
+            assert lh.data_world == a1.data_world == 3
+            [ev] = c.events("recovery.assign")
+            assert ev["taken"] == {} and ev["members"] == ["localhost", "a1"]
+            assert c.events("recovery.failed") == [] and c.events("escalate.requeue") == []
+
+            await c.train(["localhost", "a1"], 4)
+            [done] = await c.until(lambda: c.events("recovery.done"), "recovery.done")
+            assert (done["lost"], done["taken"], done["restore_step"]) == (["a2"], {}, 3)
+            assert await c.finish() == 0
+    run(scenario)
+
+
+def test_a_second_fault_that_leaves_too_few_spares_escalates(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1"], spares=1) as c:
+            c.on_stop["a2"] = "die"
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 3)
+            await c.crash("a1")
+            assert await asyncio.wait_for(asyncio.shield(c.job), 5) == 1
+            [second] = c.events("fault.second")
+            assert second["nodes"] == ["a2"]
+            [failed] = c.events("recovery.failed")
+            assert failed["error"] == "2 node(s) lost (a1, a2) but only 1 warm spare(s) ready"
+            [ev] = c.events("escalate.requeue")
+            assert ev["reason"] == failed["error"] and ev["cause"] == "infrastructure"
+            assert ["scontrol", "requeue", str(JOB)] in c.runner.argvs
+            assert c.events("recovery.assign") == [] and c.rank("s1").assigns == []
+    run(scenario)
+
+
+def test_a_rank_whose_state_and_ring_copy_are_both_lost_escalates_to_requeue(tmp_path):
+    """Per-rank state (a sampler position): rank 1's own copy was on a1, its ring copy on a2;
+    both nodes are lost, nothing is on disk: no step every rank reaches, the job requeues (it
+    never trains on from mixed state, nor restarts from scratch mid-run)."""
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1", "s2"], spares=2) as c:
+            async def holds_rank_2s_copy(rank: FakeRank, stop: P.Stop) -> None:
+                steps = rank.own
+                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", True, steps,
+                                           steps, {2: steps}))
+                rank.state = "ready"
+                await rank.heartbeat()
+            c.on_stop["localhost"] = holds_rank_2s_copy
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 3)
+            await c.crash("a1")
+            await c.crash("a2")
+            assert await asyncio.wait_for(asyncio.shield(c.job), 5) == 1
+            assert sorted(e["node"] for e in c.events("fault.fenced")) == ["a1", "a2"]
+            [failed] = c.events("recovery.failed")
+            assert failed["error"].startswith("no step is held for every rank: at step 3")
+            assert "rank(s) [1]" in failed["error"]
+            [ev] = c.events("escalate.requeue")
+            assert ev["cause"] == "infrastructure"
+            assert ["scontrol", "requeue", str(JOB)] in c.runner.argvs
+            assert c.events("job.failed") == [] and c.events("recovery.assign") == []
+            assert c.rank("s1").assigns == c.rank("s2").assigns == []
+    run(scenario)
+
+
+def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_error(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
+                               max_stalled_restarts=2) as c:
+            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
+                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
+                                           [], {}, error="RuntimeError: boom"))
+                rank.state = "ready"
+                await rank.heartbeat()
+            c.on_stop["a1"] = fails_again
+            await c.started()
+            await c.train(["localhost", "a1"], 3)
+            for generation in (1, 2):
+                await fails_again(c.rank("a1"))  # its step raises: ready, nobody stopped it
+                a = await c.assigned("a1", generation)
+                assert (a.restore_step, a.members) == (3, ["localhost", "a1"])
+            await fails_again(c.rank("a1"))  # a third time at the same step: no progress
+            assert await asyncio.wait_for(asyncio.shield(c.job), 5) == 1
+            assert [e["nodes"] for e in c.events("fault.in_process")] == [["a1"]] * 3
+            [failed] = c.events("job.failed")
+            assert failed["cause"] == "script"
+            assert failed["reason"] == ("2 restarts in place made no progress past step 3: "
+                                        "RuntimeError: boom")
+            assert c.events("escalate.requeue") == [] and c.events("escalate.fail") == []
+            assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
+            assert [e["generation"] for e in c.events("generation.start")] == [0, 1, 2]
+            assert c.events("fault.fenced") == [] and c.rank("s1").assigns == []
+    run(scenario)

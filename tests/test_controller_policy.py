@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpct_slurm.controller.policy import (Held, World, data_ranks, initial_shards,
+from hpct_slurm.controller.policy import (PHASES, Action, Held, RecoveryRecord, SurvivorReport,
+                                          World, data_ranks, decide_recovery, initial_shards,
                                           plan_restore, replace, shrink, split_allocation)
 from hpct_slurm.errors import HpctError
 
@@ -201,3 +202,142 @@ def test_progress_timeout_comes_from_the_environment_and_is_checked():
         with pytest.raises(HpctError, match=f"HPCT_PROGRESS_TIMEOUT_S '{bad}' is not a "
                                             f"positive number of seconds"):
             seconds_from_env({"HPCT_PROGRESS_TIMEOUT_S": bad}, "HPCT_PROGRESS_TIMEOUT_S", 1.0)
+
+
+# ---- one recovery round: decide_recovery ------------------------------------------------------
+
+def _world(active=("n1", "n2", "n3"), spares=("s1", "s2"), generation=0) -> World:
+    return World(list(active), list(spares), 1, generation)
+
+
+def _report(node, rank, own=(4, 5), rank_own=(), replicas=None, **kw) -> SurvivorReport:
+    return SurvivorReport(node, 0, _held(own, rank_own, replicas), rank, **kw)
+
+
+def _survivors(world, lost, **kw):
+    return [_report(n, i, **kw) for i, n in enumerate(world.members) if n not in lost]
+
+
+def test_a_lost_member_is_replaced_by_the_first_ready_spare():
+    w = _world()
+    d = decide_recovery(w, ["n2"], ["s1", "s2"], initial_shards(w.members),
+                        _survivors(w, ["n2"]))
+    assert (d.action, d.lost, d.taken, d.restore_step) == (Action.REPLACE, ["n2"],
+                                                           {"n2": "s1"}, 5)
+    assert d.replacement.members == ["n1", "s1", "n3"] and d.replacement.generation == 1
+    assert d.spares == ["s2"] and d.shards == {"n1": [0], "n3": [2], "s1": [1]}
+    assert d.plan.sources == {0: "own", 1: "peer", 2: "own"}
+    assert not d.escalates and not d.shrunk and d.reason == "s1 takes n2's place"
+    assert w.members == ["n1", "n2", "n3"]  # pure: the world is the caller's to change
+
+
+def test_nothing_lost_restarts_everyone_in_place():
+    w = _world()
+    d = decide_recovery(w, [], ["s1"], initial_shards(w.members), _survivors(w, []))
+    assert (d.action, d.taken, d.restore_step) == (Action.REPLACE, {}, 5)
+    assert d.replacement.members == w.members and d.spares == ["s1", "s2"]
+    assert d.reason == "every rank restarts in place"
+
+
+@pytest.mark.parametrize("on_no_spare, action", [("requeue", Action.REQUEUE),
+                                                 ("fail", Action.FAIL)])
+def test_more_lost_than_ready_spares_escalates_per_on_no_spare(on_no_spare, action):
+    w = _world()
+    d = decide_recovery(w, ["n2", "n3"], ["s1"], initial_shards(w.members),
+                        _survivors(w, ["n2", "n3"]), on_no_spare=on_no_spare)
+    assert d.action == action and d.escalates and not d.script
+    assert d.reason == "2 node(s) lost (n2, n3) but only 1 warm spare(s) ready"
+    assert d.replacement is None and d.plan is None
+
+
+def test_no_spare_with_shrink_spreads_the_lost_shards_over_the_survivors():
+    w = _world(spares=())
+    d = decide_recovery(w, ["n2"], [], initial_shards(w.members), _survivors(w, ["n2"]),
+                        on_no_spare="shrink")
+    assert d.action == Action.SHRINK and d.shrunk and not d.escalates
+    assert d.replacement.members == ["n1", "n3"] and d.taken == {}
+    assert d.shards == {"n1": [0, 1], "n3": [2]}
+    # a shrink renumbers the survivors: n3 (rank 2) is rank 1 now and restores its own state
+    assert d.restore_step == 5 and d.plan.sources == {0: "own", 1: "own"}
+    assert "1 node(s) lost (n2), 0 warm spare(s) ready" in d.reason
+
+
+def test_a_shrink_onto_nothing_escalates():
+    w = _world(spares=())
+    d = decide_recovery(w, list(w.members), [], initial_shards(w.members), [],
+                        on_no_spare="shrink")
+    assert d.action == Action.FAIL and "nothing to shrink onto" in d.reason
+
+
+def test_both_holders_of_a_ranks_state_lost_escalates_to_requeue():
+    # n2's per-rank state lived on n2 and its ring copy on n3: both are lost
+    w = _world()
+    survivors = [_report("n1", 0, rank_own=(4, 5), replicas={2: [4, 5]}, rank_state=True)]
+    d = decide_recovery(w, ["n2", "n3"], ["s1", "s2"], initial_shards(w.members), survivors)
+    assert d.action == Action.REQUEUE and not d.script
+    assert d.reason.startswith("no step is held for every rank") and "[1]" in d.reason
+    assert d.taken == {"n2": "s1", "n3": "s2"} and d.plan is None  # the layout was possible
+    # with rank 1's own state on disk at step 3 (and the shared state): a disk fallback
+    d = decide_recovery(w, ["n2", "n3"], ["s1", "s2"], initial_shards(w.members), survivors,
+                        disk_shared={0: {3}}, disk_rank={r: {3} for r in range(3)})
+    assert d.action == Action.REPLACE and d.restore_step == 3 and d.plan.from_disk == [0, 1, 2]
+
+
+def test_restarts_in_place_that_make_no_progress_are_the_scripts_error():
+    w = _world()
+    reports = [_report(n, i, error="RuntimeError: boom" if n == "n2" else "")
+               for i, n in enumerate(w.members)]
+    kw = dict(previous_restore=5, max_stalled_restarts=3)
+    d = decide_recovery(w, [], [], initial_shards(w.members), reports, stalled_restarts=1, **kw)
+    assert d.action == Action.REPLACE and d.stalled_restarts == 2
+    d = decide_recovery(w, [], [], initial_shards(w.members), reports, stalled_restarts=2, **kw)
+    assert (d.action, d.script, d.stalled_restarts) == (Action.FAIL, True, 3)
+    assert d.reason == "3 restarts in place made no progress past step 5: RuntimeError: boom"
+    # progress (another restore step), or a node lost in the round, resets the count
+    for lost, previous in ([], 4), (["n2"], 5):
+        d = decide_recovery(w, lost, ["s1"], initial_shards(w.members), reports,
+                            stalled_restarts=2, previous_restore=previous)
+        assert d.action == Action.REPLACE and d.stalled_restarts == 0
+
+
+def test_a_member_fenced_alive_and_back_as_a_spare_stays_a_spare():
+    # n2 was fenced alive in this round and its fresh spare step registered already
+    w = _world(spares=("s1", "n2"))
+    d = decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), _survivors(w, ["n2"]))
+    assert d.taken == {"n2": "s1"} and d.spares == ["n2"]
+    d = decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), _survivors(w, ["n2"]),
+                        unusable={"n2"})
+    assert d.spares == []
+
+
+def test_a_survivor_whose_connection_dropped_holds_nothing():
+    w = _world()
+    survivors = [_report("n1", 0, own=(4, 5)), _report("n3", 2, own=(5, 6), live=False)]
+    d = decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), survivors)
+    # n3's 6 is not reachable by anyone else; it restores 5 from n1 like the newcomer
+    assert d.restore_step == 5 and d.plan.sources == {0: "own", 1: "peer", 2: "peer"}
+
+
+def test_a_sharded_job_cannot_change_size():
+    w = _world(spares=())
+    survivors = [_report(n, i, shard_keys=(0, 1, 0)) for i, n in enumerate(w.members)
+                 if n != "n2"]
+    d = decide_recovery(w, ["n2"], [], initial_shards(w.members), survivors,
+                        on_no_spare="shrink")
+    assert d.action == Action.FAIL and d.shrunk and d.replacement.members == ["n1", "n3"]
+    assert "a sharded job cannot change size" in d.reason
+
+
+def test_the_recovery_record_says_its_phases_in_the_reports_order():
+    from hpct_slurm.report import model
+
+    rec = RecoveryRecord(t_detect=100.0, t_stop=100.5, t_fenced=101.0, t_ready=103.0,
+                         t_assigned=103.5, generation=2, restore_step=7, lost=["n2"],
+                         taken={"n2": "s1"}, reasons={"n2": "connection lost"})
+    assert rec.first_step == 8
+    assert rec.phases(110.0) == {"detect_to_stop": 0.5, "fence": 0.5, "survivors_ready": 2.0,
+                                 "reform_restore_first_step": 6.5}
+    fields = rec.done_fields(110.0)
+    assert list(fields) == ["generation", "restore_step", "lost", "taken", "reasons",
+                            "recovery_s", "phases"]
+    assert fields["recovery_s"] == 10.0 and tuple(fields["phases"]) == PHASES == model.PHASES

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from hpct_slurm.errors import HpctError
-from hpct_slurm.events import EventLog, read_events
+from hpct_slurm.events import Ev, EventLog, read_events
 from hpct_slurm.hooks.context import HookConfig, JobContext
 from hpct_slurm.hooks.epilog import epilog
 from hpct_slurm.hooks.prolog import DRAIN_PREFIX, prolog
@@ -496,7 +496,7 @@ def test_the_run_dir_is_private_even_in_a_group_dir_with_umask_002(group_dir):
     run_dir = group_dir / "hpct-7"
     c = Controller(Options(command=["true"], run_dir=run_dir, job_id=7, nodes=["n1"],
                            batch_host="n1", spares=0))
-    c.events.emit("test.event")
+    c.events.emit(Ev.CONTROLLER_START)
     assert _mode(run_dir) == 0o700
     assert _mode(run_dir / "logs") == 0o700 and _mode(run_dir / "events") == 0o700
     assert _mode(run_dir / "secret") == 0o600
@@ -561,7 +561,7 @@ def test_event_logs_are_not_opened_through_a_symlink(tmp_path):
     victim.write_text("keep\n")
     os.symlink(victim, tmp_path / "log.jsonl")
     with pytest.raises(HpctError, match="is a symlink"):
-        EventLog(tmp_path / "log.jsonl").emit("x")
+        EventLog(tmp_path / "log.jsonl").emit(Ev.CONTROLLER_START)
     assert victim.read_text() == "keep\n"
 
 

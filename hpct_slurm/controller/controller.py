@@ -24,11 +24,12 @@ from typing import Any, Awaitable, Callable
 
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import EventLog
+from .. import events
+from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .policy import (Held, RestorePlan, World, data_ranks, initial_shards, plan_restore, replace,
-                     shrink)
+from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
+                     data_ranks, decide_recovery, initial_shards)
 
 NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
 RANK_DIR_RE = re.compile(r"rank[0-9]{1,9}")  # ASCII digits: '²'.isdigit() but int('²') fails
@@ -44,8 +45,7 @@ IN_PROCESS_GRACE_S = 0.5
 # How long an escalation before the first step waits for more nodes failing the same way.
 START_FAILURE_GRACE_S = 3.0
 # What a rank may say in a heartbeat (recovery/job.py sets them); anything else is refused.
-HEARTBEAT_STATES = frozenset({"registering", "forming", "running", "collective", "ready",
-                              "unhealthy", "done"})
+HEARTBEAT_STATES = events.HEARTBEAT_STATES
 # A rank's transfer address: an IPv4/IPv6 address or a host name, nothing else.
 HOST_ADDR_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}")
 # Connections that have not registered yet. At the cap the oldest is dropped for a newcomer,
@@ -107,7 +107,7 @@ class Conn:
     chan: P.Channel
     rank: int = -1
     generation: int = -1
-    state: str = "registered"
+    state: RankState = RankState.REGISTERED
     step: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     progress_at: float = field(default_factory=time.monotonic)  # last time `step` advanced
@@ -184,7 +184,7 @@ class Controller:
         self.last_error: dict[str, str] = {}  # node -> the last error line its step printed
         self.fault_event = asyncio.Event()
         self.recovering = False
-        self.recovery: dict | None = None
+        self.recovery: RecoveryRecord | None = None  # the round whose first step is awaited
         self.finished = asyncio.Event()
         self.done_sent = False
         self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
@@ -198,7 +198,7 @@ class Controller:
             warning = ("the tcpstore rendezvous is not authenticated: any host that reaches "
                        "MASTER_PORT can read and overwrite its keys; use --store rootless on a "
                        "shared network (docs/admin.md)")
-            self.events.emit("controller.store_unauthenticated", store="tcpstore",
+            self.events.emit(Ev.CONTROLLER_STORE_UNAUTHENTICATED, store="tcpstore",
                              warning=warning)
             print(f"hpct-slurm: warning: {warning}", file=sys.stderr)
 
@@ -211,20 +211,20 @@ class Controller:
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: asyncio.ensure_future(self._terminate("SIGTERM")))
         self.address = server.sockets[0].getsockname()[:2]
-        self.events.emit("controller.start", job_id=self.o.job_id, active=self.world.members,
+        self.events.emit(Ev.CONTROLLER_START, job_id=self.o.job_id, active=self.world.members,
                          spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
                          store=self.o.store,
                          address=f"{self.address[0]}:{self.address[1]}",
                          command=self.o.command)
         if self._spares_short():
             self.exit_code = 1
-            self.events.emit("controller.exit", code=self.exit_code)
+            self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)
             server.close()
             return self.exit_code
         for node in self.world.members:
-            self._launch(node, "active")
+            self._launch(node, Role.ACTIVE)
         for node in self.world.spares:
-            self._launch(node, "spare")
+            self._launch(node, Role.SPARE)
         self._maybe_borrow()
         tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._faults()),
                  asyncio.create_task(self._poll_slurm())]
@@ -236,7 +236,7 @@ class Controller:
             server.close()
             await self._stop_steps()
             await self._release_borrowed()
-        self.events.emit("controller.exit", code=self.exit_code)
+        self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)
         return self.exit_code
 
     def _spares_short(self) -> bool:
@@ -246,11 +246,11 @@ class Controller:
         if want is None or got >= want:
             return False
         refuse = self.o.on_few_spares == "refuse" and self.o.restart_count == 0
-        self.events.emit("controller.spares_short", wanted=want, got=got,
+        self.events.emit(Ev.CONTROLLER_SPARES_SHORT, wanted=want, got=got,
                          action="refuse" if refuse else "warn",
                          nodes=len(self.o.nodes), restart_count=self.o.restart_count)
         if refuse:
-            self.events.emit("job.failed", cause="config",
+            self.events.emit(Ev.JOB_FAILED, cause="config",
                              reason=f"asked for {want} warm spare(s), the allocation gave {got}")
         return refuse
 
@@ -270,10 +270,10 @@ class Controller:
                     if got != step:
                         raise HpctError(f"shard key {k}'s file of step {step} is damaged")
             except HpctError as exc:
-                self.events.emit("controller.persisted_step_incomplete", step=step,
+                self.events.emit(Ev.CONTROLLER_PERSISTED_STEP_INCOMPLETE, step=step,
                                  error=exc.message)
                 continue
-            self.events.emit("controller.resume_from_disk", step=step,
+            self.events.emit(Ev.CONTROLLER_RESUME_FROM_DISK, step=step,
                              restart_count=os.environ.get("SLURM_RESTART_COUNT", "0"))
             return step
         return -1
@@ -305,7 +305,7 @@ class Controller:
         log = open(self.run_dir / "logs" / f"{node}.out", "ab")
         proc_task = asyncio.create_task(self._run_step(node, role, argv, env, log))
         proc_task.add_done_callback(lambda t: log.close())
-        self.events.emit("step.launch", node=node, role=role)
+        self.events.emit(Ev.STEP_LAUNCH, node=node, role=role)
 
     async def _run_step(self, node: str, role: str, argv: list[str], env: dict, log) -> None:
         proc = await self.spawn_step(node, role, argv, env, log)
@@ -323,7 +323,7 @@ class Controller:
         rc = await proc.wait()
         if self.steps.get(node) is proc:
             del self.steps[node]
-        self.events.emit("step.exit", node=node, role=role, code=rc,
+        self.events.emit(Ev.STEP_EXIT, node=node, role=role, code=rc,
                          error=self.last_error.get(node, "") if rc else "")
         if rc and not self.trained and not self.finished.is_set() \
                 and proc.pid not in self.expected_exits:
@@ -374,16 +374,16 @@ class Controller:
             if old and not old.gone:
                 raise P.ProtocolError(f"{r.node}/{r.local_rank} is already registered")
             if r.node not in self.world.members and r.node not in self.world.spares:
-                if r.role != "spare" or not self.borrowed or r.node in self.dead_nodes:
+                if r.role != Role.SPARE or not self.borrowed or r.node in self.dead_nodes:
                     raise P.ProtocolError(f"node {r.node} is not part of this job")
                 self.pool_nodes.add(r.node)
                 self.world.spares.append(r.node)
-                self.events.emit("pool.spare_joined", node=r.node)
+                self.events.emit(Ev.POOL_SPARE_JOINED, node=r.node)
             conn = Conn(r.node, r.local_rank, r.role, r.pid, r.host_addr, r.transfer_port,
                         writer, chan)
             self.unregistered.pop(writer, None)
             self.conns[(r.node, r.local_rank)] = conn
-            self.events.emit("rank.register", node=r.node, local_rank=r.local_rank,
+            self.events.emit(Ev.RANK_REGISTER, node=r.node, local_rank=r.local_rank,
                              role=r.role, pid=r.pid)
             self._maybe_start()
             while True:
@@ -393,14 +393,14 @@ class Controller:
             pass
         except (HpctError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             # Unauthenticated or malformed input never gets further than this line.
-            self.events.emit("protocol.rejected", peer=str(peer), error=describe(exc),
+            self.events.emit(Ev.PROTOCOL_REJECTED, peer=str(peer), error=describe(exc),
                              node=conn.node if conn else None)
         finally:
             self.unregistered.pop(writer, None)
             writer.close()
             if conn is not None and not conn.gone:
                 conn.gone = True
-                if conn.state != "done" and not self.finished.is_set():
+                if conn.state != RankState.DONE and not self.finished.is_set():
                     self._fault(conn.node, "connection lost")
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
@@ -427,14 +427,14 @@ class Controller:
             raise P.ProtocolError(f"register.transfer_port {r.transfer_port} is not a TCP port")
         if not HOST_ADDR_RE.fullmatch(r.host_addr):
             raise P.ProtocolError(f"register.host_addr {r.host_addr!r:.80} is not an address")
-        if r.role == "active" and r.node not in self.world.members:
+        if r.role == Role.ACTIVE and r.node not in self.world.members:
             raise P.ProtocolError(f"register.role 'active' from {r.node}, which is not an "
                                   f"active member ({', '.join(self.world.members)})")
 
     def _refuse(self, conn: Conn, msg, name: str, why: str) -> None:
         """Drop a message from a registered rank whose field `name` contradicts what the
         controller knows of that rank; the connection stays (the rank is authentic)."""
-        self.events.emit("protocol.rejected", node=conn.node, local_rank=conn.local_rank,
+        self.events.emit(Ev.PROTOCOL_REJECTED, node=conn.node, local_rank=conn.local_rank,
                          type=msg.TYPE, field=name, error=f"{msg.TYPE}.{name} {why}")
 
     def _current(self, conn: Conn, msg) -> bool:
@@ -466,15 +466,15 @@ class Controller:
             if not self._current(conn, msg):
                 return
             previous = conn.state
-            conn.state, conn.step = msg.state, msg.step
-            if msg.state == "done":
+            conn.state, conn.step = RankState(msg.state), msg.step
+            if conn.state == RankState.DONE:
                 self._maybe_finish()
-            elif msg.state in ("ready", "unhealthy"):
-                if not self.recovering and previous not in ("ready", "unhealthy") \
+            elif conn.state in (RankState.READY, RankState.UNHEALTHY):
+                if not self.recovering and previous not in (RankState.READY, RankState.UNHEALTHY) \
                         and conn.rank >= 0 and conn.generation == self.world.generation \
                         and conn.node in self.world.members:
                     # nobody told it to stop: the rank failed on its own
-                    if msg.state == "unhealthy":
+                    if conn.state == RankState.UNHEALTHY:
                         self._fault(conn.node, "rank failed its health check")
                     else:
                         conn.reported_at = time.monotonic()
@@ -494,7 +494,7 @@ class Controller:
             if msg.step > conn.step:
                 conn.progress_at = time.monotonic()
             conn.step = msg.step
-            conn.state = "running"
+            conn.state = RankState.RUNNING
             self._track_first_step(msg.step)
         elif isinstance(msg, P.Holdings):
             if msg.generation == conn.generation and msg.rank == conn.rank:
@@ -504,9 +504,9 @@ class Controller:
                 conn.shard_keys = list(msg.shard_keys)
                 conn.error = msg.error
         elif isinstance(msg, P.Goodbye):
-            conn.state = "done" if msg.reason == "done" else conn.state
+            conn.state = RankState.DONE if msg.reason == "done" else conn.state
         else:
-            self.events.emit("protocol.unexpected", node=conn.node, type=msg.TYPE)
+            self.events.emit(Ev.PROTOCOL_UNEXPECTED, node=conn.node, type=msg.TYPE)
 
     async def _send(self, conn: Conn, msg) -> None:
         if conn.gone:
@@ -536,14 +536,14 @@ class Controller:
 
     async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:
         g = self.world.generation
-        self.events.emit("generation.start", generation=g, members=self.world.members,
+        self.events.emit(Ev.GENERATION_START, generation=g, members=self.world.members,
                          restore_step=restore)
         members = [c for node in self.world.members for c in self._live(node)]
         for c in members:
             c.rank = self.world.rank_of(c.node, c.local_rank)
         peers = {c.rank: (c.host_addr, c.transfer_port) for c in members}
         for c in members:
-            c.generation, c.state, c.role = g, "assigned", "active"
+            c.generation, c.state, c.role = g, RankState.ASSIGNED, Role.ACTIVE
             c.progress_at, c.reported_at = time.monotonic(), None
             c.held, c.error = None, ""
             await self._send(c, P.Assign(
@@ -559,9 +559,9 @@ class Controller:
         if node not in self.world.members and node not in self.world.spares:
             return
         self.pending_faults[node] = reason
-        self.events.emit("fault.detected", node=node, reason=reason,
+        self.events.emit(Ev.FAULT_DETECTED, node=node, reason=reason,
                          generation=self.world.generation,
-                         role="spare" if node in self.world.spares else "active")
+                         role=Role.SPARE if node in self.world.spares else Role.ACTIVE)
         self.fault_event.set()
 
     async def _watchdog(self) -> None:
@@ -570,11 +570,12 @@ class Controller:
             now = time.monotonic()
             reported = []
             for c in list(self.conns.values()):
-                if c.gone or c.state == "done":
+                if c.gone or c.state == RankState.DONE:
                     continue
                 if now - c.last_seen > self.o.heartbeat_timeout_s:
                     self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
-                elif c.state == "running" and not self.recovering and not self.pending_faults \
+                elif c.state == RankState.RUNNING and not self.recovering \
+                        and not self.pending_faults \
                         and now - c.progress_at > self.o.progress_timeout_s:
                     # (while a fault is handled nobody progresses: survivors are tearing down)
                     self._fault(c.node, f"no progress for {now - c.progress_at:.0f} s "
@@ -585,7 +586,7 @@ class Controller:
             # because it left (and all of them restart in place anyway).
             if reported and not self.recovering and not self.pending_faults:
                 first = min(reported, key=lambda c: c.reported_at or now)
-                if first.state == "ready" and first.generation == self.world.generation:
+                if first.state == RankState.READY and first.generation == self.world.generation:
                     self._fault(first.node, IN_PROCESS)
             for c in reported:
                 c.reported_at = None
@@ -599,7 +600,7 @@ class Controller:
             try:
                 nodes = await asyncio.to_thread(self.slurm.nodes)
             except HpctError as exc:
-                self.events.emit("slurm.error", error=exc.message)
+                self.events.emit(Ev.SLURM_ERROR, error=exc.message)
                 continue
             for n in nodes:
                 if n.lost and (n.name in self.world.members or n.name in self.world.spares):
@@ -618,7 +619,7 @@ class Controller:
                 except Exception as exc:  # never let the fault loop die: escalate instead
                     why = exc.message if isinstance(exc, HpctError) else \
                         f"{type(exc).__name__}: {exc}"
-                    self.events.emit("recovery.failed", error=why)
+                    self.events.emit(Ev.RECOVERY_FAILED, error=why)
                     await self._escalate(why, script=isinstance(exc, ScriptError))
                 finally:
                     self.recovering = False
@@ -626,7 +627,9 @@ class Controller:
                     self.fault_event.set()
 
     async def _recover(self) -> None:
-        t_detect = time.time()
+        """One recovery round: detect, stop, fence, survivors ready (the I/O, here), the
+        decision (policy.decide_recovery), then the new generation's assignment."""
+        rec = RecoveryRecord(t_detect=time.time())
         lost = dict(self.pending_faults)
         self.pending_faults.clear()
         lost_spares = [n for n in lost if n in self.world.spares]
@@ -637,14 +640,14 @@ class Controller:
         # they restart in place, like every other survivor.
         in_place = [n for n in lost if lost[n] == IN_PROCESS and n in self.world.members
                     and self._node_ready(n)
-                    and all(c.state == "ready" for c in self._live(n))]
+                    and all(c.state == RankState.READY for c in self._live(n))]
         for node in in_place:
             del lost[node]
         lost_active = [n for n in lost if n in self.world.members]
         if not lost_active and not in_place:
             return
         if in_place:
-            self.events.emit("fault.in_process", nodes=in_place,
+            self.events.emit(Ev.FAULT_IN_PROCESS, nodes=in_place,
                              generation=self.world.generation)
         g = self.world.generation
         survivors = [c for n in self.world.members if n not in lost for c in self._live(n)]
@@ -653,21 +656,21 @@ class Controller:
             await self._send(c, P.Stop(g, f"{', '.join(lost_active)}: "
                                           f"{'; '.join(lost[n] for n in lost_active)}",
                                        lost_addrs))
-        t_stop = time.time()
-        self.events.emit("fault.stop_sent", generation=g, survivors=len(survivors))
+        rec.t_stop = time.time()
+        self.events.emit(Ev.FAULT_STOP_SENT, generation=g, survivors=len(survivors))
         for node in lost_active:
             await self._fence(node, lost[node])
-        t_fenced = time.time()
+        rec.t_fenced = time.time()
         await self._wait_ready(survivors)
         # a survivor that failed its health check or never answered is lost as well
         for c in survivors:
-            if c.gone or c.state != "ready":
+            if c.gone or c.state != RankState.READY:
                 self.pending_faults.setdefault(c.node, f"not ready after fault ({c.state})")
         for node in [n for n in self.pending_faults if n in lost]:
             del self.pending_faults[node]  # the same loss seen twice (e.g. EOF, then step exit)
         if self.pending_faults:
             extra = list(self.pending_faults)
-            self.events.emit("fault.second", nodes=extra, during="recovery")
+            self.events.emit(Ev.FAULT_SECOND, nodes=extra, during="recovery")
             for node in extra:
                 lost[node] = self.pending_faults.pop(node)
                 await self._fence(node, lost[node])
@@ -675,36 +678,22 @@ class Controller:
                     self.world.spares.remove(node)
             lost_active = [n for n in lost if n in self.world.members]
             survivors = [c for c in survivors if c.node not in lost]
-        t_ready = time.time()
-        spares = [s for s in self.world.spares if self._node_ready(s)]
-        old_rank = {c.node: c.rank for c in survivors}
-        if len(spares) < len(lost_active) and self.o.on_no_spare == "shrink":
-            rep, self.shards = shrink(self.world, lost_active, self.shards)
-            self.events.emit("recovery.shrink", generation=rep.generation, lost=lost_active,
-                             members=rep.members, shards=self.shards)
-        else:
-            rep = replace(self.world, lost_active, spares)
-            for lost_node, spare in rep.taken.items():
-                self.shards[spare] = self.shards.pop(lost_node)
-        plan = await self._plan_restore(rep.members, survivors, old_rank)
-        # Restarts in place that keep failing at the same step (a failing restore, a step that
-        # raises every time) must not loop forever: after a few, the job ends with the
-        # script's error (requeueing would only run it into the same error again).
-        if not lost_active and self.recovery is not None \
-                and self.recovery["restore_step"] == plan.step:
-            self.stalled_restarts += 1
-        else:
-            self.stalled_restarts = 0
-        if self.stalled_restarts >= self.o.max_stalled_restarts:
-            errors = sorted({c.error for c in survivors if c.error})
-            raise ScriptError(f"{self.stalled_restarts} restarts in place made no progress "
-                              f"past step {plan.step}"
-                              + (f": {'; '.join(errors)}" if errors else ""))
-        # A node fenced alive in this round may already be back as a fresh spare step
-        # (_replenish): it is a spare now, not a lost member.
-        back = [n for n in self.world.spares if n not in rep.spares and n not in rep.members
-                and n not in self.dead_nodes and n not in lost_spares]
-        self.world.members, self.world.spares = rep.members, rep.spares + back
+        rec.t_ready = time.time()
+        d = await self._decide(lost_active, survivors, lost_spares)
+        if d.shrunk:
+            assert d.replacement is not None
+            self.shards = d.shards
+            self.events.emit(Ev.RECOVERY_SHRINK, generation=d.replacement.generation,
+                             lost=lost_active, members=d.replacement.members, shards=self.shards)
+        if d.plan is not None:
+            self.stalled_restarts = d.stalled_restarts
+        if d.escalates:
+            # _faults reports it (recovery.failed) and escalates: requeue or fail
+            raise (ScriptError if d.script else HpctError)(d.reason)
+        assert d.replacement is not None and d.plan is not None
+        rep, plan = d.replacement, d.plan
+        self.shards = d.shards
+        self.world.members, self.world.spares = rep.members, d.spares
         self.world.generation = rep.generation
         self.world.lost += lost_active
         restore = plan.step
@@ -712,63 +701,51 @@ class Controller:
         # first, so a corrupted or vanished source costs one retry, not the recovery
         sources = {self.world.rank_of(c.node, c.local_rank): [(c.host_addr, c.transfer_port)]
                    for c in survivors}
-        self.recovery = {"generation": rep.generation, "restore_step": restore,
-                         "lost": lost_active, "taken": rep.taken,
-                         "reasons": {n: lost[n] for n in lost_active},
-                         "t_detect": t_detect, "t_stop": t_stop, "t_fenced": t_fenced,
-                         "t_ready": t_ready, "t_assigned": time.time(),
-                         "first_step": restore + 1, "done_ranks": set()}
-        self.events.emit("recovery.assign", generation=rep.generation, restore_step=restore,
+        rec.generation, rec.restore_step = rep.generation, restore
+        rec.lost, rec.taken = lost_active, rep.taken
+        rec.reasons = {n: lost[n] for n in lost_active}
+        rec.t_assigned = time.time()
+        self.recovery = rec
+        self.events.emit(Ev.RECOVERY_ASSIGN, generation=rep.generation, restore_step=restore,
                          taken=rep.taken, members=rep.members,
                          newest_held=max((c.step for c in survivors), default=-1),
                          sources={str(r): src for r, src in sorted(plan.sources.items())})
         if plan.from_disk:
             # Memory could not serve a consistent state for every rank: say so, with the
             # steps this costs, instead of calling it an in-memory recovery.
-            self.events.emit("recovery.disk_fallback", generation=rep.generation,
+            self.events.emit(Ev.RECOVERY_DISK_FALLBACK, generation=rep.generation,
                              restore_step=restore, ranks=plan.from_disk,
                              newest_held=max((c.step for c in survivors), default=-1))
         await self._assign(restore, sources)
         self._maybe_borrow()
 
+    async def _decide(self, lost_active: list[str], survivors: list[Conn],
+                      lost_spares: list[str]) -> RecoveryDecision:
+        """What the round does (policy.decide_recovery), from what the controller knows now:
+        the ready spares, the survivors' Holdings reports and the steps on disk."""
+        reports = [SurvivorReport(c.node, c.local_rank, c.held, c.held_rank, c.mode,
+                                  c.rank_state, tuple(c.shard_keys), c.error, not c.gone)
+                   for c in survivors if c.held is not None]
+        disk_shared, disk_rank = await asyncio.to_thread(self._persisted_steps)
+        return decide_recovery(
+            self.world, lost_active, [s for s in self.world.spares if self._node_ready(s)],
+            self.shards, reports, on_no_spare=self.o.on_no_spare, disk_shared=disk_shared,
+            disk_rank=disk_rank,
+            previous_restore=self.recovery.restore_step if self.recovery else None,
+            stalled_restarts=self.stalled_restarts,
+            max_stalled_restarts=self.o.max_stalled_restarts,
+            unusable=self.dead_nodes | set(lost_spares))
+
     async def _wait_ready(self, survivors: list[Conn]) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s
         while time.monotonic() < deadline:
             # ready counts once its Holdings report is in (it is sent just before)
-            if all(c.gone or c.state == "unhealthy" or (c.state == "ready" and c.held is not None)
-                   for c in survivors):
+            if all(c.gone or c.state == RankState.UNHEALTHY
+                   or (c.state == RankState.READY and c.held is not None) for c in survivors):
                 break
             if self.pending_faults:
                 await asyncio.sleep(0.05)  # a second fault: keep waiting for the rest
             await asyncio.sleep(0.02)
-
-    async def _plan_restore(self, members: list[str], survivors: list[Conn],
-                            old_rank: dict[str, int]) -> RestorePlan:
-        """The restore step of the next generation: the newest one every rank can reach from
-        its own memory, a peer's, or disk (plan_restore). Raises when there is none."""
-        tpn = self.o.tasks_per_node
-        needs: dict[int, int] = {}
-        held: dict[int, Held] = {}
-        for i, node in enumerate(members):
-            for local in range(tpn):
-                rank = i * tpn + local
-                conn = self.conns.get((node, local))
-                survivor = conn is not None and not conn.gone and conn.held is not None \
-                    and node in old_rank
-                # positions never move on a replacement; a shrink renumbers the survivors
-                needs[rank] = conn.held_rank if survivor and conn.held_rank >= 0 else rank
-                if survivor and conn.held_rank >= 0:
-                    held[rank] = conn.held
-        reports = [c for c in survivors if c.held is not None]
-        mode = reports[0].mode if reports else "jit"
-        rank_state = any(c.rank_state for c in reports)
-        keys = next((c.shard_keys for c in reports if c.shard_keys), [])
-        if keys and len(keys) != len(needs):
-            raise HpctError(f"the ranks report shard keys for {len(keys)} ranks, the next "
-                            f"generation has {len(needs)}: a sharded job cannot change size")
-        disk_shared, disk_rank = await asyncio.to_thread(self._persisted_steps)
-        return plan_restore(needs, held, mode=mode, rank_state=rank_state,
-                            disk_shared=disk_shared, disk_rank=disk_rank, shard_keys=keys)
 
     def _persisted_steps(self) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
         """Steps on disk: shard key -> those of the shared state (key 0 alone for plain data
@@ -794,14 +771,14 @@ class Controller:
         if alive and not usable:
             # an admin (or Slurm) took the node out: its steps are gone, never reuse it
             self.dead_nodes.add(node)
-            self.events.emit("fault.fenced", node=node, how="node unavailable in slurm",
+            self.events.emit(Ev.FAULT_FENCED, node=node, how="node unavailable in slurm",
                              reason=reason)
             return
         if alive and not reason.startswith("srun: node failure"):
             if node in self.steps:
                 self.expected_exits.add(self.steps[node].pid)
             await loop.run_in_executor(None, self._cancel_steps_on, node)
-            self.events.emit("fault.fenced", node=node, how="step cancelled", reason=reason)
+            self.events.emit(Ev.FAULT_FENCED, node=node, how="step cancelled", reason=reason)
             # the node is healthy: it becomes a warm spare again
             asyncio.get_running_loop().call_later(1.0, self._replenish, node)
             return
@@ -810,8 +787,8 @@ class Controller:
             await loop.run_in_executor(None, lambda: self.slurm.update_node(
                 node, "DOWN", f"hpct: {reason} (job {self.o.job_id})"))
         except SlurmCommandError as exc:
-            self.events.emit("slurm.error", node=node, error=exc.message)
-        self.events.emit("fault.fenced", node=node, how="node down", reason=reason)
+            self.events.emit(Ev.SLURM_ERROR, node=node, error=exc.message)
+        self.events.emit(Ev.FAULT_FENCED, node=node, how="node down", reason=reason)
 
     def _replenish(self, node: str) -> None:
         if self.finished.is_set() or node in self.world.spares:
@@ -819,7 +796,7 @@ class Controller:
         for key in [k for k, c in self.conns.items() if k[0] == node and c.gone]:
             del self.conns[key]
         self.world.spares.append(node)
-        self._launch(node, "spare")
+        self._launch(node, Role.SPARE)
 
     def _maybe_borrow(self) -> None:
         """Keep one warm spare from the cluster pool once the allocation's own are used up:
@@ -843,10 +820,10 @@ class Controller:
             job = self.slurm.sbatch(script, options=options, script_args=self.o.command,
                                     env=env)
         except HpctError as exc:
-            self.events.emit("pool.borrow_failed", error=describe(exc))
+            self.events.emit(Ev.POOL_BORROW_FAILED, error=describe(exc))
             return
         self.borrowed.append(job)
-        self.events.emit("pool.borrow", companion_job=job,
+        self.events.emit(Ev.POOL_BORROW, companion_job=job,
                          reservation=self.o.pool_reservation)
 
     async def _release_borrowed(self) -> None:
@@ -885,20 +862,12 @@ class Controller:
     def _track_first_step(self, step: int) -> None:
         self.trained = True
         rec = self.recovery
-        if not rec or step != rec["first_step"]:
+        if not rec or step != rec.first_step:
             return
         ranks = {c.rank for c in self.conns.values() if not c.gone and c.step >= step
-                 and c.generation == rec["generation"]}
+                 and c.generation == rec.generation}
         if len(ranks) == self.world.world_size:
-            now = time.time()
-            phases = {"detect_to_stop": rec["t_stop"] - rec["t_detect"],
-                      "fence": rec["t_fenced"] - rec["t_stop"],
-                      "survivors_ready": rec["t_ready"] - rec["t_fenced"],
-                      "reform_restore_first_step": now - rec["t_assigned"]}
-            self.events.emit("recovery.done", generation=rec["generation"],
-                             restore_step=rec["restore_step"], lost=rec["lost"],
-                             taken=rec["taken"], reasons=rec["reasons"],
-                             recovery_s=now - rec["t_detect"], phases=phases)
+            self.events.emit(Ev.RECOVERY_DONE, **rec.done_fields(time.time()))
             self.recovery = None
 
     async def _escalate(self, why: str, script: bool = False) -> None:
@@ -913,15 +882,15 @@ class Controller:
         if self.finished.is_set():
             return
         if script:
-            self.events.emit("job.failed", cause="script", reason=why)
+            self.events.emit(Ev.JOB_FAILED, cause="script", reason=why)
         elif self.o.on_no_spare == "requeue":
-            self.events.emit("escalate.requeue", cause="infrastructure", reason=why)
+            self.events.emit(Ev.ESCALATE_REQUEUE, cause="infrastructure", reason=why)
             try:
                 await asyncio.to_thread(self.slurm.requeue, self.o.job_id)
             except SlurmCommandError as exc:
-                self.events.emit("slurm.error", error=exc.message)
+                self.events.emit(Ev.SLURM_ERROR, error=exc.message)
         else:
-            self.events.emit("escalate.fail", cause="infrastructure", reason=why)
+            self.events.emit(Ev.ESCALATE_FAIL, cause="infrastructure", reason=why)
         self.exit_code = 1
         await self._goodbye_all(f"job escalated: {why}")
         self.finished.set()
@@ -930,7 +899,7 @@ class Controller:
     async def _terminate(self, why: str) -> None:
         if self.finished.is_set():
             return
-        self.events.emit("controller.terminated", signal=why)
+        self.events.emit(Ev.CONTROLLER_TERMINATED, signal=why)
         self.exit_code = 143
         await self._goodbye_all(f"terminated: {why}")
         self.finished.set()
@@ -939,9 +908,9 @@ class Controller:
         actives = [c for n in self.world.members for c in self._live(n)]
         if self.recovering or len(actives) != self.world.world_size:
             return
-        if all(c.state == "done" for c in actives) and not self.done_sent:
+        if all(c.state == RankState.DONE for c in actives) and not self.done_sent:
             self.done_sent = True
-            self.events.emit("job.done", generation=self.world.generation,
+            self.events.emit(Ev.JOB_DONE, generation=self.world.generation,
                              lost=self.world.lost)
             asyncio.create_task(self._finish())
 

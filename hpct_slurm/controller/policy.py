@@ -231,3 +231,202 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     lacking = sorted(r for r in needs if source(r, newest) is None)
     raise HpctError(f"no step is held for every rank: at step {newest} (the newest held) "
                     f"rank(s) {lacking} have no copy in memory or on disk")
+
+
+# ---- one recovery round ---------------------------------------------------------------------
+
+class Action:
+    """What a recovery round does (the values are plain strings, as in the events)."""
+
+    REPLACE = "replace"    # warm spares take the lost positions (none lost: restart in place)
+    SHRINK = "shrink"      # no spare left, --on-no-spare shrink: survivors take the lost shards
+    REQUEUE = "requeue"    # escalate, infrastructure: requeue (--on-no-spare requeue)
+    FAIL = "fail"          # escalate and end: the script's own error, or --on-no-spare fail
+
+
+@dataclass(frozen=True)
+class SurvivorReport:
+    """What a surviving process reported after the STOP (its Holdings): where it sits and what
+    it can restore from. `live`: its connection still stands."""
+
+    node: str
+    local_rank: int
+    held: Held
+    held_rank: int
+    mode: str = "jit"
+    rank_state: bool = False
+    shard_keys: tuple[int, ...] = ()
+    error: str = ""
+    live: bool = True
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """The plan of one recovery round (decide_recovery): the controller only carries it out.
+
+    `lost`: the lost active members, in the order they were detected. `replacement`: the next
+    generation's layout (None when no layout could be made). `shards`: data shards by node of
+    the next generation. `spares`: the next generation's warm spares. `plan`: the restore step
+    and each rank's source. `action` and `reason`: what happens and why; an escalation
+    (REQUEUE, FAIL) carries in `reason` the error the job ends with, and `script` says whether
+    it is the training script's own (never requeued). `shrunk`: the layout is a shrink (also
+    when the round then escalates: no step to restore)."""
+
+    action: str
+    reason: str
+    lost: list[str]
+    replacement: Replacement | None = None
+    shards: dict[str, list[int]] = field(default_factory=dict)
+    spares: list[str] = field(default_factory=list)
+    plan: RestorePlan | None = None
+    stalled_restarts: int = 0
+    script: bool = False
+    shrunk: bool = False
+
+    @property
+    def escalates(self) -> bool:
+        return self.action in (Action.REQUEUE, Action.FAIL)
+
+    @property
+    def taken(self) -> dict[str, str]:
+        return self.replacement.taken if self.replacement else {}
+
+    @property
+    def restore_step(self) -> int | None:
+        return self.plan.step if self.plan else None
+
+
+def restore_inputs(members: list[str], tasks_per_node: int, reports: list[SurvivorReport]
+                   ) -> tuple[dict[int, int], dict[int, Held], str, bool, list[int]]:
+    """plan_restore's `needs` and `held` for the next generation's `members`, and the mode,
+    rank_state and shard keys the survivors reported. A survivor restores its own rank's state
+    (`held_rank`: positions never move on a replacement, a shrink renumbers the survivors);
+    every other process (a spare, a survivor whose connection dropped) holds nothing."""
+    by_proc = {(r.node, r.local_rank): r for r in reports}
+    needs: dict[int, int] = {}
+    held: dict[int, Held] = {}
+    for i, node in enumerate(members):
+        for local in range(tasks_per_node):
+            rank = i * tasks_per_node + local
+            r = by_proc.get((node, local))
+            survivor = r is not None and r.live
+            needs[rank] = r.held_rank if survivor and r.held_rank >= 0 else rank
+            if survivor and r.held_rank >= 0:
+                held[rank] = r.held
+    mode = reports[0].mode if reports else "jit"
+    rank_state = any(r.rank_state for r in reports)
+    keys = next((list(r.shard_keys) for r in reports if r.shard_keys), [])
+    if keys and len(keys) != len(needs):
+        raise HpctError(f"the ranks report shard keys for {len(keys)} ranks, the next "
+                        f"generation has {len(needs)}: a sharded job cannot change size")
+    return needs, held, mode, rank_state, keys
+
+
+def decide_recovery(world: World, lost: list[str], ready_spares: list[str],
+                    shards: dict[str, list[int]], reports: list[SurvivorReport], *,
+                    on_no_spare: str = "requeue",
+                    disk_shared: dict[int, set[int]] | None = None,
+                    disk_rank: dict[int, set[int]] | None = None,
+                    previous_restore: int | None = None, stalled_restarts: int = 0,
+                    max_stalled_restarts: int = 3,
+                    unusable: set[str] | frozenset[str] = frozenset()) -> RecoveryDecision:
+    """Who replaces whom, from which step, or why the job must escalate: one round's decision.
+
+    `world`: the current generation (its spares as they stand now, a node fenced alive and
+    back as a fresh spare step included). `lost`: the lost members (a restart in place: none).
+    `ready_spares`: spares whose every process is registered, in order. `reports`: what the
+    survivors hold (after the STOP). `disk_shared` / `disk_rank`: the persisted steps
+    (plan_restore). `previous_restore`: the restore step of the recovery still in progress
+    (None: none is), for counting restarts in place that make no progress. `unusable`: nodes
+    never to be kept as spares (fenced dead, or spares lost in this round).
+
+    The rules: a lost position goes to a ready spare; with too few, --on-no-spare shrink
+    spreads the lost nodes' data shards over the survivors, anything else escalates. The
+    restore step is the newest every rank of the next generation reaches (plan_restore), else
+    the job escalates. `max_stalled_restarts` restarts in place in a row at the same step are
+    the script's own error: the job fails, never requeued (it would only fail again)."""
+    disk_shared = disk_shared or {}
+    lost = [n for n in lost if n in world.members]
+    escalate = Action.REQUEUE if on_no_spare == "requeue" else Action.FAIL
+
+    def escalation(why: str, **kw) -> RecoveryDecision:
+        return RecoveryDecision(escalate, why, lost, **kw)
+
+    shrinking = len(ready_spares) < len(lost) and on_no_spare == "shrink"
+    try:
+        if shrinking:
+            rep, new_shards = shrink(world, lost, shards)
+        else:
+            rep = replace(world, lost, ready_spares)
+            new_shards = dict(shards)
+            for lost_node, spare in rep.taken.items():
+                new_shards[spare] = new_shards.pop(lost_node)
+    except HpctError as exc:
+        return escalation(exc.message)
+    action = Action.SHRINK if shrinking else Action.REPLACE
+    try:
+        needs, held, mode, rank_state, keys = restore_inputs(rep.members, world.tasks_per_node,
+                                                             reports)
+        plan = plan_restore(needs, held, mode=mode, rank_state=rank_state,
+                            disk_shared=disk_shared, disk_rank=disk_rank, shard_keys=keys)
+    except HpctError as exc:
+        return escalation(exc.message, replacement=rep, shards=new_shards, shrunk=shrinking)
+    stalled = stalled_restarts + 1 if not lost and previous_restore == plan.step else 0
+    if stalled >= max_stalled_restarts:
+        errors = sorted({r.error for r in reports if r.error})
+        return RecoveryDecision(
+            Action.FAIL, f"{stalled} restarts in place made no progress past step {plan.step}"
+            + (f": {'; '.join(errors)}" if errors else ""), lost, rep, new_shards, plan=plan,
+            stalled_restarts=stalled, script=True, shrunk=shrinking)
+    # A node fenced alive in this round may already be back as a fresh spare step: it is a
+    # spare now, not a lost member.
+    back = [n for n in world.spares if n not in rep.spares and n not in rep.members
+            and n not in unusable]
+    if shrinking:
+        reason = (f"{len(lost)} node(s) lost ({', '.join(lost)}), {len(ready_spares)} warm "
+                  f"spare(s) ready: the survivors take over the lost data shards")
+    elif lost:
+        reason = ", ".join(f"{s} takes {n}'s place" for n, s in rep.taken.items())
+    else:
+        reason = "every rank restarts in place"
+    return RecoveryDecision(action, reason, lost, rep, new_shards, rep.spares + back, plan,
+                            stalled, shrunk=shrinking)
+
+
+# ---- what a recovery cost -------------------------------------------------------------------
+
+# The phases of a recovery, in the order they happen: the keys of recovery.done's `phases`.
+PHASES = ("detect_to_stop", "fence", "survivors_ready", "reform_restore_first_step")
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery round, from the fault's detection to the first step every rank of the new
+    generation completed: what it decided and when each phase ended (unix times)."""
+
+    t_detect: float
+    t_stop: float = 0.0       # STOP sent to every survivor
+    t_fenced: float = 0.0     # every lost node fenced
+    t_ready: float = 0.0      # every survivor ready (or lost as well)
+    t_assigned: float = 0.0   # the new generation assigned
+    generation: int = -1
+    restore_step: int = -1
+    lost: list[str] = field(default_factory=list)
+    taken: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def first_step(self) -> int:
+        """The step whose completion by every rank ends the recovery."""
+        return self.restore_step + 1
+
+    def phases(self, now: float) -> dict[str, float]:
+        durations = (self.t_stop - self.t_detect, self.t_fenced - self.t_stop,
+                     self.t_ready - self.t_fenced, now - self.t_assigned)
+        return dict(zip(PHASES, durations))
+
+    def done_fields(self, now: float) -> dict:
+        """The fields of its recovery.done event, once every rank completed the first step."""
+        return {"generation": self.generation, "restore_step": self.restore_step,
+                "lost": self.lost, "taken": self.taken, "reasons": self.reasons,
+                "recovery_s": now - self.t_detect, "phases": self.phases(now)}

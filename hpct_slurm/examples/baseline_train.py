@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpct_slurm.events import EventLog
+from hpct_slurm.events import Ev, EventLog
 from hpct_slurm.examples.train import build, one_step, write_result
 from hpct_slurm.recovery.gradients import average_gradients, parameter_gradients
 from hpct_slurm.recovery.job import seed_everything, step_seed
@@ -40,13 +40,13 @@ def main() -> None:  # noqa: C901 - one flat script, as users write it
     run_dir = Path(args.run_dir)
     events = EventLog(run_dir / "events" / f"baseline-{rank}.jsonl", source=f"baseline/{rank}")
     # process started and torch imported: what a relaunch costs before any rendezvous
-    events.emit("baseline.imported", rank=rank)
+    events.emit(Ev.BASELINE_IMPORTED, rank=rank)
     master = (env.step_nodelist or env.job_nodelist)[0]
     store = dist.TCPStore(master, args.port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    events.emit("baseline.pg_ready", rank=rank)
+    events.emit(Ev.BASELINE_PG_READY, rank=rank)
     if args.parallel != "ddp":
         return sharded(args, rank, run_dir, events)
     model, opt = build(args.hidden, args.layers)
@@ -57,7 +57,7 @@ def main() -> None:  # noqa: C901 - one flat script, as users write it
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["step"] + 1
-    events.emit("baseline.start", rank=rank, start_step=start)
+    events.emit(Ev.BASELINE_START, rank=rank, start_step=start)
     losses: dict[int, float] = {}
 
     def allreduce() -> None:
@@ -66,7 +66,7 @@ def main() -> None:  # noqa: C901 - one flat script, as users write it
     for step in range(start, args.steps):
         seed_everything(step_seed(SEED, rank, step))
         losses[step] = one_step(model, opt, args.batch, allreduce, args.step_sleep)
-        events.emit("rank.step", rank=rank, step=step, loss=losses[step])
+        events.emit(Ev.RANK_STEP, rank=rank, step=step, loss=losses[step])
         if rank == 0 and (step + 1) % args.ckpt_every == 0:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -100,12 +100,12 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
                        optim_state_dict=state["optimizer"])
         start = int((ckpt / "step.txt").read_text()) + 1
         sched.load_state_dict(torch.load(ckpt / f"sched{rank}.pt"))
-    events.emit("baseline.start", rank=rank, start_step=start)
+    events.emit(Ev.BASELINE_START, rank=rank, start_step=start)
     losses: dict[int, float] = {}
     for step in range(start, args.steps):
         seed_everything(step_seed(st.SEED, rank, step))
         losses[step] = st.one_step(model, opt, sched, args.batch, args.step_sleep)
-        events.emit("rank.step", rank=rank, step=step, loss=losses[step])
+        events.emit(Ev.RANK_STEP, rank=rank, step=step, loss=losses[step])
         if (step + 1) % args.ckpt_every == 0:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(ckpt / "state"))

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..controller.controller import slurmd_reachable
-from ..events import EventLog
+from ..events import Ev, EventLog
 from ..slurm.client import SlurmClient, SlurmCommandError
 from ..slurm.env import SlurmEnv
 
@@ -44,23 +44,23 @@ def main() -> int:
     nodes = list(env.job_nodelist)
     active, spares = nodes[:len(nodes) - args.spares], nodes[len(nodes) - args.spares:]
     for attempt in range(MAX_ATTEMPTS):
-        events.emit("baseline.launch", attempt=attempt, nodes=active)
+        events.emit(Ev.BASELINE_LAUNCH, attempt=attempt, nodes=active)
         rc = slurm.run_step(active, [sys.executable, "-m", "hpct_slurm.examples.baseline_train",
                                      "--run-dir", str(run_dir), "--port", str(29400 + attempt),
                                      *train_args], options=["-K1", "--overlap", "-u"])
         done = all((run_dir / "results" / f"rank{r}.json").exists() for r in range(len(active)))
-        events.emit("baseline.step_exit", attempt=attempt, code=rc, done=done)
+        events.emit(Ev.BASELINE_STEP_EXIT, attempt=attempt, code=rc, done=done)
         if done:
             return 0
         dead = [n for n in active if not slurmd_reachable(slurm, n)]
-        events.emit("baseline.restart_all", dead=dead)
+        events.emit(Ev.BASELINE_RESTART_ALL, dead=dead)
         for node in dead:
             try:
                 slurm.update_node(node, "DOWN", f"hpct baseline: node lost (job {env.job_id})")
             except SlurmCommandError as exc:
-                events.emit("slurm.error", error=exc.message)
+                events.emit(Ev.SLURM_ERROR, error=exc.message)
             if not spares:
-                events.emit("baseline.no_spare")
+                events.emit(Ev.BASELINE_NO_SPARE)
                 return 1
             active[active.index(node)] = spares.pop(0)
     return 1

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from ..errors import HpctError, describe
-from ..events import EventLog
+from ..events import Ev, EventLog
 from .context import HookConfig, JobContext
 from .shm import ShmRoot
 
-EVENT_JOB_DIR_REMOVED = "hook_job_dir_removed"
-EVENT_JOB_DIR_REMOVE_FAILED = "hook_job_dir_remove_failed"
+EVENT_JOB_DIR_REMOVED = Ev.HOOK_JOB_DIR_REMOVED
+EVENT_JOB_DIR_REMOVE_FAILED = Ev.HOOK_JOB_DIR_REMOVE_FAILED
 
 
 def epilog(job: JobContext, cfg: HookConfig, log: EventLog) -> bool:

@@ -13,18 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import HpctError, describe
-from ..events import EventLog
+from ..events import Ev, EventLog
 from .context import HookConfig, JobContext
 from .health import HealthConfig, default_checks, run_checks
 from .node import NodeSlurm
 from .shm import ShmRoot
 
-EVENT_HEALTH_FAILED = "hook_health_failed"
-EVENT_DRAIN_FAILED = "hook_drain_failed"
-EVENT_STALE_REMOVED = "hook_stale_removed"
-EVENT_STALE_SKIPPED = "hook_stale_skipped"
-EVENT_STALE_REMOVE_FAILED = "hook_stale_remove_failed"
-EVENT_JOB_DIR = "hook_job_dir"
+EVENT_HEALTH_FAILED = Ev.HOOK_HEALTH_FAILED
+EVENT_DRAIN_FAILED = Ev.HOOK_DRAIN_FAILED
+EVENT_STALE_REMOVED = Ev.HOOK_STALE_REMOVED
+EVENT_STALE_SKIPPED = Ev.HOOK_STALE_SKIPPED
+EVENT_STALE_REMOVE_FAILED = Ev.HOOK_STALE_REMOVE_FAILED
+EVENT_JOB_DIR = Ev.HOOK_JOB_DIR
 
 DRAIN_PREFIX = "hpct: health: "
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from .. import protocol as P
 from ..errors import HpctError
-from ..events import EventLog
+from ..events import Ev, EventLog
 from .sever import sever
 
 HEARTBEAT_S = 0.5
@@ -119,10 +119,10 @@ class CoordinationClient:
         try:
             cut = sever(addrs, keep={self.host_addr}, keep_fds={self._sock.fileno()})
         except ValueError as exc:  # an address that is not one: nothing to cut
-            self.events.emit("rank.sever_failed", addrs=addrs, error=str(exc))
+            self.events.emit(Ev.RANK_SEVER_FAILED, addrs=addrs, error=str(exc))
             return
         if cut:
-            self.events.emit("rank.severed", addrs=addrs, connections=cut)
+            self.events.emit(Ev.RANK_SEVERED, addrs=addrs, connections=cut)
 
     def step_done(self, step: int) -> None:
         self.step = step
@@ -174,12 +174,12 @@ class CoordinationClient:
                 elif isinstance(msg, P.Ack):
                     continue
                 else:
-                    self.events.emit("rank.unexpected_message", type=msg.TYPE)
+                    self.events.emit(Ev.RANK_UNEXPECTED_MESSAGE, type=msg.TYPE)
         except P.ConnectionClosed:
             pass
         except (HpctError, OSError) as exc:
             if not self.closed.is_set():
-                self.events.emit("rank.controller_lost", error=str(exc))
+                self.events.emit(Ev.RANK_CONTROLLER_LOST, error=str(exc))
         finally:
             self.closed.set()
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .. import protocol as P
 from ..errors import HpctError, seconds_from_env
-from ..events import EventLog
+from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..rendezvous import pg
 from ..rendezvous.store import make_store, serve_shard
@@ -238,7 +238,7 @@ class Job:
                              self.transfer.address[1])
         # the settings this rank runs with, whoever set them (the controller; a task prolog
         # must not override them): tests compare them with and without the SPANK plugin
-        self.events.emit("rank.registered", role=self.role, pid=os.getpid(), mode=self.mode,
+        self.events.emit(Ev.RANK_REGISTERED, role=self.role, pid=os.getpid(), mode=self.mode,
                          rank_state=self.rank_snaps is not None,
                          settings={"collective_timeout_s": self.collective_timeout_s,
                                    "init_timeout_s": self.init_timeout_s,
@@ -302,7 +302,7 @@ class Job:
             if inferred != spec.replicate:
                 self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
                 self._set_mode(self._sharded_mode(spec))
-                self.events.emit("rank.mesh_inferred", rank=self.rank, replicate=inferred,
+                self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.rank, replicate=inferred,
                                  mode=self.mode)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
 
@@ -415,13 +415,13 @@ class Job:
             if failure is None:
                 self.snapshots.drop_pending()
                 self._settle_snapshots(follow_ups=True)
-                self.events.emit("rank.finished", rank=self.rank, step=last)
+                self.events.emit(Ev.RANK_FINISHED, rank=self.rank, step=last)
                 self.client.state = "done"  # report first: tearing down is local work
                 self.client.heartbeat_now()
                 try:
                     self._teardown()
                 except _TeardownHung as exc:  # training is done: only worth a record
-                    self.events.emit("rank.teardown_hung", rank=self.rank, error=str(exc))
+                    self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.rank, error=str(exc))
                 continue  # the controller says goodbye once every rank is done
             # Outside the except block from here on: the failed group can now really close.
             self._recover(failure)
@@ -466,7 +466,7 @@ class Job:
         elif self._lazy():
             self.snapshots.prepare_lazy(step)
         self.client.step_done(step)
-        self.events.emit("rank.step", rank=self.rank, generation=self.generation,
+        self.events.emit(Ev.RANK_STEP, rank=self.rank, generation=self.generation,
                          step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
 
     def _shard(self) -> tuple[int, int]:
@@ -512,7 +512,7 @@ class Job:
                 self.pusher.after_commit(snap.step)
                 self.pusher.flush()
         except Exception as exc:  # noqa: BLE001 - a lost copy is an event, not a fault
-            self.events.emit("snapshot.follow_up_failed", rank=self.rank, step=snap.step,
+            self.events.emit(Ev.SNAPSHOT_FOLLOW_UP_FAILED, rank=self.rank, step=snap.step,
                              error=f"{type(exc).__name__}: {exc}")
 
     def _settle_snapshots(self, follow_ups: bool = False) -> None:
@@ -521,7 +521,7 @@ class Job:
         try:
             self.snapshots.wait() if follow_ups else self.snapshots.wait_copied()
         except Exception as exc:  # noqa: BLE001 - that snapshot is simply not held
-            self.events.emit("snapshot.copy_failed", rank=self.rank,
+            self.events.emit(Ev.SNAPSHOT_COPY_FAILED, rank=self.rank,
                              error=f"{type(exc).__name__}: {exc}")
 
     def _capture_pending(self) -> None:
@@ -530,10 +530,10 @@ class Job:
         try:
             snap = self.snapshots.finish_pending()
         except Exception as exc:  # noqa: BLE001 - that step is simply not held
-            self.events.emit("snapshot.copy_failed", rank=self.rank, error=f"{exc}")
+            self.events.emit(Ev.SNAPSHOT_COPY_FAILED, rank=self.rank, error=f"{exc}")
             return
         if snap is not None:
-            self.events.emit("snapshot.captured_at_fault", rank=self.rank, step=snap.step,
+            self.events.emit(Ev.SNAPSHOT_CAPTURED_AT_FAULT, rank=self.rank, step=snap.step,
                              nbytes=snap.layout.nbytes)
 
     def _watch_optimizer(self, optimizer: Any) -> None:
@@ -564,7 +564,7 @@ class Job:
 
     def _recover(self, failure: str) -> None:
         t0 = time.time()
-        self.events.emit("rank.fault", rank=self.rank, generation=self.generation,
+        self.events.emit(Ev.RANK_FAULT, rank=self.rank, generation=self.generation,
                          error=failure, stop_reason=self.client.stop_reason)
         self._settle_snapshots()
         self._capture_pending()
@@ -580,7 +580,7 @@ class Job:
         self.client.report_holdings(self._holdings(failure))
         self.client.state = "ready" if healthy else "unhealthy"
         self.client.heartbeat_now()
-        self.events.emit("rank.ready", rank=self.rank, healthy=healthy, detail=detail,
+        self.events.emit(Ev.RANK_READY, rank=self.rank, healthy=healthy, detail=detail,
                          latest_step=self.client.step, teardown_s=time.time() - t0)
         if not healthy:
             self._shutdown(f"health check failed: {detail}")
@@ -647,7 +647,7 @@ class Job:
         self._hold_restored(a.restore_step)
         dropped = self.replicas.forget_after(a.restore_step)
         if dropped:
-            self.events.emit("replica.rolled_back", ranks=dropped, step=a.restore_step)
+            self.events.emit(Ev.REPLICA_ROLLED_BACK, ranks=dropped, step=a.restore_step)
         if self._want_ddp:
             self._ddp = _fixed_order_ddp(self.model, self.client)
         # One copy on disk per shard key is enough (one for plain data parallelism): the
@@ -665,7 +665,7 @@ class Job:
                                                 self.rank, self.persist_every, self.events,
                                                 key=self.secret)
         self._ring(a)
-        self.events.emit("rank.adopted", rank=a.rank, generation=a.generation,
+        self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)
 
@@ -740,7 +740,7 @@ class Job:
                 got = fetch_state(self._holder(a), a.rank, self.secret, self.job_id, step=step,
                                   events=self.events)
             except HpctError as exc:
-                self.events.emit("restore.replica_missing", rank=a.rank, step=step,
+                self.events.emit(Ev.RESTORE_REPLICA_MISSING, rank=a.rank, step=step,
                                  error=exc.message)
             else:
                 self.state.restore_from(got.layout, got.data)
@@ -796,7 +796,7 @@ class Job:
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection((addr.host, addr.port), timeout=1.0):
-                    self.events.emit("rank.controller_alive", rank=self.rank)
+                    self.events.emit(Ev.RANK_CONTROLLER_ALIVE, rank=self.rank)
                     return False
             except OSError:
                 time.sleep(0.2)
@@ -815,10 +815,10 @@ class Job:
             job = slurm.show_job(self.slurm.job_id)
             if job.state == "RUNNING" and job.restart_count == self.slurm.restart_count:
                 slurm.requeue(self.slurm.job_id)
-                self.events.emit("rank.requeued_job", rank=self.rank, job_id=self.job_id,
+                self.events.emit(Ev.RANK_REQUEUED_JOB, rank=self.rank, job_id=self.job_id,
                                  reason="controller lost")
         except HpctError as exc:
-            self.events.emit("rank.requeue_failed", rank=self.rank, error=exc.message)
+            self.events.emit(Ev.RANK_REQUEUE_FAILED, rank=self.rank, error=exc.message)
 
     def _teardown(self) -> None:
         self._ddp = None  # its reducer holds the group: it must go before the group can
@@ -851,7 +851,7 @@ class Job:
             faulthandler.cancel_dump_traceback_later()
 
     def _shutdown(self, reason: str) -> None:
-        self.events.emit("rank.exit", rank=self.rank, reason=reason)
+        self.events.emit(Ev.RANK_EXIT, rank=self.rank, reason=reason)
         if self.pusher:
             self.pusher.close()
         for persister in (self.persister, self.rank_persister):

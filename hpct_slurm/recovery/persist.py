@@ -26,7 +26,7 @@ import torch
 
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import EventLog
+from ..events import Ev, EventLog
 from ..rundir import replacing
 from .snapshot import SnapshotStore
 from .state import Layout, as_memoryview
@@ -39,9 +39,9 @@ _MAC_LEN = hashlib.sha256().digest_size
 _HEADER = len(MAGIC) + _LEN.size
 _NAME = re.compile(r"step([0-9]{1,18})\.bin")
 
-EV_SAVED = "persist.saved"
-EV_SAVE_FAILED = "persist.save_failed"
-EV_CORRUPT = "persist.corrupt"
+EV_SAVED = Ev.PERSIST_SAVED
+EV_SAVE_FAILED = Ev.PERSIST_SAVE_FAILED
+EV_CORRUPT = Ev.PERSIST_CORRUPT
 
 
 def rank_dir(root: str | os.PathLike, rank: int) -> Path:

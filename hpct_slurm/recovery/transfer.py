@@ -27,23 +27,23 @@ import torch
 
 from .. import protocol as P
 from ..errors import HpctError
-from ..events import EventLog
+from ..events import Ev, EventLog
 from .persist import load_latest
 from .snapshot import ReplicaStore, Snapshot, SnapshotStore
 from .state import Layout, as_flat_u8, as_memoryview
 from .worker import BackgroundQueue
 
-EV_FETCHED = "transfer.fetched"
-EV_SOURCE_FAILED = "transfer.source_failed"
-EV_FALLBACK_DISK = "transfer.fallback_disk"
-EV_SERVE_CORRUPT = "transfer.serve_corrupt"
-EV_BAD_FRAME = "transfer.bad_frame"
-EV_REPLICA_STORED = "replica.stored"
-EV_REPLICA_REJECTED = "replica.rejected"
-EV_PUSH_FAILED = "replica.push_failed"
-EV_CONN_EVICTED = "transfer.connection_evicted"
-EV_CONN_REFUSED = "transfer.connection_refused"
-EV_ACCEPT_FAILED = "transfer.accept_failed"
+EV_FETCHED = Ev.TRANSFER_FETCHED
+EV_SOURCE_FAILED = Ev.TRANSFER_SOURCE_FAILED
+EV_FALLBACK_DISK = Ev.TRANSFER_FALLBACK_DISK
+EV_SERVE_CORRUPT = Ev.TRANSFER_SERVE_CORRUPT
+EV_BAD_FRAME = Ev.TRANSFER_BAD_FRAME
+EV_REPLICA_STORED = Ev.REPLICA_STORED
+EV_REPLICA_REJECTED = Ev.REPLICA_REJECTED
+EV_PUSH_FAILED = Ev.REPLICA_PUSH_FAILED
+EV_CONN_EVICTED = Ev.TRANSFER_CONNECTION_EVICTED
+EV_CONN_REFUSED = Ev.TRANSFER_CONNECTION_REFUSED
+EV_ACCEPT_FAILED = Ev.TRANSFER_ACCEPT_FAILED
 
 # "The newest step held". Not -1: that is a real step, the state at creation (before step 0),
 # which a fault during the first step restores.
@@ -304,7 +304,7 @@ class TransferServer:
                 self._rotted.add(id(snap))
                 snap.digest()
                 snap.data[len(snap.data) // 2] ^= 0xFF
-                self._emit("transfer.fault_injected", rank=msg.rank, step=snap.step)
+                self._emit(Ev.TRANSFER_FAULT_INJECTED, rank=msg.rank, step=snap.step)
             if _send_blob(conn, chan, msg.rank, snap, self.io_timeout, self.verify_on_serve):
                 return True
         # The memory no longer matches its digest: never offer this copy again.

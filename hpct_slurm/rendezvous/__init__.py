@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..errors import HpctError
+from ..events import Ev
 # The submodule, not its function: `from hpct_slurm.rendezvous import derive` must stay the
 # module that callers use as `derive.derive(...)`, `derive.resolve_host(...)`.
 from . import derive
@@ -135,6 +136,6 @@ def init_from_slurm(generation: int = 0, backend: str = "gloo", *,
             shard.stop()
         raise
     if events is not None:
-        events.emit("rendezvous.formed", generation=info.generation, rank=info.rank,
+        events.emit(Ev.RENDEZVOUS_FORMED, generation=info.generation, rank=info.rank,
                     world_size=info.world_size, node=info.node_name, store=kind)
     return info

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import protocol
 from ..errors import HpctError
-from ..events import EventLog, stderr_log
+from ..events import Ev, EventLog, stderr_log
 
 if TYPE_CHECKING:
     from .derive import RendezvousInfo
@@ -66,10 +66,10 @@ STALL_TIMEOUT_S = 30.0
 # Longest pause in accepting while the process is out of descriptors (EMFILE/ENFILE).
 ACCEPT_BACKOFF_MAX = 1.0
 
-EVENT_AUTH_REJECTED = "store.auth_rejected"
-EVENT_SHARD_STARTED = "store.shard_started"
-EVENT_SHARD_STOPPED = "store.shard_stopped"
-EVENT_ACCEPT_FAILED = "store.accept_failed"
+EVENT_AUTH_REJECTED = Ev.STORE_AUTH_REJECTED
+EVENT_SHARD_STARTED = Ev.STORE_SHARD_STARTED
+EVENT_SHARD_STOPPED = Ev.STORE_SHARD_STOPPED
+EVENT_ACCEPT_FAILED = Ev.STORE_ACCEPT_FAILED
 
 OP_SET, OP_GET, OP_ADD, OP_CAS, OP_CHECK, OP_WAIT, OP_DELETE, OP_NUM_KEYS, OP_STATS = range(1, 10)
 OP_NAMES = {OP_SET: "set", OP_GET: "get", OP_ADD: "add", OP_CAS: "compare_set",

@@ -21,10 +21,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..controller.policy import PHASES  # recovery.done's `phases`, in the order they happen
 from ..errors import HpctError
-
-# Controller recovery phases, in the order they happen (the keys of recovery.done's `phases`).
-PHASES = ("detect_to_stop", "fence", "survivors_ready", "reform_restore_first_step")
+from ..events import Ev, Role
 
 
 @dataclass(frozen=True)
@@ -209,21 +208,21 @@ def parse_jsonl(text: str, where: str) -> tuple[list[dict], str | None]:
 # The fields this module reads, per event: a record without them is not from this version of
 # the controller or the recovery wrapper.
 REQUIRED_FIELDS = {
-    "generation.start": ("generation", "members", "restore_step"),
-    "fault.detected": ("node",),
-    "fault.fenced": ("node",),
-    "step.launch": ("node",),
-    "recovery.assign": ("generation", "restore_step"),
-    "recovery.done": ("generation", "recovery_s", "lost", "reasons", "phases"),
-    "rank.step": ("rank", "generation", "step"),
-    "rank.adopted": ("rank", "generation", "reform_s", "restore_s"),
-    "rank.fault": ("generation",),
+    Ev.GENERATION_START: ("generation", "members", "restore_step"),
+    Ev.FAULT_DETECTED: ("node",),
+    Ev.FAULT_FENCED: ("node",),
+    Ev.STEP_LAUNCH: ("node",),
+    Ev.RECOVERY_ASSIGN: ("generation", "restore_step"),
+    Ev.RECOVERY_DONE: ("generation", "recovery_s", "lost", "reasons", "phases"),
+    Ev.RANK_STEP: ("rank", "generation", "step"),
+    Ev.RANK_ADOPTED: ("rank", "generation", "reform_s", "restore_s"),
+    Ev.RANK_FAULT: ("generation",),
 }
 
 
 def check_run(run: RunEvents) -> None:
     """Raise a clear error unless the logs are those of an `hpct-slurm controller` run."""
-    if not any(e["event"] == "controller.start" for e in run.controller):
+    if not any(e["event"] == Ev.CONTROLLER_START for e in run.controller):
         raise HpctError(f"run dir {run.run_dir!r}: controller.jsonl has no controller.start: "
                         f"not a run of `hpct-slurm controller` (or it has not started yet)")
     logs = [("controller.jsonl", run.controller)] + \
@@ -243,7 +242,7 @@ class _Attempts:
     """Which attempt (controller run) a timestamp belongs to."""
 
     def __init__(self, controller: list[dict]):
-        self.starts = sorted(e["t"] for e in controller if e["event"] == "controller.start")
+        self.starts = sorted(e["t"] for e in controller if e["event"] == Ev.CONTROLLER_START)
 
     def of(self, t: float) -> int:
         return max(0, bisect.bisect_right(self.starts, t) - 1)
@@ -253,7 +252,7 @@ class _Attempts:
 
 
 def _origin(run: RunEvents) -> float:
-    return min(e["t"] for e in run.controller if e["event"] == "controller.start")
+    return min(e["t"] for e in run.controller if e["event"] == Ev.CONTROLLER_START)
 
 
 def _rank_records(run: RunEvents, event: str) -> list[tuple[str, dict]]:
@@ -262,7 +261,7 @@ def _rank_records(run: RunEvents, event: str) -> list[tuple[str, dict]]:
 
 
 def _job_id(run: RunEvents) -> int | None:
-    ids = [e.get("job_id") for e in run.controller if e["event"] == "controller.start"]
+    ids = [e.get("job_id") for e in run.controller if e["event"] == Ev.CONTROLLER_START]
     return ids[-1] if ids else None
 
 
@@ -274,18 +273,18 @@ def build_report(run: RunEvents) -> Report:
     last_t = max([e["t"] for e in ctl] + [e["t"] for evs in run.ranks.values() for e in evs])
 
     # generations
-    gen_events = [e for e in ctl if e["event"] == "generation.start"]
-    done_events = [e for e in ctl if e["event"] == "job.done"]
+    gen_events = [e for e in ctl if e["event"] == Ev.GENERATION_START]
+    done_events = [e for e in ctl if e["event"] == Ev.JOB_DONE]
     end_t = done_events[-1]["t"] if done_events else last_t
     first_gen_t = gen_events[0]["t"] if gen_events else None
 
     # step completions: (attempt, generation, step) -> ranks and the last rank's time
     runs: dict[tuple[int, int, int], list[tuple[float, int]]] = {}
-    for _, e in _rank_records(run, "rank.step"):
+    for _, e in _rank_records(run, Ev.RANK_STEP):
         key = (att.of(e["t"]), int(e["generation"]), int(e["step"]))
         runs.setdefault(key, []).append((e["t"], int(e["rank"])))
     adopted_t: dict[tuple[int, int], float] = {}
-    for _, e in _rank_records(run, "rank.adopted"):
+    for _, e in _rank_records(run, Ev.RANK_ADOPTED):
         key = (att.of(e["t"]), int(e["generation"]))
         adopted_t[key] = max(adopted_t.get(key, e["t"]), e["t"])
     gen_start_t = {(att.of(e["t"]), int(e["generation"])): e["t"] for e in gen_events}
@@ -336,12 +335,12 @@ def build_report(run: RunEvents) -> Report:
 def _outcome(ctl: list[dict], att: _Attempts) -> str:
     last = [e for e in ctl if att.of(e["t"]) == len(att) - 1]
     names = [e["event"] for e in last]
-    if "job.done" in names:
+    if Ev.JOB_DONE in names:
         return "done"
-    if "escalate.requeue" in names:
+    if Ev.ESCALATE_REQUEUE in names:
         return "requeued"
-    exits = [e for e in last if e["event"] == "controller.exit"]
-    if "escalate.fail" in names or (exits and exits[-1].get("code", 0) != 0):
+    exits = [e for e in last if e["event"] == Ev.CONTROLLER_EXIT]
+    if Ev.ESCALATE_FAIL in names or (exits and exits[-1].get("code", 0) != 0):
         return "failed"
     return "ended" if exits else "running"
 
@@ -350,7 +349,7 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
                            ) -> tuple[list[Fault], list[Recovery], list[Escalation]]:
     fenced: dict[tuple[int, str], list[str]] = {}
     for e in ctl:
-        if e["event"] == "fault.fenced":
+        if e["event"] == Ev.FAULT_FENCED:
             fenced.setdefault((att.of(e["t"]), e["node"]), []).append(e.get("how", ""))
     faults: list[Fault] = []
     escalations: list[Escalation] = []
@@ -360,9 +359,9 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
     seen_fenced: dict[tuple[int, str], int] = {}
     for e in ctl:
         ev, a = e["event"], att.of(e["t"])
-        if ev == "controller.start":
+        if ev == Ev.CONTROLLER_START:
             pending, in_recovery = [], False
-        elif ev == "fault.detected":
+        elif ev == Ev.FAULT_DETECTED:
             key = (a, e["node"])
             hows = fenced.get(key, [])
             n = seen_fenced.get(key, 0)
@@ -371,9 +370,9 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
                                 int(e.get("generation", -1)), e.get("role", "active"),
                                 hows[n] if n < len(hows) else None, in_recovery))
             pending.append(e)
-        elif ev == "fault.stop_sent":
+        elif ev == Ev.FAULT_STOP_SENT:
             in_recovery, stopped_gen = True, int(e.get("generation", -1))
-        elif ev == "fault.second":
+        elif ev == Ev.FAULT_SECOND:
             # survivors that failed their health check or never answered get no
             # fault.detected of their own: this event is their only record
             known = {f["node"] for f in pending}
@@ -383,27 +382,27 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
                                         stopped_gen, "active", None, True))
                     pending.append({"t": e["t"], "node": node,
                                     "reason": "not ready after fault"})
-        elif ev == "recovery.assign":
+        elif ev == Ev.RECOVERY_ASSIGN:
             assigns.append((e, pending))
             pending, in_recovery = [], False
-        elif ev in ("recovery.failed", "escalate.requeue", "escalate.fail"):
+        elif ev in (Ev.RECOVERY_FAILED, Ev.ESCALATE_REQUEUE, Ev.ESCALATE_FAIL):
             escalations.append(Escalation(a, e["t"] - t0, ev,
                                           e.get("reason") or e.get("error") or ""))
             in_recovery = False
 
     done = {(att.of(e["t"]), int(e["generation"])): e for e in ctl
-            if e["event"] == "recovery.done"}
+            if e["event"] == Ev.RECOVERY_DONE}
     teardown: dict[tuple[int, int], list[float]] = {}
     for name, evs in run.ranks.items():
         fault_gen = None
         for e in sorted(evs, key=lambda x: x["t"]):
-            if e["event"] == "rank.fault":
+            if e["event"] == Ev.RANK_FAULT:
                 fault_gen = (att.of(e["t"]), int(e["generation"]))
-            elif e["event"] == "rank.ready" and fault_gen is not None \
+            elif e["event"] == Ev.RANK_READY and fault_gen is not None \
                     and "teardown_s" in e:
                 teardown.setdefault(fault_gen, []).append(float(e["teardown_s"]))
     adopted: dict[tuple[int, int], list[dict]] = {}
-    for _, e in _rank_records(run, "rank.adopted"):
+    for _, e in _rank_records(run, Ev.RANK_ADOPTED):
         adopted.setdefault((att.of(e["t"]), int(e["generation"])), []).append(e)
 
     recoveries = []
@@ -450,20 +449,20 @@ def build_status(run: RunEvents, now: float) -> Status:
     recovering = False
     for e in mine:
         ev = e["event"]
-        if ev == "controller.start":
+        if ev == Ev.CONTROLLER_START:
             members, spares = list(e.get("active", [])), list(e.get("spares", []))
-        elif ev == "step.launch" and e.get("role") == "spare" and e["node"] not in spares:
+        elif ev == Ev.STEP_LAUNCH and e.get("role") == Role.SPARE and e["node"] not in spares:
             spares.append(e["node"])
-        elif ev == "fault.detected":
+        elif ev == Ev.FAULT_DETECTED:
             if e["node"] in spares:
                 spares.remove(e["node"])
             else:
                 recovering = True
-        elif ev == "recovery.assign":
+        elif ev == Ev.RECOVERY_ASSIGN:
             spares = [s for s in spares if s not in (e.get("taken") or {}).values()]
-        elif ev == "generation.start":
+        elif ev == Ev.GENERATION_START:
             generation, members = int(e["generation"]), list(e["members"])
-        elif ev == "recovery.done":
+        elif ev == Ev.RECOVERY_DONE:
             recovering = False
     names = [e["event"] for e in mine]
     outcome = _outcome(ctl, att)
@@ -483,7 +482,7 @@ def build_status(run: RunEvents, now: float) -> Status:
             continue
         node, _, _ = name.rpartition("-")
         own = [e for e in evs if e["event"].startswith("rank.") and "rank" in e]
-        last_step = [e for e in evs if e["event"] == "rank.step"]
+        last_step = [e for e in evs if e["event"] == Ev.RANK_STEP]
         rank = int(own[-1]["rank"]) if own and own[-1]["rank"] >= 0 else None
         ranks.append(RankStatus(
             process=name, node=node or name, rank=rank,
@@ -499,7 +498,7 @@ def build_status(run: RunEvents, now: float) -> Status:
         generation=generation, members=members, spares=spares,
         step=min(r.step for r in in_gen) if in_gen and every_member else None,
         ranks=ranks, faults=report_faults,
-        recoveries_done=names.count("recovery.done"),
+        recoveries_done=names.count(Ev.RECOVERY_DONE),
         last_controller_event=mine[-1]["event"], last_controller_event_s=now - mine[-1]["t"],
         notes=_notes(mine))
 
@@ -508,19 +507,19 @@ def _notes(ctl: list[dict]) -> list[str]:
     notes = []
     for e in ctl:
         ev, why = e["event"], e.get("reason", "")
-        if ev == "job.failed" and e.get("cause") == "script":
+        if ev == Ev.JOB_FAILED and e.get("cause") == "script":
             notes.append(f"ended: the training script's own error, not requeued: {why}")
-        elif ev == "job.failed":
+        elif ev == Ev.JOB_FAILED:
             notes.append(f"ended, not requeued: {why}")
-        elif ev == "escalate.requeue":
+        elif ev == Ev.ESCALATE_REQUEUE:
             notes.append(f"requeued: infrastructure failure: {why}")
-        elif ev == "escalate.fail":
+        elif ev == Ev.ESCALATE_FAIL:
             notes.append(f"ended: infrastructure failure, not requeued (--on-no-spare fail): "
                          f"{why}")
-        elif ev == "controller.spares_short":
+        elif ev == Ev.CONTROLLER_SPARES_SHORT:
             notes.append(f"warning: asked for {e.get('wanted')} warm spare(s), the allocation "
                          f"gave {e.get('got')}")
-        elif ev == "recovery.disk_fallback":
+        elif ev == Ev.RECOVERY_DISK_FALLBACK:
             notes.append(f"warning: generation {e.get('generation')} restored step "
                          f"{e.get('restore_step')} from disk (memory held no consistent copy "
                          f"for rank(s) {e.get('ranks')}; newest held {e.get('newest_held')}): "

@@ -128,7 +128,7 @@ int hpct_task_init(spank_t sp)
 {
 	if (set_long(sp, "HPCT_SPARES", hpct_cfg.spares) != 0 ||
 	    (hpct_cfg.cache_mb >= 0 && set_long(sp, "HPCT_CACHE_MB", hpct_cfg.cache_mb) != 0) ||
-	    spank_setenv(sp, "HPCT_RENDEZVOUS", hpct_cfg.rendezvous, 1) != ESPANK_SUCCESS) {
+	    spank_setenv(sp, "HPCT_STORE", hpct_cfg.rendezvous, 1) != ESPANK_SUCCESS) {
 		slurm_error("hpct: cannot set HPCT_* in the task environment");
 		return -1;
 	}

@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _log(source: str):
     from ..events import EventLog
 
-    return EventLog(path=os.environ.get("HPCT_HOOKS_LOG") or None, stream=sys.stderr,
+    from .. import config as C
+
+    return EventLog(path=C.read(os.environ, C.HOOKS_LOG), stream=sys.stderr,
                     source=source)
 
 

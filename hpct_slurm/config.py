@@ -33,8 +33,12 @@ from typing import Any
 
 from .errors import HpctError, shown
 
-ADMIN, USER, CONTROLLER, HOOK, TEST = "admin", "user", "controller", "slurm-hook", "test"
-SET_BY = (ADMIN, USER, CONTROLLER, HOOK, TEST)
+# Who sets a setting: the admin (plugstack.conf, the hook scripts' settings), the user (an
+# sbatch option, an `export` before sbatch), the controller (for the ranks it launches), a
+# Slurm hook (the task prolog), a test (fault injection), the rendezvous (for the script).
+ADMIN, USER, CONTROLLER, HOOK, TEST, RENDEZVOUS = (
+    "admin", "user", "controller", "slurm-hook", "test", "rendezvous")
+SET_BY = (ADMIN, USER, CONTROLLER, HOOK, TEST, RENDEZVOUS)
 
 UINT32_MAX = 0xFFFFFFFF
 _INT_RE = re.compile(r"-?[0-9]{1,10}")  # ASCII digits only, short enough that int() is cheap
@@ -179,10 +183,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s(TASKS_PER_NODE, "int", None, (CONTROLLER, USER), ("rendezvous", _TEMPLATE),
        "tasks on each member (unset: the step's own; the templates pass it to "
        "`controller --tasks-per-node`)", lo=1, hi=UINT32_MAX, scope="rendezvous"),
-    _s(GENERATION, "int", 0, (CONTROLLER, "rendezvous"), ("rendezvous", "training script"),
+    _s(GENERATION, "int", 0, (USER, RENDEZVOUS), ("rendezvous", "training script"),
        "generation for `hpct-slurm rendezvous env`; exported to the script after a formation",
        lo=0, hi=UINT32_MAX, scope="rendezvous"),
-    _s(STORE_PORT, "int", None, "rendezvous", "training script", "the generation's store "
+    _s(STORE_PORT, "int", None, RENDEZVOUS, "training script", "the generation's store "
        "port, exported to the script after a formation", lo=1, hi=65535, scope="rendezvous"),
     _s(PORT_BASE, "int", 20000, (ADMIN, USER), "rendezvous", "first port of the rendezvous "
        "window", lo=1024, hi=65535, scope="rendezvous"),
@@ -435,3 +439,30 @@ def markdown_table() -> str:
         lines.append(f"| `{s.name}` | {_default_text(s)} | {s.allowed()} | "
                      f"{', '.join(s.set_by)} | {', '.join(s.read_by)} | {s.doc} |")
     return "\n".join(lines) + "\n"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("settings", help="every HPCT_* setting: default, allowed values, who "
+                                        "sets it and who reads it")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON list")
+    fmt.add_argument("--markdown", action="store_true",
+                     help="the table of docs/admin.md")
+    p.set_defaults(func=_settings_cli)
+
+
+def _settings_cli(args: Any) -> int:
+    import json
+    import sys
+
+    if args.json:
+        json.dump(as_records(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif args.markdown:
+        sys.stdout.write(markdown_table())
+    else:
+        width = max(len(s.name) for s in SETTINGS)
+        for s in SETTINGS:
+            sys.stdout.write(f"{s.name:<{width}}  {_default_text(s):<22}  "
+                             f"{', '.join(s.set_by)}\n")
+    return 0

@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "hpct_slurm.report.cli",
     "hpct_slurm.spares.cli",
     "hpct_slurm.goodput.cli",
+    "hpct_slurm.config",
 ]
 
 

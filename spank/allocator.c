@@ -18,7 +18,7 @@ int hpct_allocator_post_opt(spank_t sp)
 		rc = spank_job_control_setenv(sp, "HPCT_CACHE_MB", buf, 1);
 	}
 	if (rc == ESPANK_SUCCESS)
-		rc = spank_job_control_setenv(sp, "HPCT_RENDEZVOUS", hpct_cfg.rendezvous, 1);
+		rc = spank_job_control_setenv(sp, "HPCT_STORE", hpct_cfg.rendezvous, 1);
 	/* srun inside an existing allocation has no job-control env to set: nothing to pass. */
 	if (rc != ESPANK_SUCCESS && rc != ESPANK_NOT_LOCAL && rc != ESPANK_NOT_AVAIL) {
 		slurm_error("hpct: cannot pass options to the prolog: %s", spank_strerror(rc));

@@ -126,9 +126,17 @@ static int run_task_env(spank_t sp)
 
 int hpct_task_init(spank_t sp)
 {
+	char ctl[8];
+	/* HPCT_STORE is a rank-side setting: in a rank the controller launched (HPCT_CONTROLLER
+	 * set in its step) the controller's value stands, whatever `controller --store` chose;
+	 * the plugin sets it only elsewhere (the batch script, plain srun steps). */
+	int from_controller = spank_getenv(sp, "HPCT_CONTROLLER", ctl, sizeof(ctl)) !=
+			      ESPANK_ENV_NOEXIST;
+
 	if (set_long(sp, "HPCT_SPARES", hpct_cfg.spares) != 0 ||
 	    (hpct_cfg.cache_mb >= 0 && set_long(sp, "HPCT_CACHE_MB", hpct_cfg.cache_mb) != 0) ||
-	    spank_setenv(sp, "HPCT_RENDEZVOUS", hpct_cfg.rendezvous, 1) != ESPANK_SUCCESS) {
+	    (!from_controller &&
+	     spank_setenv(sp, "HPCT_STORE", hpct_cfg.rendezvous, 1) != ESPANK_SUCCESS)) {
 		slurm_error("hpct: cannot set HPCT_* in the task environment");
 		return -1;
 	}

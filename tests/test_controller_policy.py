@@ -183,25 +183,28 @@ def test_controller_defaults_come_from_the_spank_options():
     from hpct_slurm.controller.cli import defaults_from_spank
 
     assert defaults_from_spank(None, None, {}) == (1, "rootless")
-    env = {"HPCT_SPARES": "2", "HPCT_RENDEZVOUS": "tcpstore"}
+    env = {"HPCT_SPARES": "2", "HPCT_STORE": "tcpstore"}
     assert defaults_from_spank(None, None, env) == (2, "tcpstore")
     assert defaults_from_spank(0, "rootless", env) == (0, "rootless")  # the command line wins
+    # the name a SPANK plugin built before the rename exports, for one release
+    assert defaults_from_spank(None, None, {"HPCT_RENDEZVOUS": "tcpstore"}) == (1, "tcpstore")
     with pytest.raises(HpctError, match="HPCT_SPARES 'two'"):
         defaults_from_spank(None, None, {"HPCT_SPARES": "two"})
+    with pytest.raises(HpctError, match="HPCT_STORE 'etcd' is not one of rootless, tcpstore"):
+        defaults_from_spank(None, None, {"HPCT_STORE": "etcd"})
     with pytest.raises(HpctError, match="HPCT_RENDEZVOUS 'etcd'"):
         defaults_from_spank(None, None, {"HPCT_RENDEZVOUS": "etcd"})
 
 
 def test_progress_timeout_comes_from_the_environment_and_is_checked():
-    from hpct_slurm.errors import seconds_from_env
+    from hpct_slurm import config as C
 
-    assert seconds_from_env({}, "HPCT_PROGRESS_TIMEOUT_S", 300.0) == 300.0
-    assert seconds_from_env({"HPCT_PROGRESS_TIMEOUT_S": "4"}, "HPCT_PROGRESS_TIMEOUT_S",
-                            300.0) == 4.0
-    for bad in ("abc", "0", "-3"):
-        with pytest.raises(HpctError, match=f"HPCT_PROGRESS_TIMEOUT_S '{bad}' is not a "
-                                            f"positive number of seconds"):
-            seconds_from_env({"HPCT_PROGRESS_TIMEOUT_S": bad}, "HPCT_PROGRESS_TIMEOUT_S", 1.0)
+    assert C.read({}, C.PROGRESS_TIMEOUT_S) == 300.0
+    assert C.read({"HPCT_PROGRESS_TIMEOUT_S": "4"}, C.PROGRESS_TIMEOUT_S) == 4.0
+    for bad in ("abc", "0", "-3", "nan"):
+        with pytest.raises(C.SettingError, match=f"HPCT_PROGRESS_TIMEOUT_S '{bad}' is not a "
+                                                 f"positive number of seconds"):
+            C.read({"HPCT_PROGRESS_TIMEOUT_S": bad}, C.PROGRESS_TIMEOUT_S)
 
 
 # ---- one recovery round: decide_recovery ------------------------------------------------------

@@ -302,8 +302,12 @@ def test_installed_hook_scripts_run_the_cli(tmp_path):
     out = subprocess.run([str(scripts["epilog"])], env={}, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "SLURM_JOB_ID is not set" in out.stderr
-    with pytest.raises(HpctError, match="not HPCT_"):
+    with pytest.raises(HpctError, match="not an HPCT_"):
         install_hooks(tmp_path / "h2", sys.executable, {"LD_PRELOAD": "/x"})
+    with pytest.raises(HpctError, match="not an HPCT_"):
+        install_hooks(tmp_path / "h2", sys.executable, {"HPCT_SHM_FRACTON": "0.5"})  # a typo
+    with pytest.raises(HpctError, match="HPCT_SHM_FRACTION '2' is not a number in"):
+        install_hooks(tmp_path / "h2", sys.executable, {"HPCT_SHM_FRACTION": "2"})
     with pytest.raises(HpctError, match="absolute path"):
         install_hooks(tmp_path / "h3", "python3")
 

@@ -124,7 +124,7 @@ def test_srun_options_reach_every_task_with_the_derived_env(hpct, artifacts):
     assert [e["HPCT_TEST_DIR"] for e in envs] == ["0:700", "0:700"]
     job = int(envs[0]["SLURM_JOB_ID"])
     for env in envs:
-        assert env["HPCT_SPARES"] == "1" and env["HPCT_RENDEZVOUS"] == "tcpstore"
+        assert env["HPCT_SPARES"] == "1" and env["HPCT_STORE"] == "tcpstore"
         assert env["HPCT_SHM_DIR"] == f"/dev/shm/hpct/{job}" and env["HPCT_CACHE_MB"] == "64"
         # the rendezvous env, derived once in Python (`hpct-slurm task-prolog`)
         assert env["RANK"] == env["SLURM_PROCID"] and env["WORLD_SIZE"] == "2"

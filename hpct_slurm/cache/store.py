@@ -21,9 +21,9 @@ from typing import Callable, Mapping
 import numpy as np
 from filelock import FileLock, Timeout
 
+from .. import config as C
 from ..errors import HpctError, describe
 from ..hooks.shm import check_name, job_dir, remove_tree_at
-from ..slurm.env import check_uint
 
 INDEX = "index.json"
 FORMAT_VERSION = 1
@@ -126,10 +126,7 @@ def _files_bytes(dir_fd: int, name: str) -> int:
 
 
 def budget_from_env(environ: Mapping[str, str]) -> int | None:
-    raw = environ.get("HPCT_CACHE_MB")
-    if raw is None or raw == "":
-        return None
-    return check_uint(raw, "HPCT_CACHE_MB")
+    return C.read(environ, C.CACHE_MB)
 
 
 class SharedCache:
@@ -146,7 +143,7 @@ class SharedCache:
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SharedCache":
         """HPCT_SHM_DIR (exported into tasks) or the job's dir under the shm root; the budget
         is HPCT_CACHE_MB, the prolog's grant."""
-        directory = environ.get("HPCT_SHM_DIR") or job_dir(environ)
+        directory = C.read(environ, C.SHM_DIR) or job_dir(environ)
         return cls(directory, budget_from_env(environ))
 
     def get(self, name: str, build: Builder, timeout: float = 3600.0) -> CacheEntry:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import HpctError, seconds_from_env
+from .. import config as C
+from ..errors import HpctError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=None, help="events, logs, secret, persisted "
                                                    "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
     p.add_argument("--store", choices=["rootless", "tcpstore"], default=None,
-                   help="rendezvous store (default: $HPCT_RENDEZVOUS, which the SPANK option "
+                   help="rendezvous store (default: $HPCT_STORE, which the SPANK option "
                         "--hpct-rendezvous sets, else rootless)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds without a heartbeat before a rank counts as hung")
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     # read here, not when the parser is built: a bad value must not break `--help`
     progress_timeout = args.progress_timeout
     if progress_timeout is None:
-        progress_timeout = seconds_from_env(os.environ, "HPCT_PROGRESS_TIMEOUT_S", 300.0)
+        progress_timeout = C.read(os.environ, C.PROGRESS_TIMEOUT_S)
     elif not progress_timeout > 0:
         raise HpctError(f"--progress-timeout {progress_timeout:g} must be positive")
     if args.want_spares is not None and args.want_spares < 0:
@@ -72,16 +73,11 @@ def run(args: argparse.Namespace) -> int:
 def defaults_from_spank(spares: int | None, store: str | None,
                         environ: dict[str, str] | os._Environ) -> tuple[int, str]:
     """Command-line values win; else what the SPANK plugin exported from `sbatch --hpct-*`
-    (HPCT_SPARES, HPCT_RENDEZVOUS); else 1 spare and the rootless store."""
+    (HPCT_SPARES, HPCT_STORE); else the table's defaults (config.py's precedence rule)."""
     if spares is None:
-        raw = environ.get("HPCT_SPARES", "1")
-        if not raw.isdigit():
-            raise HpctError(f"HPCT_SPARES {raw!r} is not a number of spare nodes")
-        spares = int(raw)
+        spares = C.read(environ, C.SPARES)
     if store is None:
-        store = environ.get("HPCT_RENDEZVOUS", "rootless")
-        if store not in ("rootless", "tcpstore"):
-            raise HpctError(f"HPCT_RENDEZVOUS {store!r} is not rootless or tcpstore")
+        store = C.read(environ, C.STORE)
     if spares < 0:
         raise HpctError(f"--spares {spares} is negative")
     return spares, store

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError, describe
 from .. import events
@@ -281,18 +282,18 @@ class Controller:
     def _step_env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
-            "HPCT_CONTROLLER": f"{self.address[0]}:{self.address[1]}",
-            "HPCT_SECRET_FILE": str(self.secret_path),
-            "HPCT_RUN_DIR": str(self.run_dir),
-            "HPCT_ROLE": role,
-            "HPCT_STORE": self.o.store,
+            C.CONTROLLER_ADDR: f"{self.address[0]}:{self.address[1]}",
+            C.SECRET_FILE: str(self.secret_path),
+            C.RUN_DIR: str(self.run_dir),
+            C.ROLE: role,
+            C.STORE: self.o.store,
             # the controller is the one writer of the ranks' timeouts (a task prolog leaves
             # them alone: hooks/task_prolog.CONTROLLER_OWNED)
-            "HPCT_COLLECTIVE_TIMEOUT_S": str(self.o.collective_timeout_s),
-            "HPCT_INIT_TIMEOUT_S": str(self.o.init_timeout_s),
-            "HPCT_PERSIST_EVERY": str(self.o.persist_every),
+            C.COLLECTIVE_TIMEOUT_S: str(self.o.collective_timeout_s),
+            C.INIT_TIMEOUT_S: str(self.o.init_timeout_s),
+            C.PERSIST_EVERY: str(self.o.persist_every),
             # the data-parallel world, for a DistributedSampler built before job.run
-            "HPCT_WORLD_SIZE": str(self.data_world),
+            C.WORLD_SIZE: str(self.data_world),
         })
         return env
 
@@ -810,8 +811,8 @@ class Controller:
                                b'exec srun -N1 -n"$HPCT_TASKS_PER_NODE" --kill-on-bad-exit=0 '
                                b'-u "$@"\n')
         env = self._step_env("spare")
-        env.update({"HPCT_JOB_ID": str(self.o.job_id),
-                    "HPCT_TASKS_PER_NODE": str(self.o.tasks_per_node)})
+        env.update({C.JOB_ID: str(self.o.job_id),
+                    C.TASKS_PER_NODE: str(self.o.tasks_per_node)})
         options = [f"--reservation={self.o.pool_reservation}", "-N1", "--exclusive",
                    f"--ntasks-per-node={self.o.tasks_per_node}",
                    f"--job-name=hpct-spare-{self.o.job_id}",
@@ -954,7 +955,7 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
     if not command:
         raise HpctError("controller needs the training command after --")
     batch_host = env.node_name or socket.gethostname()
-    rd = Path(run_dir or os.environ.get("HPCT_RUN_DIR") or
+    rd = Path(run_dir or C.read(os.environ, C.RUN_DIR) or
               Path(env.submit_dir or os.getcwd()) / f"hpct-{env.job_id}")
     opts = Options(command=command, run_dir=rd, job_id=env.job_id, nodes=env.job_nodelist,
                    batch_host=batch_host, spares=spares, tasks_per_node=tasks_per_node,

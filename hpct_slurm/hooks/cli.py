@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="absolute path of the python that has hpct_slurm (default: this one)")
     i.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a setting the hooks run with (HPCT_SHM_ROOT, HPCT_HOOKS_LOG, "
-                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB, "
-                        "SLURM_CONF)")
+                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB; "
+                        "`hpct-slurm settings` lists all) or SLURM_CONF")
     i.set_defaults(func=_hooks_install)
 
     p = sub.add_parser("spank", help="the SPANK plugin")
@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _log(source: str):
     from ..events import EventLog
 
-    return EventLog(path=os.environ.get("HPCT_HOOKS_LOG") or None, stream=sys.stderr,
+    from .. import config as C
+
+    return EventLog(path=C.read(os.environ, C.HOOKS_LOG), stream=sys.stderr,
                     source=source)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from .. import config as C
 from ..errors import HpctError
 from ..slurm.env import check_uint
 from .shm import check_job_id, shm_root
@@ -27,16 +28,9 @@ class HookConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "HookConfig":
-        raw = environ.get("HPCT_SHM_FRACTION", "0.5")
-        try:
-            fraction = float(raw)
-        except ValueError:
-            fraction = -1.0
-        if not 0.0 < fraction <= 1.0:
-            raise HpctError(f"HPCT_SHM_FRACTION {raw!r} is not a number in (0, 1]")
-        return cls(shm_root=shm_root(environ), shm_fraction=fraction,
-                   default_cache_mb=_env_int(environ, "HPCT_DEFAULT_CACHE_MB", 1024),
-                   min_free_shm_mb=_env_int(environ, "HPCT_HEALTH_MIN_SHM_MB", 64))
+        return cls(shm_root=shm_root(environ), shm_fraction=C.read(environ, C.SHM_FRACTION),
+                   default_cache_mb=C.read(environ, C.DEFAULT_CACHE_MB),
+                   min_free_shm_mb=C.read(environ, C.HEALTH_MIN_SHM_MB))
 
 
 @dataclass(frozen=True)
@@ -63,7 +57,5 @@ class JobContext:
         if uid < 0 or gid < 0:
             raise HpctError(f"SLURM_JOB_UID/SLURM_JOB_GID {environ.get('SLURM_JOB_UID')!r}/"
                             f"{environ.get('SLURM_JOB_GID')!r} are not set")
-        requested = environ.get("SPANK_HPCT_CACHE_MB")
         return cls(job_id=check_job_id(job, "SLURM_JOB_ID"), uid=uid, gid=gid, node=node,
-                   requested_cache_mb=(_env_int(environ, "SPANK_HPCT_CACHE_MB", 0)
-                                       if requested else None))
+                   requested_cache_mb=C.read(environ, C.SPANK_CACHE_MB))

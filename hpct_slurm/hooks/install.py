@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Mapping
 
+from .. import config as C
 from ..errors import HpctError
 
 HOOK_COMMANDS = {"prolog": "prolog", "epilog": "epilog", "task_prolog": "task-prolog"}
 SLURM_CONF_KEYS = {"prolog": "Prolog", "epilog": "Epilog", "task_prolog": "TaskProlog"}
-# Settings a hook script may carry: the hooks' own (HPCT_*) and where Slurm's config is.
-_SETTING_RE = re.compile(r"HPCT_[A-Z0-9_]+|SLURM_CONF")
 SPANK_SOURCES = Path(__file__).resolve().parents[2] / "spank"
 
 
@@ -25,10 +23,15 @@ def install_hooks(dest: Path, python: str = sys.executable,
         raise HpctError(f"python {python!r} is not an absolute path to an executable")
     lines = []
     for name, value in (settings or {}).items():
-        if not _SETTING_RE.fullmatch(name):
-            raise HpctError(f"hook setting {name!r} is not HPCT_* or SLURM_CONF")
+        # The hooks' own settings (config.py's table, checked now rather than in every
+        # prolog) and where Slurm's config is.
+        if name != "SLURM_CONF" and (name not in C.BY_NAME or C.BY_NAME[name].shell_only):
+            raise HpctError(f"hook setting {name!r} is not an HPCT_* setting (hpct-slurm "
+                            f"settings lists them) or SLURM_CONF")
         if "\n" in value:
             raise HpctError(f"hook setting {name}={value!r} spans lines")
+        if name != "SLURM_CONF":
+            C.read({name: value}, name)
         lines.append(f"export {name}={shlex.quote(value)}\n")
     template = (Path(__file__).parent / "hook.sh").read_text()
     dest.mkdir(parents=True, exist_ok=True)

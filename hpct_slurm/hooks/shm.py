@@ -25,10 +25,11 @@ from typing import Iterator, Mapping
 
 from ..errors import HpctError, shown
 # One job id rule for the hooks, the tasks and `hpct-slurm env` (re-exported from here).
+from .. import config as C
 from ..slurm.env import JOB_ID_RE, check_job_id
 
-DEFAULT_SHM_ROOT = Path("/dev/shm/hpct")
-SHM_ROOT_ENV = "HPCT_SHM_ROOT"
+DEFAULT_SHM_ROOT = Path(C.BY_NAME[C.SHM_ROOT].default)
+SHM_ROOT_ENV = C.SHM_ROOT
 BUDGET_SUFFIX = ".budget"
 LOCK_NAME = ".lock"
 
@@ -46,7 +47,7 @@ def check_name(value: str, what: str = "cache name") -> str:
 
 
 def shm_root(environ: Mapping[str, str]) -> Path:
-    raw = environ.get(SHM_ROOT_ENV) or str(DEFAULT_SHM_ROOT)
+    raw = C.read(environ, C.SHM_ROOT)
     path = Path(raw)
     if not path.is_absolute() or ".." in path.parts or path == Path("/"):
         raise HpctError(f"{SHM_ROOT_ENV} {raw!r} is not an absolute directory path")

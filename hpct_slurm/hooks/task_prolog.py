@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Mapping
 
+from .. import config as C
 from ..errors import HpctError
 from .shm import check_job_id, job_dir, read_budget, shm_root
 
@@ -23,13 +24,13 @@ RENDEZVOUS_CLI = "hpct_slurm.rendezvous.cli"
 # controller). A task prolog run for such a rank must not overwrite them with the rendezvous
 # derivation's defaults for steps nobody supervises (issue 14: with the SPANK plugin
 # installed, ranks ran with a 120 s collective timeout, without it with 10 s).
-CONTROLLER_OWNED = ("HPCT_COLLECTIVE_TIMEOUT_S", "HPCT_INIT_TIMEOUT_S")
+CONTROLLER_OWNED = (C.COLLECTIVE_TIMEOUT_S, C.INIT_TIMEOUT_S)
 
 
 def for_task(env: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
     """`env` less what the controller owns, when the task is one the controller launched
     (it set HPCT_CONTROLLER in the step's environment)."""
-    if not environ.get("HPCT_CONTROLLER"):
+    if not C.raw(environ, C.CONTROLLER_ADDR):
         return env
     return {k: v for k, v in env.items() if k not in CONTROLLER_OWNED}
 
@@ -40,10 +41,10 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
     if not environ.get("SLURM_JOB_ID"):
         return out
     job_id = check_job_id(environ["SLURM_JOB_ID"], "SLURM_JOB_ID")
-    out["HPCT_SHM_DIR"] = str(job_dir(environ))
+    out[C.SHM_DIR] = str(job_dir(environ))
     granted = read_budget(shm_root(environ), job_id)
     if granted is not None:
-        out["HPCT_CACHE_MB"] = str(granted)
+        out[C.CACHE_MB] = str(granted)
     return out
 
 

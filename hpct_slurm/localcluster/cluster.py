@@ -23,13 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .. import config as C
 from ..errors import HpctError
 from ..slurm.client import COMMANDS, SlurmClient, SlurmCommandError
 from .layout import Hooks, Layout, default_ctl_host, hosts_text, slurm_conf
 
 # The daemons this module starts itself; every client command goes through SlurmClient.
 SLURM_BINARIES = ("slurmctld", "slurmd", "munged", *COMMANDS)
-DEFAULT_ROOT = Path(os.environ.get("HPCT_LOCALCLUSTER_ROOT", "/tmp/hpct-localcluster"))
+DEFAULT_ROOT = Path(C.read(None, C.LOCALCLUSTER_ROOT))
 # Node shm is a per-node tmpfs, like a real node's /dev/shm.
 NODE_SHM_SIZE = "2g"
 

@@ -1,11 +1,11 @@
 """The in-process restart wrapper a training script uses.
 
-    job = Job(model=model, optimizer=opt, seed=0)      # registers state; a spare waits warm here
+    job = Job(model=model, optimizer=opt, seed=0)      # registers the training state
     def train_step(step):                              # one optimizer step, plain PyTorch
         loss = loss_fn(model(x_for(step, job.rank)), y)
         opt.zero_grad(); loss.backward(); job.allreduce_gradients(); opt.step()
         return loss.item()
-    job.run(train_step, total_steps)
+    job.run(train_step, total_steps)                   # registers; a spare waits warm here
 
 or, keeping the script's own loop (one optimizer step per batch; see loop.py):
 
@@ -45,12 +45,13 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol as P
-from ..errors import HpctError, seconds_from_env
+from ..config import JobSettings
+from ..errors import HpctError
 from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..rendezvous import pg
 from ..rendezvous.store import make_store, serve_shard
-from ..slurm.env import SlurmEnv, check_job_id
+from ..slurm.env import SlurmEnv
 from .client import ControllerAddress, CoordinationClient
 from .gradients import average_gradients, parameter_gradients
 from .health import health_check
@@ -113,6 +114,10 @@ class Job:
                  mesh_shape: tuple[int, ...] | None = None,
                  mesh_dim_names: tuple[str, ...] | None = None,
                  replicate: tuple[str, ...] | None = None, device_type: str = "cpu",
+                 settings: JobSettings | None = None, slurm: SlurmEnv | None = None,
+                 transfer: Callable[..., TransferServer] = TransferServer,
+                 client: Callable[..., CoordinationClient] = CoordinationClient,
+                 persister: Callable[..., DiskPersister] = DiskPersister,
                  **extra_state: Any):
         """`extra_state`: more objects with state_dict/load_state_dict; `sampler=` (and any
         name not known as shared) is this rank's own state, kept on the ring neighbour.
@@ -127,23 +132,31 @@ class Job:
         dimensions the state is replicated over (HSDP's replicate dimension; none for 1-D
         FSDP); left out, they are inferred from the parameters' placements after the first
         build. Ranks that differ only on those dimensions hold the same state, and are each
-        other's source after a fault (recovery/sharding.py)."""
-        env = dict(os.environ if environ is None else environ)
-        self.slurm = SlurmEnv.from_environ(env)
+        other's source after a fault (recovery/sharding.py).
+
+        Configuration, collaborators and side effects are apart: `settings` (default: read
+        from `environ`, i.e. what the controller put in the step's environment) and `slurm`
+        (this task's SLURM_*) are the configuration; `transfer`, `client` and `persister`
+        build the transfer server, the controller connection and the disk persisters (the
+        real classes unless a test passes fakes); nothing binds a socket or talks to the
+        controller before `run` (`_start`)."""
+        env = os.environ if environ is None else environ
+        self.settings = s = settings if settings is not None else JobSettings.from_environ(env)
+        self.slurm = slurm if slurm is not None else SlurmEnv.from_environ(env)
         # A spare borrowed from the cluster pool runs in a companion job but serves the main
         # job: its ports, messages and secret are the main job's.
-        served = env.get("HPCT_JOB_ID")
-        if served is not None:
-            self.slurm = dataclasses.replace(self.slurm,
-                                             job_id=check_job_id(served, "HPCT_JOB_ID"))
+        if s.served_job_id is not None:
+            self.slurm = dataclasses.replace(self.slurm, job_id=s.served_job_id)
+        self._make_transfer, self._make_client, self._make_persister = (
+            transfer, client, persister)
         self.seed = seed
-        self.role = env.get("HPCT_ROLE", "active")
-        self.run_dir = Path(_require(env, "HPCT_RUN_DIR"))
-        self.store_kind = env.get("HPCT_STORE", "rootless")
-        self.collective_timeout_s = seconds_from_env(env, "HPCT_COLLECTIVE_TIMEOUT_S", 10.0)
+        self.role = s.role
+        self.run_dir = Path(s.run_dir)
+        self.store_kind = s.store
+        self.collective_timeout_s = s.collective_timeout_s
         # Bounded so a member lost between assignment and formation costs at most this long;
         # warm spares make a normal formation take well under a second.
-        self.init_timeout_s = seconds_from_env(env, "HPCT_INIT_TIMEOUT_S", 30.0)
+        self.init_timeout_s = s.init_timeout_s
         self._build = build
         self.mesh: Any = None
         self.mesh_spec: MeshSpec | None = None
@@ -175,7 +188,7 @@ class Job:
         # replacement pulls the shared state from any survivor; RNGs are rederived from
         # (seed, rank, step). `replicated` (forced, or a sharded optimizer) keeps this rank's
         # whole snapshot on its ring neighbour instead.
-        mode = recovery_mode or env.get("HPCT_RECOVERY_MODE") or "auto"
+        mode = recovery_mode or s.recovery_mode
         self._mode_given = None if mode == "auto" else mode
         if self.mesh_spec is None:
             self.mode = choose_mode(self.state, self._mode_given,  # type: ignore[arg-type]
@@ -184,8 +197,8 @@ class Job:
             # Each shard key held by two replicas or more: a lost rank's state is on a
             # survivor (jit). One holder per key (1-D FSDP): a ring copy in steady state.
             self.mode = self._sharded_mode(self.mesh_spec)
-        self._every_given = env.get("HPCT_SNAPSHOT_EVERY")
-        every = int(self._every_given or DEFAULT_SNAPSHOT_EVERY)
+        self._every_given = s.snapshot_every
+        every = self._every_given or DEFAULT_SNAPSHOT_EVERY
         self.snapshots = SnapshotStore(self.state, scopes=("shared",), every=every)
         # This rank's own small state (a sampler position, extras): its own snapshot, pushed
         # to the ring neighbour after every commit and persisted with the shared state.
@@ -197,11 +210,11 @@ class Job:
         # a GPU (host cores idle during the step); not for CPU training, whose step already
         # uses every core: there the copy thread measured slower than the copy itself
         # (`hpct-slurm bench replication`, jit_k1 vs jit_k1_sync).
-        overlap = env.get("HPCT_SNAPSHOT_OVERLAP", "auto")
-        self._overlap_given = None if overlap == "auto" else overlap != "0"
+        self._overlap_given = (None if s.snapshot_overlap == "auto"
+                               else s.snapshot_overlap == "1")
         # Between full commits, hold each step's shared state where it lies and copy it only
         # at a fault (see _lazy); 0 makes every step a full commit.
-        self.lazy = env.get("HPCT_SNAPSHOT_LAZY", "1") != "0"
+        self.lazy = s.snapshot_lazy
         self._set_mode(self.mode)
         if optimizer is not None:
             self._watch_optimizer(optimizer)
@@ -209,19 +222,16 @@ class Job:
         self.pusher: ReplicaPusher | None = None
         self.rank_persister: DiskPersister | None = None
         self._peers: dict[int, tuple[str, int]] = {}
-        self.secret = P.load_secret(_require(env, "HPCT_SECRET_FILE"))
+        self.secret = P.load_secret(s.secret_file)
         self.job_id = str(self.slurm.job_id)
-        node = self.slurm.node_name or socket.gethostname()
-        self.events = EventLog(self.run_dir / "events" / f"{node}-{self.slurm.localid}.jsonl",
-                               source=f"{node}/{self.slurm.localid}")
-        self.host_addr = rdv.resolve_host(node)
-        self.transfer = TransferServer(self.secret, self.job_id, rank=-1, own=self.snapshots,
-                                       replicas=self.replicas, host=self.host_addr,
-                                       events=self.events)
-        self.persist_every = persist_every or int(env.get("HPCT_PERSIST_EVERY", "0"))
+        self.node = self.slurm.node_name or socket.gethostname()
+        self.events = EventLog(
+            self.run_dir / "events" / f"{self.node}-{self.slurm.localid}.jsonl",
+            source=f"{self.node}/{self.slurm.localid}")
+        self.persist_every = persist_every or s.persist_every
         self.persister: DiskPersister | None = None
         # Test fault injection: the ranks whose served copies rot in memory.
-        self._corrupt_serve = set(env.get("HPCT_FAULT_CORRUPT_SERVE", "").split(",")) - {""}
+        self._corrupt_serve = s.corrupt_serve
         self.rank = -1
         self.world_size = 0
         self.generation = -1
@@ -230,11 +240,28 @@ class Job:
         self.data_ranks: list[int] = []
         self.data_world = 0
         self._want_ddp = False
-        self._controller_text = _require(env, "HPCT_CONTROLLER")
-        self.client = CoordinationClient(
-            ControllerAddress.parse(self._controller_text), self.secret, self.job_id,
-            self.events)
-        self.client.register(node, self.slurm.localid or 0, self.role, self.host_addr,
+        self._controller_text = s.controller
+        self._controller_addr = ControllerAddress.parse(s.controller)  # a bad one fails here
+        # Set by _start, on the first run: the transfer server's socket, the controller
+        # connection and the registration are side effects, not configuration.
+        self.host_addr = ""
+        self.transfer: TransferServer = None  # type: ignore[assignment]
+        self.client: CoordinationClient = None  # type: ignore[assignment]
+        self._started = False
+
+    def _start(self) -> None:
+        """Bind the transfer server, connect to the controller and register with it: from
+        here on the controller counts this process as a rank or a warm spare."""
+        if self._started:
+            return
+        self._started = True
+        self.host_addr = rdv.resolve_host(self.node)
+        self.transfer = self._make_transfer(self.secret, self.job_id, rank=-1,
+                                            own=self.snapshots, replicas=self.replicas,
+                                            host=self.host_addr, events=self.events)
+        self.client = self._make_client(self._controller_addr, self.secret, self.job_id,
+                                        self.events)
+        self.client.register(self.node, self.slurm.localid or 0, self.role, self.host_addr,
                              self.transfer.address[1])
         # the settings this rank runs with, whoever set them (the controller; a task prolog
         # must not override them): tests compare them with and without the SPANK plugin
@@ -396,6 +423,7 @@ class Job:
             def train(start: int) -> int:
                 self._train(step_fn, start, total)
                 return total - 1
+        self._start()
         trained = False
         while True:
             msg = self.client.next_assignment()
@@ -609,7 +637,7 @@ class Job:
             raise _Stopped(self.client.stop_reason)
         self.client.state = "forming"
         self.transfer.rank = a.rank
-        self.transfer.corrupt_on_serve = str(a.rank) in self._corrupt_serve
+        self.transfer.corrupt_on_serve = a.rank in self._corrupt_serve
         info = rdv.derive(self.slurm, a.generation, members=a.members,
                           tasks_per_node=a.tasks_per_node,
                           collective_timeout_s=self.collective_timeout_s,
@@ -655,15 +683,16 @@ class Job:
         key = self._key(self.rank)
         first = min(r for r in range(self.world_size) if self._key(r) == key)
         if self.persist_every and self.persister is None and self.rank == first:
-            self.persister = DiskPersister(self.snapshots, self.run_dir / "persist", key,
-                                           self.persist_every, self.events, key=self.secret)
+            self.persister = self._make_persister(self.snapshots, self.run_dir / "persist",
+                                                  key, self.persist_every, self.events,
+                                                  key=self.secret)
         if self.persist_every and self.rank_snaps is not None and \
                 (self.rank_persister is None or self.rank_persister.rank != self.rank):
             if self.rank_persister:
                 self.rank_persister.close()
-            self.rank_persister = DiskPersister(self.rank_snaps, self.run_dir / "persist-rank",
-                                                self.rank, self.persist_every, self.events,
-                                                key=self.secret)
+            self.rank_persister = self._make_persister(
+                self.rank_snaps, self.run_dir / "persist-rank", self.rank, self.persist_every,
+                self.events, key=self.secret)
         self._ring(a)
         self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
@@ -893,11 +922,3 @@ def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(client, _per_parameter_allreduce)
     return ddp
-
-
-def _require(env: dict[str, str], name: str) -> str:
-    value = env.get(name)
-    if not value:
-        raise HpctError(f"{name} is not set: run the training script under "
-                        f"`hpct-slurm controller` (it sets HPCT_* for every step)")
-    return value

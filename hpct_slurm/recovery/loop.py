@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
+from .. import config as C
 from ..errors import HpctError
 
-WORLD_SIZE_ENV = "HPCT_WORLD_SIZE"  # the job's data-parallel world size, set by the controller
+WORLD_SIZE_ENV = C.WORLD_SIZE  # the job's data-parallel world size, set by the controller
 
 T = TypeVar("T")
 
@@ -120,12 +120,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
 
 def _world_size_from_env() -> int | None:
-    raw = os.environ.get(WORLD_SIZE_ENV)
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise HpctError(f"{WORLD_SIZE_ENV} {raw!r} is not a positive integer")
-    return int(raw)
+    return C.read(None, C.WORLD_SIZE)
 
 
 class StepLoop:

@@ -3,28 +3,24 @@ process-group (re-)formation per generation.
 
 This module imports no torch (the CLI imports it); `init_from_slurm` loads torch when called.
 
-Knobs read from the environment (all optional):
-  HPCT_MEMBERS          hostlist of the generation's member nodes, in rank order (set by the
-                        controller; unset: the step's own nodes, plain srun)
-  HPCT_TASKS_PER_NODE   tasks on each member (unset: the step's own)
-  HPCT_GENERATION       generation for `hpct-slurm rendezvous env` (default 0)
-  HPCT_PORT_BASE, HPCT_PORT_SPAN, HPCT_NODES_PER_HOST, HPCT_SOCKET_IFNAME
-  HPCT_STORE            rootless (default) | tcpstore
-  HPCT_SECRET_FILE      per-job secret of the rootless store
+Knobs read from the environment (all optional; hpct_slurm/config.py describes each, scope
+"rendezvous"): HPCT_MEMBERS, HPCT_TASKS_PER_NODE, HPCT_GENERATION, HPCT_PORT_BASE,
+HPCT_PORT_SPAN, HPCT_NODES_PER_HOST, HPCT_SOCKET_IFNAME, and HPCT_STORE, HPCT_SECRET_FILE for
+the store.
 """
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from .. import config as C
 from ..errors import HpctError
 from ..events import Ev
 # The submodule, not its function: `from hpct_slurm.rendezvous import derive` must stay the
 # module that callers use as `derive.derive(...)`, `derive.resolve_host(...)`.
 from . import derive
-from .derive import DEFAULT_PORT_BASE, DEFAULT_PORT_SPAN, RendezvousInfo
+from .derive import RendezvousInfo
 
 if TYPE_CHECKING:
     from ..events import EventLog
@@ -33,33 +29,7 @@ __all__ = ["RendezvousInfo", "derive_from_environ", "init_from_slurm"]
 
 # What a training script reads to learn where it sits; exported into os.environ on init.
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "HPCT_GENERATION", "HPCT_STORE_PORT")
-
-
-_INT = re.compile(r"-?[0-9]+")
-_MAX_PORT = 65535
-_MIN_PORT_BASE = 1024
-
-
-def _int_env(environ: Mapping[str, str], name: str, lo: int = 0,
-             hi: int | None = None) -> int | None:
-    """$name as an int in lo..hi, None when unset or empty. A value that is set but out of
-    range is an error naming the variable, never a silent fall-back to the default."""
-    value = environ.get(name)
-    if value is None or value == "":
-        return None
-    if not _INT.fullmatch(value.strip()):
-        raise HpctError(f"{name} {value!r} is not a non-negative integer")
-    number = int(value)
-    if number < lo or (hi is not None and number > hi):
-        allowed = f"at least {lo}" if hi is None else f"in {lo}-{hi}"
-        raise HpctError(f"{name}={value} is out of range: it must be {allowed} "
-                        f"(unset it for the default)")
-    return number
-
-
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
+             "MASTER_PORT", C.GENERATION, C.STORE_PORT)
 
 
 def derive_from_environ(generation: int | None = None,
@@ -73,32 +43,31 @@ def derive_from_environ(generation: int | None = None,
     environ = os.environ if environ is None else environ
     env = SlurmEnv.from_environ(environ)
     if generation is None:
-        generation = _or(_int_env(environ, "HPCT_GENERATION"), 0)
-    port_base = _or(_int_env(environ, "HPCT_PORT_BASE", _MIN_PORT_BASE, _MAX_PORT),
-                    DEFAULT_PORT_BASE)
-    port_span = _or(_int_env(environ, "HPCT_PORT_SPAN", derive.GENERATION_WINDOW,
-                             _MAX_PORT - _MIN_PORT_BASE + 1), DEFAULT_PORT_SPAN)
-    nodes_per_host = _int_env(environ, "HPCT_NODES_PER_HOST", 1)
-    if environ.get("HPCT_PORT_BASE") or environ.get("HPCT_PORT_SPAN"):
+        generation = C.read(environ, C.GENERATION)
+    port_base = C.read(environ, C.PORT_BASE)
+    port_span = C.read(environ, C.PORT_SPAN)
+    nodes_per_host = C.read(environ, C.NODES_PER_HOST)
+    if C.raw(environ, C.PORT_BASE) or C.raw(environ, C.PORT_SPAN):
         # Each is in range on its own; together they must still fit below 65536.
         try:
             derive.check_port_range(port_base, port_span, nodes_per_host or 1)
         except HpctError as exc:
-            raise HpctError(f"HPCT_PORT_BASE={port_base} with HPCT_PORT_SPAN={port_span}: "
-                            f"{exc.message}") from None
+            raise C.SettingError(f"{C.PORT_BASE}={port_base} with {C.PORT_SPAN}={port_span}: "
+                                 f"{exc.message}") from None
     kwargs: dict[str, object] = {
         "port_base": port_base,
         "port_span": port_span,
         "nodes_per_host": nodes_per_host,
-        "ifname": environ.get("HPCT_SOCKET_IFNAME") or None,
-        "tasks_per_node": _int_env(environ, "HPCT_TASKS_PER_NODE", 1),
+        "ifname": C.read(environ, C.SOCKET_IFNAME),
+        "tasks_per_node": C.read(environ, C.TASKS_PER_NODE),
     }
-    if environ.get("HPCT_MEMBERS"):
+    members = C.read(environ, C.MEMBERS)
+    if members:
         try:
-            kwargs["members"] = expand(environ["HPCT_MEMBERS"])
+            kwargs["members"] = expand(members)
         except HpctError as exc:
-            raise HpctError(f"HPCT_MEMBERS {environ['HPCT_MEMBERS']!r} is not a hostlist "
-                            f"({exc.message})") from None
+            raise C.SettingError(f"{C.MEMBERS} {members!r} is not a hostlist "
+                                 f"({exc.message})") from None
     kwargs.update(overrides)
     return derive.derive(env, generation, **kwargs)  # type: ignore[arg-type]
 
@@ -118,7 +87,7 @@ def init_from_slurm(generation: int = 0, backend: str = "gloo", *,
 
     environ = os.environ if environ is None else environ
     info = derive_from_environ(generation, environ, **overrides)
-    kind = store_kind or environ.get("HPCT_STORE") or "rootless"
+    kind = store_kind or C.read(environ, C.STORE)
     secret = load_secret(secret_file) if kind == "rootless" else None
     shard = serve_shard(info, secret, events=events) if (
         kind == "rootless" and info.local_rank == 0) else None

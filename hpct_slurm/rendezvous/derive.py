@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import ipaddress
-import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from .. import config as C
 from ..errors import HpctError
 
 if TYPE_CHECKING:
@@ -92,11 +92,11 @@ class RendezvousInfo:
             # exit first, and a fault never finds half-open lazy pairs to a dead peer (a lazy
             # pair was seen to hang gloo's group destructor). Lazy init (fewer connections at
             # scale) is opt-in: HPCT_GLOO_LAZY_INIT=1.
-            "TORCH_GLOO_LAZY_INIT": "1" if os.environ.get("HPCT_GLOO_LAZY_INIT") == "1" else "0",
-            "HPCT_GENERATION": str(self.generation),
-            "HPCT_STORE_PORT": str(self.store_port),
-            "HPCT_INIT_TIMEOUT_S": _fmt_seconds(self.init_timeout_s),
-            "HPCT_COLLECTIVE_TIMEOUT_S": _fmt_seconds(self.collective_timeout_s),
+            "TORCH_GLOO_LAZY_INIT": "1" if C.read(None, C.GLOO_LAZY_INIT) else "0",
+            C.GENERATION: str(self.generation),
+            C.STORE_PORT: str(self.store_port),
+            C.INIT_TIMEOUT_S: _fmt_seconds(self.init_timeout_s),
+            C.COLLECTIVE_TIMEOUT_S: _fmt_seconds(self.collective_timeout_s),
         }
         if self.ifname:
             env["GLOO_SOCKET_IFNAME"] = self.ifname

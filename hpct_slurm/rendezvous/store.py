@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
+from .. import config as C
 from .. import protocol
 from ..errors import HpctError
 from ..events import Ev, EventLog, stderr_log
@@ -49,7 +50,7 @@ from ..events import Ev, EventLog, stderr_log
 if TYPE_CHECKING:
     from .derive import RendezvousInfo
 
-SECRET_ENV = "HPCT_SECRET_FILE"
+SECRET_ENV = C.SECRET_FILE
 MIN_SECRET_BYTES = 16
 ABORT_POLL_S = 0.2
 NONCE_BYTES = 16
@@ -89,9 +90,7 @@ def load_secret(path: str | os.PathLike | None = None) -> bytes:
     """The per-job secret: from `path`, else from the file named by $HPCT_SECRET_FILE. The
     file format and its checks are the control protocol's: one secret per job for both."""
     if path is None:
-        path = os.environ.get(SECRET_ENV)
-        if not path:
-            raise HpctError(f"{SECRET_ENV} is not set: the store needs the per-job secret file")
+        path = C.require(None, SECRET_ENV, "the store needs the per-job secret file")
     return protocol.load_secret(path)
 
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import config as C
 from ..errors import HpctError
 from .model import PHASES, Report, RunEvents, Status, build_report, build_status, parse_jsonl
 
@@ -47,8 +48,8 @@ def resolve_run_dir(target: str | None, client: SlurmClient | None = None,
     cwd = cwd or Path.cwd()
     env = os.environ if environ is None else environ
     if target is None:
-        if env.get("HPCT_RUN_DIR"):
-            return _checked(Path(env["HPCT_RUN_DIR"]), "$HPCT_RUN_DIR")
+        if C.read(env, C.RUN_DIR):
+            return _checked(Path(C.read(env, C.RUN_DIR)), "$HPCT_RUN_DIR")
         found = sorted(cwd.glob(f"hpct-*/{CONTROLLER_LOG}"), key=lambda p: p.stat().st_mtime)
         if not found:
             raise HpctError(f"no RUN_DIR or JOBID given, HPCT_RUN_DIR is not set and no "

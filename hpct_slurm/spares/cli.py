@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import asdict
 
+from .. import config as C
 from ..slurm.hostlist import expand
 
 
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add = cmds.add_parser("add", parents=[common],
                           help="put idle nodes in the pool (refuses nodes running jobs)")
     add.add_argument("nodes", nargs="+", help="node names or hostlists (n[1-2])")
-    add.add_argument("--users", default=os.environ.get("HPCT_SPARE_USERS", "root"),
+    add.add_argument("--users", default=C.read(None, C.SPARE_USERS),
                      help="users allowed to draw from the pool, when the reservation is "
                           "created (default $HPCT_SPARE_USERS or root)")
     rm = cmds.add_parser("remove", parents=[common], help="take nodes out of the pool")

@@ -1,0 +1,468 @@
+"""Every `HPCT_*` setting in one table: its name, type, default, bounds, who sets it and who
+reads it. Reads of `HPCT_*` variables happen here and nowhere else (tests/test_config.py
+checks it): a module asks `read(environ, NAME)` or a group's frozen settings object
+(`JobSettings.from_environ`), and a bad value is always the same `SettingError`, naming the
+variable, the value and what is allowed.
+
+Precedence, one rule for every setting:
+
+  1. an explicit argument (a command-line flag, a keyword argument such as
+     `Job(recovery_mode=...)`) wins;
+  2. else the variable in the environment: the user's sbatch option (`--hpct-spares` and
+     friends, which the SPANK plugin exports) or the user's own `export` before sbatch;
+  3. else the admin's default (plugstack.conf `default_*` for the SPANK options, which the
+     plugin exports when the user gave none; the settings baked into the hook scripts);
+  4. else the default in this table.
+
+Rank-side settings (`set_by` "controller") are handed to ranks by the controller alone: it
+writes them into every step it launches, and a task prolog leaves them alone for its ranks
+(hooks/task_prolog.CONTROLLER_OWNED), so the value a rank runs with is the controller's.
+
+Writers (the controller, the task prolog, the rendezvous env) use the name constants below,
+not free strings. This module imports nothing heavy: the CLI imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import HpctError, shown
+
+# Who sets a setting: the admin (plugstack.conf, the hook scripts' settings), the user (an
+# sbatch option, an `export` before sbatch), the controller (for the ranks it launches), a
+# Slurm hook (the task prolog), a test (fault injection), the rendezvous (for the script).
+ADMIN, USER, CONTROLLER, HOOK, TEST, RENDEZVOUS = (
+    "admin", "user", "controller", "slurm-hook", "test", "rendezvous")
+SET_BY = (ADMIN, USER, CONTROLLER, HOOK, TEST, RENDEZVOUS)
+
+UINT32_MAX = 0xFFFFFFFF
+_INT_RE = re.compile(r"-?[0-9]{1,10}")  # ASCII digits only, short enough that int() is cheap
+
+
+class SettingError(HpctError):
+    """A setting's value cannot be used: the message names the variable, the value and what
+    is allowed."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str             # int | seconds | fraction | choice | flag | str | path | ranks | job_id
+    default: Any
+    set_by: tuple[str, ...]
+    read_by: tuple[str, ...]
+    doc: str
+    lo: int | None = None
+    hi: int | None = None
+    choices: tuple[str, ...] = ()
+    scope: str = "job"    # the group it belongs to: settings_for(scope)
+    shell_only: bool = False  # read by an sbatch template's shell, not by Python
+
+    def allowed(self) -> str:
+        """What a value may be, in words (the error message and the docs table)."""
+        if self.kind == "int":
+            if self.hi is None or (self.hi == UINT32_MAX and self.lo == 0):
+                return f"an integer >= {self.lo}"
+            return f"an integer in {self.lo}-{self.hi}"
+        if self.kind == "seconds":
+            return "seconds > 0"
+        if self.kind == "fraction":
+            return "a number in (0, 1]"
+        if self.kind in ("choice", "flag"):
+            return " \\| ".join(self.choices)
+        if self.kind == "ranks":
+            return "comma-separated ranks"
+        if self.kind == "job_id":
+            return "a Slurm job id"
+        if self.kind == "path":
+            return "a path"
+        return "text"
+
+
+def _s(name: str, kind: str, default: Any, set_by: str | tuple[str, ...],
+       read_by: str | tuple[str, ...], doc: str, **kw: Any) -> Setting:
+    as_tuple = (lambda v: (v,) if isinstance(v, str) else tuple(v))
+    return Setting(name, kind, default, as_tuple(set_by), as_tuple(read_by), doc, **kw)
+
+
+# ---- names: writers use these, the table below describes them ---------------------------
+# the ranks' contract with the controller
+CONTROLLER_ADDR = "HPCT_CONTROLLER"
+SECRET_FILE = "HPCT_SECRET_FILE"
+RUN_DIR = "HPCT_RUN_DIR"
+ROLE = "HPCT_ROLE"
+STORE = "HPCT_STORE"
+COLLECTIVE_TIMEOUT_S = "HPCT_COLLECTIVE_TIMEOUT_S"
+INIT_TIMEOUT_S = "HPCT_INIT_TIMEOUT_S"
+PERSIST_EVERY = "HPCT_PERSIST_EVERY"
+WORLD_SIZE = "HPCT_WORLD_SIZE"
+JOB_ID = "HPCT_JOB_ID"
+RECOVERY_MODE = "HPCT_RECOVERY_MODE"
+SNAPSHOT_EVERY = "HPCT_SNAPSHOT_EVERY"
+SNAPSHOT_OVERLAP = "HPCT_SNAPSHOT_OVERLAP"
+SNAPSHOT_LAZY = "HPCT_SNAPSHOT_LAZY"
+FAULT_CORRUPT_SERVE = "HPCT_FAULT_CORRUPT_SERVE"
+# rendezvous
+MEMBERS = "HPCT_MEMBERS"
+TASKS_PER_NODE = "HPCT_TASKS_PER_NODE"
+GENERATION = "HPCT_GENERATION"
+STORE_PORT = "HPCT_STORE_PORT"
+PORT_BASE = "HPCT_PORT_BASE"
+PORT_SPAN = "HPCT_PORT_SPAN"
+NODES_PER_HOST = "HPCT_NODES_PER_HOST"
+SOCKET_IFNAME = "HPCT_SOCKET_IFNAME"
+GLOO_LAZY_INIT = "HPCT_GLOO_LAZY_INIT"
+# controller
+SPARES = "HPCT_SPARES"
+PROGRESS_TIMEOUT_S = "HPCT_PROGRESS_TIMEOUT_S"
+# hooks and the node cache
+SHM_ROOT = "HPCT_SHM_ROOT"
+SHM_FRACTION = "HPCT_SHM_FRACTION"
+DEFAULT_CACHE_MB = "HPCT_DEFAULT_CACHE_MB"
+HEALTH_MIN_SHM_MB = "HPCT_HEALTH_MIN_SHM_MB"
+HOOKS_LOG = "HPCT_HOOKS_LOG"
+SPANK_CACHE_MB = "SPANK_HPCT_CACHE_MB"
+SHM_DIR = "HPCT_SHM_DIR"
+CACHE_MB = "HPCT_CACHE_MB"
+# tools
+LOCALCLUSTER_ROOT = "HPCT_LOCALCLUSTER_ROOT"
+SPARE_USERS = "HPCT_SPARE_USERS"
+
+_TEMPLATE = "sbatch templates"
+_RANK = "ranks (recovery.Job)"
+
+SETTINGS: tuple[Setting, ...] = (
+    # ---- what the controller hands to every rank it launches -----------------------------
+    _s(CONTROLLER_ADDR, "str", None, CONTROLLER, _RANK,
+       "host:port of the job's controller", scope="job"),
+    _s(SECRET_FILE, "path", None, CONTROLLER, (_RANK, "rendezvous store"),
+       "the per-job secret file (control channel, transfers, rootless store)", scope="job"),
+    _s(RUN_DIR, "path", None, (CONTROLLER, USER), (_RANK, "controller", "hpct-slurm report"),
+       "the job's run directory (events, logs, secret, persisted snapshots); default "
+       "$SLURM_SUBMIT_DIR/hpct-JOBID", scope="job"),
+    _s(ROLE, "choice", "active", CONTROLLER, _RANK, "what the controller launched this "
+       "process as", choices=("active", "spare"), scope="job"),
+    _s(STORE, "choice", "rootless", (USER, ADMIN, CONTROLLER),
+       ("controller", _RANK, "rendezvous"),
+       "rendezvous store; `sbatch --hpct-rendezvous=` (the SPANK plugin exports it, with "
+       "plugstack.conf default_rendezvous), `controller --store`; the controller hands its "
+       "choice to the ranks", choices=("rootless", "tcpstore"), scope="job"),
+    _s(COLLECTIVE_TIMEOUT_S, "seconds", 10.0, CONTROLLER, (_RANK, "rendezvous"),
+       "a collective whose peer is gone fails after this long (a plain srun step's "
+       "rendezvous env: 120)", scope="job"),
+    _s(INIT_TIMEOUT_S, "seconds", 30.0, CONTROLLER, (_RANK, "rendezvous"),
+       "forming a generation's process group gives up after this long (a plain srun "
+       "step's rendezvous env: 600)", scope="job"),
+    _s(PERSIST_EVERY, "int", 0, CONTROLLER, _RANK, "steps between asynchronous disk "
+       "snapshots (`controller --persist-every`; 0: none)", lo=0, hi=UINT32_MAX, scope="job"),
+    _s(WORLD_SIZE, "int", None, CONTROLLER, "recovery.DistributedSampler",
+       "the job's data-parallel world size, known before job.run", lo=1, hi=UINT32_MAX,
+       scope="job"),
+    _s(JOB_ID, "job_id", None, CONTROLLER, (_RANK, "pool step script"),
+       "the job a spare borrowed from the cluster pool serves (its ports, messages, secret)",
+       scope="job"),
+    _s(RECOVERY_MODE, "choice", "auto", USER, _RANK, "jit, replicated or auto "
+       "(`Job(recovery_mode=)` wins)", choices=("auto", "jit", "replicated"), scope="job"),
+    _s(SNAPSHOT_EVERY, "int", None, USER, _RANK, "steps between full snapshot commits "
+       "(unset: every step, or every 16 when lazy)", lo=1, hi=UINT32_MAX, scope="job"),
+    _s(SNAPSHOT_OVERLAP, "choice", "auto", USER, _RANK, "copy a step's state while the next "
+       "computes (auto: where the state is on a GPU)", choices=("auto", "1", "0"),
+       scope="job"),
+    _s(SNAPSHOT_LAZY, "flag", True, USER, _RANK, "hold the steps between full commits where "
+       "they lie (0: every step is a full commit)", choices=("1", "0"), scope="job"),
+    _s(FAULT_CORRUPT_SERVE, "ranks", frozenset(), TEST, _RANK, "fault injection: these "
+       "ranks serve rotten copies of their snapshots", scope="job"),
+    # ---- rendezvous ----------------------------------------------------------------------
+    _s(MEMBERS, "str", None, CONTROLLER, "rendezvous", "hostlist of the generation's member "
+       "nodes in rank order (unset: the step's own nodes)", scope="rendezvous"),
+    _s(TASKS_PER_NODE, "int", None, (CONTROLLER, USER), ("rendezvous", _TEMPLATE),
+       "tasks on each member (unset: the step's own; the templates pass it to "
+       "`controller --tasks-per-node`)", lo=1, hi=UINT32_MAX, scope="rendezvous"),
+    _s(GENERATION, "int", 0, (USER, RENDEZVOUS), ("rendezvous", "training script"),
+       "generation for `hpct-slurm rendezvous env`; exported to the script after a formation",
+       lo=0, hi=UINT32_MAX, scope="rendezvous"),
+    _s(STORE_PORT, "int", None, RENDEZVOUS, "training script", "the generation's store "
+       "port, exported to the script after a formation", lo=1, hi=65535, scope="rendezvous"),
+    _s(PORT_BASE, "int", 20000, (ADMIN, USER), "rendezvous", "first port of the rendezvous "
+       "window", lo=1024, hi=65535, scope="rendezvous"),
+    _s(PORT_SPAN, "int", 8192, (ADMIN, USER), "rendezvous", "ports of the rendezvous "
+       "window", lo=8, hi=65535 - 1024 + 1, scope="rendezvous"),
+    _s(NODES_PER_HOST, "int", None, (ADMIN, USER), "rendezvous", "Slurm nodes sharing one "
+       "host (multi-slurmd test clusters)", lo=1, hi=UINT32_MAX, scope="rendezvous"),
+    _s(SOCKET_IFNAME, "str", None, (ADMIN, USER), "rendezvous", "network interface for "
+       "gloo/NCCL (unset: the one holding the node's address)", scope="rendezvous"),
+    _s(GLOO_LAZY_INIT, "flag", False, USER, "rendezvous", "gloo connects peers on first use "
+       "instead of its full mesh at init", choices=("0", "1"), scope="rendezvous"),
+    # ---- the controller ------------------------------------------------------------------
+    _s(SPARES, "int", 1, (USER, ADMIN), "controller", "nodes of the allocation kept as warm "
+       "spares; `sbatch --hpct-spares=` (plugstack.conf default_spares), `controller "
+       "--spares` wins", lo=0, hi=UINT32_MAX, scope="controller"),
+    _s(PROGRESS_TIMEOUT_S, "seconds", 300.0, USER, "controller", "a running rank without a "
+       "completed step this long counts as hung (`controller --progress-timeout` wins)",
+       scope="controller"),
+    # ---- the hooks (admin settings baked into the hook scripts) and the node cache -------
+    _s(SHM_ROOT, "path", "/dev/shm/hpct", ADMIN, ("hooks", "cache"), "root of the jobs' shm "
+       "dirs (absolute, root-owned)", scope="hooks"),
+    _s(SHM_FRACTION, "fraction", 0.5, ADMIN, "hooks", "share of the shm filesystem all jobs' "
+       "caches on a node may reserve", scope="hooks"),
+    _s(DEFAULT_CACHE_MB, "int", 1024, ADMIN, "hooks", "cache grant of a job that asks for "
+       "none", lo=0, hi=UINT32_MAX, scope="hooks"),
+    _s(HEALTH_MIN_SHM_MB, "int", 64, ADMIN, "hooks", "free shm below this drains the node",
+       lo=0, hi=UINT32_MAX, scope="hooks"),
+    _s(HOOKS_LOG, "path", None, ADMIN, "hooks", "the hooks' event log (not in a directory "
+       "other users can write)", scope="hooks"),
+    _s(SPANK_CACHE_MB, "int", None, USER, "hooks (prolog)", "`sbatch --hpct-cache-mb=` as "
+       "the prolog sees it (plugstack.conf default_cache_mb)", lo=0, hi=UINT32_MAX,
+       scope="hooks"),
+    _s(SHM_DIR, "path", None, HOOK, "cache", "the job's shm dir (the task prolog exports "
+       "it)", scope="cache"),
+    _s(CACHE_MB, "int", None, (HOOK, USER), "cache", "the job's cache grant (the task "
+       "prolog exports it; the SPANK plugin exports the request)", lo=0, hi=UINT32_MAX,
+       scope="cache"),
+    # ---- tools ---------------------------------------------------------------------------
+    _s(LOCALCLUSTER_ROOT, "path", "/tmp/hpct-localcluster", USER, "hpct-slurm localcluster",
+       "state directory of the local test cluster", scope="tools"),
+    _s(SPARE_USERS, "str", "root", ADMIN, "hpct-slurm spares", "users allowed into the spare "
+       "pool reservation (`spares add --users` wins)", scope="tools"),
+    # ---- read by the sbatch templates' shell (then passed as `controller` flags) ---------
+    _s("HPCT_ACTIVE_NODES", "int", 4, USER, _TEMPLATE, "active nodes (world size = active "
+       "x tasks per node)", lo=1, hi=UINT32_MAX, scope="template", shell_only=True),
+    _s("HPCT_SPARE_NODES", "int", 1, USER, _TEMPLATE, "warm spares expected from the "
+       "allocation", lo=0, hi=UINT32_MAX, scope="template", shell_only=True),
+    _s("HPCT_ON_FEW_SPARES", "choice", "warn", USER, _TEMPLATE, "fewer spares at the first "
+       "start", choices=("warn", "refuse"), scope="template", shell_only=True),
+    _s("HPCT_ON_NO_SPARE", "choice", "requeue", USER, _TEMPLATE, "no warm spare left",
+       choices=("requeue", "shrink", "fail"), scope="template", shell_only=True),
+    _s("HPCT_POOL_SPARES", "int", 0, USER, _TEMPLATE, "warm spares borrowed from the cluster "
+       "pool (pool.sbatch: 2)", lo=0, hi=UINT32_MAX, scope="template", shell_only=True),
+    _s("HPCT_POOL_RESERVATION", "str", "hpct_spares", USER, _TEMPLATE, "the pool's "
+       "reservation", scope="template", shell_only=True),
+    _s("HPCT_BIN", "path", "hpct-slurm", USER, _TEMPLATE, "the hpct-slurm command (on the "
+       "job's PATH, or its full path)", scope="template", shell_only=True),
+    _s("HPCT_PYTHON", "path", "python3", USER, _TEMPLATE, "python of the example training",
+       scope="template", shell_only=True),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+# A setting renamed: the old name is taken, for one release, where the new one is not set
+# (a SPANK plugin built before the rename still exports HPCT_RENDEZVOUS).
+RENAMED: dict[str, str] = {"HPCT_RENDEZVOUS": STORE}
+
+# HPCT_* words in the sources that are not settings (constants, C macros).
+NOT_SETTINGS = frozenset({"HPCT_PHASES", "HPCT_SPANK_H", "HPCT_PATH_MAX", "HPCT_SLURM",
+                          "HPCT_TEST_DIR"})
+
+
+def _fail(setting: Setting, raw: str, what: str | None = None) -> SettingError:
+    return SettingError(f"{setting.name} {shown(raw)} is not {what or setting.allowed()}")
+
+
+def _parse_int(s: Setting, raw: str) -> int:
+    text = raw.strip()
+    if not _INT_RE.fullmatch(text):
+        raise _fail(s, raw, "a positive integer" if s.lo == 1 else "a non-negative integer")
+    number = int(text)
+    lo = 0 if s.lo is None else s.lo
+    if number < lo or (s.hi is not None and number > s.hi):
+        allowed = (f"at least {lo}" if s.hi is None or s.hi == UINT32_MAX
+                   else f"in {lo}-{s.hi}")
+        raise SettingError(f"{s.name}={text} is out of range: it must be {allowed} "
+                           f"(unset it for the default)")
+    return number
+
+
+def _parse_float(s: Setting, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if s.kind == "seconds" and not value > 0:
+        raise _fail(s, raw, "a positive number of seconds")
+    if s.kind == "fraction" and not 0.0 < value <= 1.0:
+        raise _fail(s, raw, "a number in (0, 1]")
+    return value
+
+
+def _parse_choice(s: Setting, raw: str) -> Any:
+    if raw not in s.choices:
+        raise _fail(s, raw, f"one of {', '.join(s.choices)}")
+    return raw == "1" if s.kind == "flag" else raw
+
+
+def _parse_ranks(s: Setting, raw: str) -> frozenset[int]:
+    items = [item.strip() for item in raw.split(",") if item.strip()]
+    if not all(re.fullmatch(r"[0-9]{1,10}", item) for item in items):
+        raise _fail(s, raw, "comma-separated rank numbers")
+    return frozenset(int(item) for item in items)
+
+
+def _parse_job_id(s: Setting, raw: str) -> int:
+    from .slurm.env import check_job_id  # the one rule for job ids from outside
+
+    try:
+        return check_job_id(raw, s.name)
+    except SettingError:
+        raise
+    except HpctError as exc:
+        raise SettingError(exc.message) from None
+
+
+_PARSERS: dict[str, Callable[[Setting, str], Any]] = {
+    "int": _parse_int, "seconds": _parse_float, "fraction": _parse_float,
+    "choice": _parse_choice, "flag": _parse_choice, "ranks": _parse_ranks,
+    "job_id": _parse_job_id, "str": lambda s, raw: raw, "path": lambda s, raw: raw,
+}
+
+
+def _lookup(environ: Mapping[str, str] | None, name: str) -> tuple[str, str] | None:
+    """(the variable that holds setting `name`, its text), None when unset or empty; an old
+    name from RENAMED stands in for its new one (and is the one an error names)."""
+    if name not in BY_NAME:
+        raise KeyError(f"{name} is not in hpct_slurm.config.SETTINGS")
+    env = os.environ if environ is None else environ
+    if env.get(name):
+        return name, env[name]
+    for old, new in RENAMED.items():
+        if new == name and env.get(old):
+            return old, env[old]
+    return None
+
+
+def raw(environ: Mapping[str, str] | None, name: str) -> str | None:
+    """The text of setting `name` in `environ` (default os.environ), None when unset or
+    empty."""
+    found = _lookup(environ, name)
+    return None if found is None else found[1]
+
+
+def read(environ: Mapping[str, str] | None, name: str, default: Any = None) -> Any:
+    """Setting `name` parsed from `environ` (default os.environ); unset or empty: `default`
+    if given, else the table's default. A value that cannot be used is a SettingError, never
+    a silent fall-back to the default."""
+    found = _lookup(environ, name)
+    setting = BY_NAME[name]
+    if found is None:
+        return setting.default if default is None else default
+    var, text = found
+    if var != name:
+        setting = dataclasses.replace(setting, name=var)
+    return _PARSERS[setting.kind](setting, text)
+
+
+def require(environ: Mapping[str, str] | None, name: str, hint: str = "") -> Any:
+    """Setting `name`, which must be set: unset is a SettingError saying who sets it."""
+    if raw(environ, name) is None:
+        who = hint or ("run the training script under `hpct-slurm controller` (it sets "
+                       "HPCT_* for every step)" if CONTROLLER in BY_NAME[name].set_by
+                       else f"it is set by: {', '.join(BY_NAME[name].set_by)}")
+        raise SettingError(f"{name} is not set: {who}")
+    return read(environ, name)
+
+
+def settings_for(scope: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Every setting of `scope` ("job", "rendezvous", "controller", "hooks", "cache", "tools")
+    parsed from `environ`: name -> value (the default where unset)."""
+    found = {s.name: read(environ, s.name) for s in SETTINGS
+             if s.scope == scope and not s.shell_only}
+    if not found:
+        raise KeyError(f"no settings of scope {scope!r}")
+    return found
+
+
+# ---- groups ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobSettings:
+    """What a rank (`recovery.Job`) runs with; `from_environ` reads the controller's step
+    environment. Tests build one directly."""
+
+    controller: str
+    secret_file: str
+    run_dir: Path
+    role: str = "active"
+    store: str = "rootless"
+    collective_timeout_s: float = 10.0
+    init_timeout_s: float = 30.0
+    recovery_mode: str = "auto"
+    snapshot_every: int | None = None
+    snapshot_overlap: str = "auto"
+    snapshot_lazy: bool = True
+    persist_every: int = 0
+    corrupt_serve: frozenset[int] = field(default_factory=frozenset)
+    served_job_id: int | None = None  # a pool spare: the main job it serves
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "JobSettings":
+        env = os.environ if environ is None else environ
+        return cls(controller=require(env, CONTROLLER_ADDR),
+                   secret_file=require(env, SECRET_FILE),
+                   run_dir=Path(require(env, RUN_DIR)),
+                   role=read(env, ROLE), store=read(env, STORE),
+                   collective_timeout_s=read(env, COLLECTIVE_TIMEOUT_S),
+                   init_timeout_s=read(env, INIT_TIMEOUT_S),
+                   recovery_mode=read(env, RECOVERY_MODE),
+                   snapshot_every=read(env, SNAPSHOT_EVERY),
+                   snapshot_overlap=read(env, SNAPSHOT_OVERLAP),
+                   snapshot_lazy=read(env, SNAPSHOT_LAZY),
+                   persist_every=read(env, PERSIST_EVERY),
+                   corrupt_serve=read(env, FAULT_CORRUPT_SERVE),
+                   served_job_id=read(env, JOB_ID))
+
+
+# ---- the docs table and `hpct-slurm settings` --------------------------------------------
+def _default_text(s: Setting) -> str:
+    if s.default is None or s.default == frozenset():
+        return "unset"
+    if isinstance(s.default, bool):
+        return "1" if s.default else "0"
+    if isinstance(s.default, float):
+        return f"{s.default:g}"
+    return str(s.default)
+
+
+def as_records() -> list[dict[str, Any]]:
+    return [{"name": s.name, "kind": s.kind, "default": _default_text(s),
+             "allowed": s.allowed().replace("\\|", "|"), "set_by": list(s.set_by),
+             "read_by": list(s.read_by), "scope": s.scope, "doc": s.doc} for s in SETTINGS]
+
+
+def markdown_table() -> str:
+    """The settings table of docs/admin.md (tests/test_config.py checks the two agree)."""
+    lines = ["| variable | default | allowed | set by | read by | what |",
+             "|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        lines.append(f"| `{s.name}` | {_default_text(s)} | {s.allowed()} | "
+                     f"{', '.join(s.set_by)} | {', '.join(s.read_by)} | {s.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("settings", help="every HPCT_* setting: default, allowed values, who "
+                                        "sets it and who reads it")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON list")
+    fmt.add_argument("--markdown", action="store_true",
+                     help="the table of docs/admin.md")
+    p.set_defaults(func=_settings_cli)
+
+
+def _settings_cli(args: Any) -> int:
+    import json
+    import sys
+
+    if args.json:
+        json.dump(as_records(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif args.markdown:
+        sys.stdout.write(markdown_table())
+    else:
+        width = max(len(s.name) for s in SETTINGS)
+        for s in SETTINGS:
+            sys.stdout.write(f"{s.name:<{width}}  {_default_text(s):<22}  "
+                             f"{', '.join(s.set_by)}\n")
+    return 0

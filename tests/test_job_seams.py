@@ -1,0 +1,126 @@
+"""`Job` apart from its side effects: built from a frozen `JobSettings` and fake collaborators
+(no controller, no sockets), it registers nothing until `run`; `run` then binds the transfer
+server, connects and registers, and a Goodbye ends it. Seconds, no cluster."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hpct_slurm import config as C
+from hpct_slurm import protocol as P
+from hpct_slurm.config import JobSettings
+from hpct_slurm.errors import HpctError
+from hpct_slurm.recovery.job import Job
+from hpct_slurm.slurm.env import SlurmEnv
+
+TASK = {"SLURM_JOB_ID": "31", "SLURM_JOB_NODELIST": "localhost",
+        "SLURMD_NODENAME": "localhost", "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}
+
+
+class FakeTransfer:
+    def __init__(self, secret, job_id, **kw):
+        self.kw, self.address, self.closed = kw, ("127.0.0.1", 4242), False
+        self.rank, self.corrupt_on_serve = kw["rank"], False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeClient:
+    def __init__(self, address, secret, job_id, events):
+        self.address, self.job_id = address, job_id
+        self.registered: tuple | None = None
+        self.closed: str | None = None
+        self.inbox = [P.Goodbye(reason="done")]
+
+    def register(self, *args) -> None:
+        self.registered = args
+
+    def next_assignment(self):
+        return self.inbox.pop(0)
+
+    def close(self, reason: str) -> None:
+        self.closed = reason
+
+
+@pytest.fixture
+def settings(tmp_path) -> JobSettings:
+    secret = tmp_path / "secret"
+    P.new_secret_file(secret)
+    return JobSettings(controller="127.0.0.1:9", secret_file=str(secret),
+                       run_dir=tmp_path / "run", collective_timeout_s=7.0)
+
+
+def _job(settings: JobSettings, **kw) -> tuple[Job, dict]:
+    made: dict = {}
+
+    def transfer(*a, **k):
+        made["transfer"] = FakeTransfer(*a, **k)
+        return made["transfer"]
+
+    def client(*a, **k):
+        made["client"] = FakeClient(*a, **k)
+        return made["client"]
+
+    model = torch.nn.Linear(2, 2)
+    job = Job(model, torch.optim.SGD(model.parameters(), lr=0.1), settings=settings,
+              slurm=SlurmEnv.from_environ(TASK), transfer=transfer, client=client, **kw)
+    return job, made
+
+
+def test_construction_is_configuration_only(settings):
+    job, made = _job(settings)
+    assert made == {}  # no socket bound, no connection, no registration
+    assert job.client is None and job.transfer is None
+    assert job.settings is settings and job.collective_timeout_s == 7.0
+    assert job.store_kind == "rootless" and job.role == "active"
+    # plain data parallelism without per-rank state: just-in-time recovery, lazy commits
+    assert job.mode == "jit" and job.lazy and job.snapshots.every > 1
+    assert not (settings.run_dir / "events").exists() or not any(
+        (settings.run_dir / "events").iterdir())
+
+
+def test_explicit_argument_wins_over_the_settings(settings):
+    job, _ = _job(replace(settings, recovery_mode="jit", persist_every=3,
+                          snapshot_lazy=False), recovery_mode="replicated", persist_every=5)
+    assert job.mode == "replicated" and job.persist_every == 5
+    job, _ = _job(replace(settings, recovery_mode="replicated", snapshot_every=4))
+    assert job.mode == "replicated" and job.snapshots.every == 4
+
+
+def test_run_registers_then_a_goodbye_ends_it(settings):
+    job, made = _job(settings)
+    assert job.run(lambda step: 0.0, 3) is False  # a spare never needed: not trained
+    client, transfer = made["client"], made["transfer"]
+    assert client.registered == ("localhost", 0, "active", job.host_addr, 4242)
+    assert client.address.port == 9 and client.job_id == "31"
+    assert transfer.closed and client.closed == "done"
+    events = [json.loads(line) for f in (settings.run_dir / "events").iterdir()
+              for line in f.read_text().splitlines()]
+    registered = [e for e in events if e["event"] == "rank.registered"]
+    assert registered[0]["settings"] == {"collective_timeout_s": 7.0, "init_timeout_s": 30.0,
+                                         "store": "rootless"}
+
+
+def test_job_settings_come_from_the_controllers_environment(settings, tmp_path):
+    env = {C.CONTROLLER_ADDR: "10.0.0.1:4000", C.SECRET_FILE: settings.secret_file,
+           C.RUN_DIR: str(tmp_path), C.ROLE: "spare", C.STORE: "tcpstore",
+           C.COLLECTIVE_TIMEOUT_S: "12.5", C.SNAPSHOT_OVERLAP: "0", C.SNAPSHOT_LAZY: "0",
+           C.FAULT_CORRUPT_SERVE: "1,3", C.JOB_ID: "77"}
+    s = JobSettings.from_environ(env)
+    assert (s.role, s.store, s.collective_timeout_s, s.init_timeout_s) == (
+        "spare", "tcpstore", 12.5, 30.0)
+    assert (s.snapshot_overlap, s.snapshot_lazy, s.corrupt_serve, s.served_job_id) == (
+        "0", False, frozenset({1, 3}), 77)
+    job, _ = _job(s)
+    assert job.slurm.job_id == 77  # a pool spare serves the main job
+    with pytest.raises(C.SettingError, match="HPCT_CONTROLLER is not set: run the training "
+                                             "script under `hpct-slurm controller`"):
+        JobSettings.from_environ({k: v for k, v in env.items() if k != C.CONTROLLER_ADDR})
+    with pytest.raises(HpctError, match="HPCT_SNAPSHOT_LAZY 'yes' is not one of 1, 0"):
+        JobSettings.from_environ({**env, C.SNAPSHOT_LAZY: "yes"})

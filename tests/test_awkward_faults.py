@@ -15,6 +15,7 @@ from typing import Callable
 import pytest
 
 from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          release_requeued,
                                           rank_events, recomputed_steps, submit, wait_finished,
                                           wait_job)
 
@@ -212,6 +213,7 @@ def test_requeued_after_losing_its_spares_it_starts_on_the_nodes_left(cluster, r
           lambda e: e["event"] == "fault.detected" and e["node"] == spare)
     victim = [n for n in start["active"] if n != start["active"][0]][-1]  # not the batch host
     cluster.kill_node(victim)
+    release_requeued(cluster, jid, tmp_path)
     wait_job(cluster, jid, tmp_path, 400, label="requeue-on-fewer")
     got = collect(tmp_path, 3)
     assert bitwise_equal(ref, got, tmp_path)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          release_requeued,
                                           rank_events, recomputed_steps, step_events, submit,
                                           wait_job, wait_step)
 
@@ -148,6 +149,7 @@ def test_no_spare_left_requeues_and_restores_from_disk(cluster, reference, tmp_p
     jid = _start(cluster, tmp_path, active=4, nodes=4)
     wait_step(tmp_path, 25)
     cluster.kill_node("n3")
+    release_requeued(cluster, jid, tmp_path)
     wait_job(cluster, jid, tmp_path, 300, label="no-spare")
     got = collect(tmp_path, 4)
     assert bitwise_equal(ref, got, tmp_path)

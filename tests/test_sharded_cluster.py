@@ -15,6 +15,7 @@ import time
 import pytest
 
 from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          release_requeued,
                                           rank_events, rolled_back_steps, submit, wait_job,
                                           wait_step)
 
@@ -103,16 +104,11 @@ def test_both_holders_of_a_shard_lost_fall_back_to_disk(cluster, tmp_path):
     while not any(e["event"] == "escalate.requeue" for e in controller_events(run)):
         assert time.monotonic() < deadline, "the job did not escalate to a requeue"
         time.sleep(0.2)
-    # the requeued job needs four nodes: the admin brings the two back (repaired)
+    # the requeued job needs four nodes: the admin brings the two back (repaired) and
+    # releases it without Slurm's two-minute hold
     for node in ("n3", "n4"):
         cluster.revive_node(node, resume=True)
-    # Slurm holds a requeued job back for about two minutes (BeginTime); an admin who
-    # repaired the nodes may release it at once, as here
-    deadline = time.monotonic() + 60
-    while cluster.run(["squeue", "-h", "-j", str(jid), "-o", "%T"]).stdout.strip() != "PENDING":
-        assert time.monotonic() < deadline, "the requeued job never became pending"
-        time.sleep(0.2)
-    cluster.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True)
+    release_requeued(cluster, jid, run)
     wait_job(cluster, jid, run, 400, label="hsdp-both-holders")
     got = collect(run, 4)
     assert bitwise_equal(ref, got, run)

@@ -110,6 +110,24 @@ def wait_finished(cluster: LocalCluster, job_id: int, timeout: float, what: str 
         time.sleep(0.3)
 
 
+def release_requeued(cluster: LocalCluster, job_id: int, run_dir: Path,
+                     timeout: float = 120) -> None:
+    """Once the controller escalated to a requeue and Slurm has the job pending again,
+    release it at once instead of after Slurm's ~2-minute BeginTime hold (what an admin does
+    with repaired or enough nodes; it keeps the requeue tests minutes shorter)."""
+    deadline = time.monotonic() + timeout
+    slurm = cluster.client()
+    while not any(e["event"] == "escalate.requeue" for e in controller_events(run_dir)):
+        if time.monotonic() > deadline:
+            raise HpctError(f"job {job_id} did not escalate to a requeue within {timeout:.0f} s")
+        time.sleep(0.2)
+    while slurm.show_job(job_id).state != "PENDING":
+        if time.monotonic() > deadline:
+            raise HpctError(f"requeued job {job_id} never became pending within {timeout:.0f} s")
+        time.sleep(0.2)
+    slurm.release_now(job_id)
+
+
 def wait_job(cluster: LocalCluster, job_id: int, run_dir: Path, timeout: float,
              kill_at: int | None = None, label: str = "") -> float | None:
     """Wait for the job to leave the queue; kill VICTIM once any rank passed step `kill_at`.

@@ -593,6 +593,11 @@ class SlurmClient:
     def requeue(self, job_id: int) -> None:
         self.run(["scontrol", "requeue", str(int(job_id))])
 
+    def release_now(self, job_id: int) -> None:
+        """Make a pending job eligible now: Slurm holds a requeued job back for about two
+        minutes (its BeginTime); an admin who has repaired the nodes may start it at once."""
+        self.run(["scontrol", "update", f"JobId={int(job_id)}", "StartTime=now"])
+
     def cancel(self, job_id: int, step: int | None = None, signal: str | None = None) -> None:
         """scancel a job or one step. Slurm 22.05 exits 0 for an unknown job id."""
         target = f"{int(job_id)}" if step is None else f"{int(job_id)}.{int(step)}"

@@ -105,6 +105,8 @@ class Ev(_Name):
     TRANSFER_CONNECTION_REFUSED = "transfer.connection_refused"
     TRANSFER_ACCEPT_FAILED = "transfer.accept_failed"
     TRANSFER_FAULT_INJECTED = "transfer.fault_injected"
+    TRANSFER_SOURCE_DROPPED = "transfer.source_dropped"
+    TRANSFER_STRIPED = "transfer.striped"
     PERSIST_SAVED = "persist.saved"
     PERSIST_SAVE_FAILED = "persist.save_failed"
     PERSIST_CORRUPT = "persist.corrupt"

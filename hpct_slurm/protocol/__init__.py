@@ -28,7 +28,8 @@ from .aio import read_msg, write_msg
 from .blocking import BodySink, FrameWriter, recv_msg, send_msg
 from .channel import (Channel, client_hello, client_hello_async, server_hello,
                       server_hello_async)
-from .digest import CHUNK, PartHasher, hash_pool, hash_workers, part_digest
+from .digest import (CHUNK, PartHasher, hash_pool, hash_workers, leaf_digests, part_digest,
+                     range_digest)
 from .errors import ConnectionClosed, DigestMismatch, ProtocolError, ProtocolTimeout
 from .messages import (MESSAGE_TYPES, Ack, Assign, Envelope, FetchState, Goodbye, Heartbeat,
                        Holdings, Message, Register, Resume, StateBlob, StepDone, Stop)
@@ -40,7 +41,8 @@ __all__ = [
     "read_msg", "write_msg",
     "BodySink", "FrameWriter", "recv_msg", "send_msg",
     "Channel", "client_hello", "client_hello_async", "server_hello", "server_hello_async",
-    "CHUNK", "PartHasher", "hash_pool", "hash_workers", "part_digest",
+    "CHUNK", "PartHasher", "hash_pool", "hash_workers", "part_digest", "leaf_digests",
+    "range_digest",
     "ConnectionClosed", "DigestMismatch", "ProtocolError", "ProtocolTimeout",
     "MESSAGE_TYPES", "Ack", "Assign", "Envelope", "FetchState", "Goodbye", "Heartbeat",
     "Holdings", "Message", "Register", "Resume", "StateBlob", "StepDone", "Stop",

@@ -82,6 +82,35 @@ def part_digest(data: bytes | bytearray | memoryview, parallel: bool = True,
     return _root(len(mv), leaves)
 
 
+def leaf_digests(data: bytes | bytearray | memoryview, parallel: bool = True,
+                 cancel: threading.Event | None = None) -> list[bytes] | None:
+    """The leaves of `part_digest(data)`: kept with a snapshot when it is sealed, so any
+    CHUNK-aligned range of it can be served under its own digest (`range_digest`) without
+    hashing again. `parallel`: on the hash pool; otherwise in this thread, checking `cancel`
+    between leaves (None once it is set)."""
+    mv = _flat(data)
+    pieces = [mv[off:off + CHUNK] for off in range(0, len(mv), CHUNK)]
+    if parallel and len(pieces) > 1:
+        return list(hash_pool().map(_leaf, pieces))
+    leaves = []
+    for piece in pieces:
+        if cancel is not None and cancel.is_set():
+            return None
+        leaves.append(_leaf(piece))
+    return leaves
+
+
+def range_digest(leaves: list[bytes], nbytes: int, offset: int, length: int) -> bytes:
+    """`part_digest` of data[offset:offset+length] from the whole part's leaves (`nbytes`
+    long): exact for a range that starts on a leaf boundary and ends on one or at the end."""
+    if offset % CHUNK or offset < 0 or length < 0 or offset + length > nbytes or \
+            (length % CHUNK and offset + length != nbytes):
+        raise ValueError(f"range {offset}+{length} of {nbytes} bytes is not leaf-aligned "
+                         f"(leaf size {CHUNK})")
+    first = offset // CHUNK
+    return _root(length, leaves[first:first + -(-length // CHUNK)])
+
+
 class PartHasher:
     """One part's digest, its CHUNK-sized leaves hashed on the pool as they are added (in
     order) while the caller goes on receiving or sending; `digest` waits for them."""

@@ -99,22 +99,32 @@ class Goodbye:
 
 @dataclass(frozen=True)
 class FetchState:
-    """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own|replica)."""
+    """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own|replica).
+    `part`: "all" the whole snapshot; "manifest" its layout and the leaf digests sealed with it;
+    "range" the `length` data bytes from `offset` (leaf-aligned), for a pull striped over
+    several sources (recovery/striped.py)."""
     TYPE: ClassVar[str] = "fetch_state"
     rank: int
     step: int
     slot: Literal["own", "replica", "any"] = "any"
+    part: Literal["all", "manifest", "range"] = "all"
+    offset: int = 0
+    length: int = 0
 
 
 @dataclass(frozen=True)
 class StateBlob:
     """A snapshot: body part 0 is the layout JSON (`layout_nbytes`), part 1 the `nbytes` of data
-    (whose part digest is the snapshot's digest)."""
+    (whose part digest is the snapshot's digest). Answering a FetchState `part`: "manifest"
+    sends the leaf digests (32 bytes each) as part 1 instead of the data, "range" no layout
+    and the data bytes from `offset` as part 1 (its digest: `range_digest` of the leaves)."""
     TYPE: ClassVar[str] = "state_blob"
     rank: int
     step: int
     nbytes: int
     layout_nbytes: int = 0
+    part: Literal["all", "manifest", "range"] = "all"
+    offset: int = 0
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from .sharding import MeshSpec, infer_replicate
 from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
                        choose_mode, replica_peer_rank)
 from .state import TrainState
+from .striped import Prefetch
 from .transfer import ReplicaPusher, TransferServer, fetch_state
 
 STEP_SEED_DOMAIN = b"hpct-step-seed"
@@ -638,6 +639,8 @@ class Job:
         self.client.state = "forming"
         self.transfer.rank = a.rank
         self.transfer.corrupt_on_serve = a.rank in self._corrupt_serve
+        # A newcomer pulls its state from every source at once while the group forms.
+        prefetch = self._prefetch(a, held_state)
         info = rdv.derive(self.slurm, a.generation, members=a.members,
                           tasks_per_node=a.tasks_per_node,
                           collective_timeout_s=self.collective_timeout_s,
@@ -671,7 +674,7 @@ class Job:
             # creation, step -1): survivors may have moved their own state (a sampler position)
             # before it failed. A survivor holds the restore step itself, whatever its new
             # rank (shared state is the same on every rank); a newcomer pulls it from a peer.
-            source = self._restore(a, survivor=held_state)
+            source = self._restore(a, survivor=held_state, prefetch=prefetch)
         self._hold_restored(a.restore_step)
         dropped = self.replicas.forget_after(a.restore_step)
         if dropped:
@@ -751,8 +754,27 @@ class Job:
         peer = replica_peer_rank(a.rank, len(a.members), a.tasks_per_node)
         return [(str(h), int(p)) for r, (h, p) in a.peers.items() if int(r) == peer]
 
-    def _restore(self, a: P.Assign, survivor: bool) -> str:
+    def _prefetch(self, a: P.Assign, survivor: bool) -> Prefetch | None:
+        """The striped pull of the shared state a newcomer restores, started now (it needs no
+        process group); None where this process restores otherwise (own copy, ring replica,
+        creation) or no source shares its key."""
+        if survivor or a.restore_step < 0 or self.mode != "jit":
+            return None
+        key = self._key(a.rank)
+        sources = [(int(r), (str(h), int(p))) for r, addrs in sorted(a.sources.items())
+                   if self._key(int(r)) == key for h, p in addrs[:1]]
+        if not sources:
+            return None
+        return Prefetch(sources, a.rank, self.secret, self.job_id, a.restore_step,
+                        events=self.events, timeout=self.collective_timeout_s)
+
+    def _restore(self, a: P.Assign, survivor: bool, prefetch: Prefetch | None = None) -> str:
         step = a.restore_step
+        striped = prefetch.result() if prefetch is not None else None
+        if striped is not None:
+            self.state.restore_from(striped.layout, striped.data, scopes=("shared",))
+            self._restore_rank_state(a, own=survivor)
+            return striped.source
         if step == -1 and not survivor:
             # Never trained: this process stands at the state at creation (its script built
             # the same model from the same seed; nothing moved its per-rank state yet).

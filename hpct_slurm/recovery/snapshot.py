@@ -52,6 +52,9 @@ class Snapshot:
     def __init__(self, step: int, layout: Layout, data: memoryview, digest: bytes | None = None):
         self.step, self.layout, self.data = step, layout, data
         self._digest = digest
+        # The part digest's leaves, kept when this process sealed it: a striped pull then gets
+        # any leaf-aligned range under its own digest without hashing (P.range_digest).
+        self._leaves: list[bytes] | None = None
         # Set when the slot is about to be overwritten: a background seal in progress gives up.
         self.superseded = threading.Event()
 
@@ -63,18 +66,31 @@ class Snapshot:
         """The digest sealed for this snapshot, computed now (on all hash threads) if need be.
         Call while holding a lease, so the memory cannot change underneath."""
         if self._digest is None:
-            self._digest = P.part_digest(self.data)
+            self.leaves()
         return self._digest  # type: ignore[return-value]
+
+    def leaves(self) -> list[bytes]:
+        """The leaf digests under the sealed digest, computed now (on all hash threads) if this
+        process has not got them yet. Call while holding a lease."""
+        if self._leaves is None:
+            leaves = P.leaf_digests(self.data) or []
+            root = P.range_digest(leaves, len(self.data), 0, len(self.data))
+            if self._digest is not None and not hmac.compare_digest(root, self._digest):
+                raise HpctError(f"snapshot of step {self.step} no longer matches the digest "
+                                f"sealed for it")
+            self._leaves, self._digest = leaves, root
+        return self._leaves
 
     def seal_in_background(self) -> bool:
         """Compute the digest in this thread, leaf by leaf, giving up once superseded. Needs no
         lease: a writer marks the snapshot superseded before touching its memory, and a digest
         finished after that mark is thrown away."""
         if self._digest is None:
-            d = P.part_digest(self.data, parallel=False, cancel=self.superseded)
-            if d is None or self.superseded.is_set():
+            leaves = P.leaf_digests(self.data, parallel=False, cancel=self.superseded)
+            if leaves is None or self.superseded.is_set():
                 return False
-            self._digest = d
+            self._leaves = leaves
+            self._digest = P.range_digest(leaves, len(self.data), 0, len(self.data))
         return True
 
     def verify(self) -> bool:

@@ -31,6 +31,7 @@ from ..events import Ev, EventLog
 from .persist import load_latest
 from .snapshot import ReplicaStore, Snapshot, SnapshotStore
 from .state import Layout, as_flat_u8, as_memoryview
+from .striped import serve_part
 from .worker import BackgroundQueue
 
 EV_FETCHED = Ev.TRANSFER_FETCHED
@@ -305,6 +306,9 @@ class TransferServer:
                 snap.digest()
                 snap.data[len(snap.data) // 2] ^= 0xFF
                 self._emit(Ev.TRANSFER_FAULT_INJECTED, rank=msg.rank, step=snap.step)
+            if msg.part != "all":  # a striped pull's manifest or stripe (striped.py)
+                serve_part(conn, chan, msg.rank, snap, msg, self.io_timeout)
+                return True
             if _send_blob(conn, chan, msg.rank, snap, self.io_timeout, self.verify_on_serve):
                 return True
         # The memory no longer matches its digest: never offer this copy again.

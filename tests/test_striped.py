@@ -157,6 +157,32 @@ def test_serving_a_sealed_snapshot_hashes_nothing(monkeypatch):
     assert _got(res, want) == want
 
 
+def test_a_source_not_sealed_serves_ranges_under_the_manifests_digest(monkeypatch):
+    state = _state()
+    sealed, want = _store(state=state)
+    unsealed = SnapshotStore(state, scopes=("rank",))
+    snap = unsealed.commit(STEP)  # captured at the fault, not hashed yet
+    rotten = SnapshotStore(state, scopes=("rank",))
+    bad = rotten.commit(STEP)  # not hashed either, and its memory rotted in every leaf
+    for off in range(0, len(bad.data), P.CHUNK):
+        bad.data[off + 7] ^= 0x01
+    ev = Events()
+    with TransferServer(SECRET, JOB, 0, own=sealed) as a, \
+            TransferServer(SECRET, JOB, 1, own=unsealed) as b, \
+            TransferServer(SECRET, JOB, 2, own=rotten) as c:
+        def no_hashing(*_a, **_k):
+            raise AssertionError("a source hashed its snapshot")
+        monkeypatch.setattr(P, "leaf_digests", no_hashing)
+        res = fetch_striped(_sources([a, b, c]), 3, SECRET, JOB, STEP, events=ev.log,
+                            stripe=P.CHUNK)
+    assert _got(res, want) == want
+    assert not snap.has_leaves
+    assert f"{b.address[0]}:{b.address[1]}" in res.per_source
+    # the rotten copy is caught by the receiver's hashing at its first stripe
+    (d,) = ev.named(Ev.TRANSFER_SOURCE_DROPPED)
+    assert d["source"] == f"{c.address[0]}:{c.address[1]}" and "digest" in d["error"]
+
+
 def test_range_digests_are_exact_and_ranges_must_be_leaf_aligned():
     data = bytes(range(256)) * (3 * P.CHUNK // 256) + b"tail"
     leaves = P.leaf_digests(data)

@@ -102,7 +102,9 @@ class FetchState:
     """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own|replica).
     `part`: "all" the whole snapshot; "manifest" its layout and the leaf digests sealed with it;
     "range" the `length` data bytes from `offset` (leaf-aligned), for a pull striped over
-    several sources (recovery/striped.py)."""
+    several sources (recovery/striped.py); `digest`, the range's digest from the manifest,
+    lets a source that has not hashed its copy serve it without hashing (the receiver checks
+    every byte against that digest anyway)."""
     TYPE: ClassVar[str] = "fetch_state"
     rank: int
     step: int
@@ -110,6 +112,7 @@ class FetchState:
     part: Literal["all", "manifest", "range"] = "all"
     offset: int = 0
     length: int = 0
+    digest: str = ""  # a range's digest per the manifest (hex): what a source not sealed uses
 
 
 @dataclass(frozen=True)

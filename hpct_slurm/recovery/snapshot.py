@@ -55,6 +55,7 @@ class Snapshot:
         # The part digest's leaves, kept when this process sealed it: a striped pull then gets
         # any leaf-aligned range under its own digest without hashing (P.range_digest).
         self._leaves: list[bytes] | None = None
+        self._leaves_lock = threading.Lock()  # a second caller of leaves() waits, not re-hashes
         # Set when the slot is about to be overwritten: a background seal in progress gives up.
         self.superseded = threading.Event()
 
@@ -72,6 +73,14 @@ class Snapshot:
     def leaves(self) -> list[bytes]:
         """The leaf digests under the sealed digest, computed now (on all hash threads) if this
         process has not got them yet. Call while holding a lease."""
+        with self._leaves_lock:
+            return self._compute_leaves()
+
+    @property
+    def has_leaves(self) -> bool:
+        return self._leaves is not None
+
+    def _compute_leaves(self) -> list[bytes]:
         if self._leaves is None:
             leaves = P.leaf_digests(self.data) or []
             root = P.range_digest(leaves, len(self.data), 0, len(self.data))

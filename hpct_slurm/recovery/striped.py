@@ -70,17 +70,25 @@ class Manifest:
 def serve_part(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot,
                msg: P.FetchState, timeout: float | None) -> None:
     """Answer a FetchState for the manifest or a range of `snap` (held under a lease). Costs no
-    hashing where the snapshot was sealed in this process (its leaves are kept); a snapshot
-    received as a replica gets its leaves hashed once, on the first such request."""
-    leaves = snap.leaves()
+    hashing where the snapshot's leaves are kept (sealed in this process); a manifest of one
+    not sealed yet hashes it once. A range of a copy not sealed here goes out under the digest
+    the manifest gives for it (`msg.digest`): the receiver hashes every byte against it, so a
+    copy that differs is caught there, without this source hashing anything."""
     n = len(snap.data)
     if msg.part == "manifest":
+        leaves = snap.leaves()
         layout_json = snap.layout.to_json()
         chan.send(sock, P.StateBlob(rank, snap.step, n, len(layout_json), "manifest"),
                   [layout_json, b"".join(leaves)], timeout)
         return
     try:
-        digest = P.range_digest(leaves, n, msg.offset, msg.length)
+        if snap.has_leaves or not msg.digest:
+            digest = P.range_digest(snap.leaves(), n, msg.offset, msg.length)
+        else:
+            P.range_digest([], n, msg.offset, msg.length)  # the same alignment checks
+            digest = bytes.fromhex(msg.digest)
+            if len(digest) != DIGEST_BYTES:
+                raise ValueError(f"a digest is {DIGEST_BYTES} bytes, got {len(digest)}")
     except ValueError as exc:
         chan.send(sock, P.Ack(False, f"bad range: {exc}"), timeout=timeout)
         return
@@ -202,14 +210,15 @@ def _fetch_stripe(src: _Source, pull: _Pull, off: int, length: int) -> None:
                                   f"{list(sizes)} at {getattr(msg, 'offset', '?')}")
         return [memoryview(b""), pull.view[off:off + length]]
 
-    env = src.request(P.FetchState(src.rank, m.step, "any", "range", off, length), sink,
-                      length + 1)
+    want = m.digest_of(off, length)
+    env = src.request(P.FetchState(src.rank, m.step, "any", "range", off, length, want.hex()),
+                      sink, length + 1)
     if env.msg.step != m.step or env.msg.nbytes != m.nbytes:
         raise HpctError(f"source holds step {env.msg.step} ({env.msg.nbytes} bytes), the "
                         f"manifest step {m.step} ({m.nbytes} bytes)")
     # The wire checked the bytes against the source's digest; this checks that digest against
     # the manifest's: the source's copy is the state the manifest describes.
-    if not hmac.compare_digest(bytes(env.digests[1]), m.digest_of(off, length)):
+    if not hmac.compare_digest(bytes(env.digests[1]), want):
         raise HpctError(f"stripe at {off} does not match the manifest from {m.source}")
     src.bytes += length
 

@@ -83,8 +83,10 @@ def test_a_source_serving_rotten_memory_is_dropped_and_its_stripes_come_from_the
     assert same == want
     ev = Events()
     servers = [TransferServer(SECRET, JOB, r, own=store) for r in range(2)]
+    with rotten.lease(STEP) as snap:  # sealed, then rotted in every leaf, as failing RAM
+        for off in range(0, len(snap.data), P.CHUNK):
+            snap.data[off + 3] ^= 0x40
     bad = TransferServer(SECRET, JOB, 2, own=rotten)
-    bad.corrupt_on_serve = True  # flips a byte in the middle after sealing, as failing RAM
     try:
         # the rotten source first: it also serves the manifest, sealed before the rot
         res = fetch_striped([(2, bad.address)] + _sources(servers), 3, SECRET, JOB, STEP,

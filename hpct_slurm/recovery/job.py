@@ -52,6 +52,7 @@ from ..rendezvous import derive as rdv
 from ..rendezvous import pg
 from ..rendezvous.store import make_store, serve_shard
 from ..slurm.env import SlurmEnv
+from .background import Background
 from .client import ControllerAddress, CoordinationClient
 from .gradients import average_gradients, parameter_gradients
 from .health import health_check
@@ -249,6 +250,7 @@ class Job:
         self.transfer: TransferServer = None  # type: ignore[assignment]
         self.client: CoordinationClient = None  # type: ignore[assignment]
         self._started = False
+        self._teardown_bg: Background | None = None  # the broken group's, since the fault
 
     def _start(self) -> None:
         """Bind the transfer server, connect to the controller and register with it: from
@@ -598,11 +600,13 @@ class Job:
         self._settle_snapshots()
         self._capture_pending()
         self._release_generation()
-        try:
-            self._teardown()
-            healthy, detail = health_check()
-        except _TeardownHung as exc:
-            healthy, detail = False, str(exc)
+        # Ready does not wait for the broken group's teardown (gc, gloo's destructor): the
+        # state is safe once captured, so the teardown runs on its own thread while the
+        # controller decides and the replacement pulls its state; the next formation waits
+        # for it (_await_teardown), and a teardown that hangs ends this process there.
+        self._await_teardown()  # one still running from a fault before (a STOP mid-adoption)
+        self._teardown_bg = Background("hpct-teardown-bg", self._teardown)
+        healthy, detail = health_check()
         latest = self.snapshots.latest()
         self.client.step = latest.step if latest else -1
         # Holdings first: the controller chooses the restore step once every survivor is ready.
@@ -641,6 +645,7 @@ class Job:
         self.transfer.corrupt_on_serve = a.rank in self._corrupt_serve
         # A newcomer pulls its state from every source at once while the group forms.
         prefetch = self._prefetch(a, held_state)
+        self._await_teardown()
         info = rdv.derive(self.slurm, a.generation, members=a.members,
                           tasks_per_node=a.tasks_per_node,
                           collective_timeout_s=self.collective_timeout_s,
@@ -900,6 +905,20 @@ class Job:
             gc.collect()
         finally:
             faulthandler.cancel_dump_traceback_later()
+
+    def _await_teardown(self) -> None:
+        """Before a new group forms: the old one's teardown, started at the fault, is done. One
+        that hangs or fails leaves a process that cannot form another group: it says so and
+        exits; the controller sees a member lost before the formation and replaces it."""
+        bg, self._teardown_bg = self._teardown_bg, None
+        if bg is None:
+            return
+        error = bg.wait(TEARDOWN_TIMEOUT_S + 5)
+        if error is None:
+            return
+        self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.rank, error=str(error))
+        self._shutdown(f"process group teardown failed: {error}")
+        os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
 
     def _shutdown(self, reason: str) -> None:
         self.events.emit(Ev.RANK_EXIT, rank=self.rank, reason=reason)

@@ -761,3 +761,38 @@ def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_erro
             assert [e["generation"] for e in c.events("generation.start")] == [0, 1, 2]
             assert c.events("fault.fenced") == [] and c.rank("s1").assigns == []
     run(scenario)
+
+
+@pytest.mark.parametrize("dies", ["s1", "a2"])
+def test_a_node_lost_while_the_new_generation_restores_costs_one_more_generation(tmp_path,
+                                                                                 dies):
+    """Issue 15, item 4: the spare that took the lost rank dies while it restores (`s1`), or
+    a survivor it pulls from dies mid-transfer (`a2`): the next round takes the last spare at
+    the same restore step (nothing rolled back, nothing escalated)."""
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1", "s2"], spares=2) as c:
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 3)
+            await c.crash("a1")
+            s1 = await c.assigned("s1", 1)
+            assert (s1.rank, s1.restore_step) == (1, 3)
+            await c.crash(dies)  # before the new group's first step
+
+            s2 = await c.assigned("s2", 2)
+            assert s2.restore_step == 3
+            lost_rank = 1 if dies == "s1" else 2
+            assert s2.rank == lost_rank
+            members = ["localhost", "s2", "a2"] if dies == "s1" else ["localhost", "s1", "s2"]
+            assert s2.members == members
+            assigns = c.events("recovery.assign")
+            assert [(e["generation"], e["restore_step"]) for e in assigns] == [(1, 3), (2, 3)]
+            assert assigns[1]["taken"] == {dies: "s2"}
+            assert c.events("recovery.failed") == [] and c.events("escalate.requeue") == []
+            # the round's sources are the live survivors only
+            assert all(int(r) != lost_rank or src == "peer"
+                       for r, src in assigns[1]["sources"].items())
+
+            await c.train(members, 4)
+            assert await c.finish() == 0
+            assert c.ctl.world.generation == 2
+    run(scenario)

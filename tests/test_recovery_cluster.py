@@ -122,17 +122,19 @@ def test_replicated_mode_restores_from_the_ring_neighbour(cluster, reference, tm
 
 def test_a_rotten_source_is_caught_by_its_checksum_and_the_next_one_used(cluster, reference,
                                                                          tmp_path):
-    """Rank 0's memory rots (a byte flipped after its digest was sealed) before it serves the
-    spare: the spare's checksum catches it, it takes the state from the next survivor."""
+    """Rank 0's memory rots (a byte flipped after its digest was sealed, in each stripe it
+    serves) while the spare pulls from every survivor at once: the spare's per-stripe check
+    catches it, drops rank 0 and takes its stripes from the other survivors."""
     jid = submit(cluster, tmp_path, TEMPLATE, TRAIN, env={"HPCT_FAULT_CORRUPT_SERVE": "0"})
     wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="rotten-source")
     assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
     assert recomputed_steps(tmp_path) == 0
     n1 = cluster.client().show_node("n1").addr
     spare = rank_events(tmp_path, "n5")
-    failed = [e for e in spare if e["event"] == "transfer.source_failed"]
-    assert failed and failed[0]["source"].split(":")[0] == n1
-    assert "digest" in failed[0]["error"]
-    fetched = [e for e in spare if e["event"] == "transfer.fetched"]
-    assert fetched and fetched[0]["source"].split(":")[0] != n1
+    dropped = [e for e in spare if e["event"] == "transfer.source_dropped"]
+    assert [e["source"].split(":")[0] for e in dropped] == [n1]
+    assert "digest" in dropped[0]["error"]
+    [striped] = [e for e in spare if e["event"] == "transfer.striped"]
+    assert striped["dropped"] == 1 and len(striped["sources"]) >= 2
+    assert all(s.split(":")[0] != n1 for s in striped["sources"])
     assert any(e["event"] == "transfer.fault_injected" for e in rank_events(tmp_path, "n1"))

@@ -132,7 +132,7 @@ class TransferServer:
         # Fault injection for tests (HPCT_FAULT_CORRUPT_SERVE): rot one byte of each snapshot
         # this server serves, once, after its digest was sealed, as failing memory would.
         self.corrupt_on_serve = False
-        self._rotted: set[int] = set()
+        self._rotted: set[tuple[int, int]] = set()
         self.max_replica_bytes = physical_memory() if max_replica_bytes is None \
             else max_replica_bytes
         self.io_timeout = io_timeout
@@ -301,10 +301,13 @@ class TransferServer:
                                              f"at step {msg.step} (replicas held: {have})"),
                           timeout=self.io_timeout)
                 return True
-            if self.corrupt_on_serve and len(snap.data) and id(snap) not in self._rotted:
-                self._rotted.add(id(snap))
+            # the middle of what is asked for: a striped pull's stripe rots too
+            spot = (min(msg.offset + msg.length // 2, len(snap.data) - 1)
+                    if msg.part == "range" else len(snap.data) // 2)
+            if self.corrupt_on_serve and len(snap.data) and (id(snap), spot) not in self._rotted:
+                self._rotted.add((id(snap), spot))
                 snap.digest()
-                snap.data[len(snap.data) // 2] ^= 0xFF
+                snap.data[spot] ^= 0xFF
                 self._emit(Ev.TRANSFER_FAULT_INJECTED, rank=msg.rank, step=snap.step)
             if msg.part != "all":  # a striped pull's manifest or stripe (striped.py)
                 serve_part(conn, chan, msg.rank, snap, msg, self.io_timeout)

@@ -247,7 +247,7 @@ class StripedResult:
     step: int
     layout: Layout
     data: Any
-    source: str
+    source: str                  # "host:port[,host:port...]": those that delivered stripes
     per_source: dict[str, int]   # bytes each source delivered
 
 
@@ -303,7 +303,7 @@ def fetch_striped(sources: list[tuple[int, Address]], rank: int, secret: bytes, 
                     sources=per_source, dropped=len(pull.failures),
                     seconds=round(time.perf_counter() - t0, 4))
     return StripedResult(manifest.step, manifest.layout, buf,
-                         "striped:" + ",".join(sorted(per_source)), per_source)
+                         ",".join(sorted(per_source)), per_source)
 
 
 class Prefetch:

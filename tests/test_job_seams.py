@@ -124,3 +124,81 @@ def test_job_settings_come_from_the_controllers_environment(settings, tmp_path):
         JobSettings.from_environ({k: v for k, v in env.items() if k != C.CONTROLLER_ADDR})
     with pytest.raises(HpctError, match="HPCT_SNAPSHOT_LAZY 'yes' is not one of 1, 0"):
         JobSettings.from_environ({**env, C.SNAPSHOT_LAZY: "yes"})
+
+
+class RecoveringClient(FakeClient):
+    """What `_recover` and `_prefetch` use of the controller connection, recorded."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.stop_reason, self.state, self.step = "", "running", -1
+        self.reports: list = []
+        self.states: list[str] = []
+
+    def report_holdings(self, holdings) -> None:
+        self.reports.append(holdings)
+
+    def heartbeat_now(self) -> None:
+        self.states.append(self.state)
+
+
+def _events(settings: JobSettings) -> list[dict]:
+    return [json.loads(line) for f in (settings.run_dir / "events").iterdir()
+            for line in f.read_text().splitlines()]
+
+
+def test_a_survivor_reports_ready_before_its_broken_group_is_torn_down(settings, monkeypatch):
+    """Issue 15: the teardown (gc, gloo's destructor) runs while the controller decides and the
+    spare pulls; the next formation waits for it; one that hangs ends the process there."""
+    import threading
+
+    import hpct_slurm.recovery.job as J
+
+    job, _ = _job(settings)
+    job._make_client = RecoveringClient
+    job._start()
+    release, finished = threading.Event(), threading.Event()
+
+    def slow_teardown() -> None:
+        release.wait(10)
+        finished.set()
+
+    monkeypatch.setattr(job, "_teardown", slow_teardown)
+    job._recover("RuntimeError: peer gone")
+    assert job.client.states == ["ready"] and not finished.is_set()
+    ready = [e for e in _events(settings) if e["event"] == "rank.ready"]
+    assert ready and ready[0]["healthy"]
+    release.set()
+    job._await_teardown()  # what _adopt does before forming the next group
+    assert finished.is_set() and job._teardown_bg is None
+
+    def hung() -> None:
+        raise J._TeardownHung("process group teardown did not finish within 20 s")
+
+    exits: list[int] = []
+    monkeypatch.setattr(job, "_teardown", hung)
+    monkeypatch.setattr(J.os, "_exit", lambda code: exits.append(code))
+    job._recover("RuntimeError: peer gone")
+    job._await_teardown()
+    assert exits == [3]
+    assert [e for e in _events(settings) if e["event"] == "rank.teardown_hung"]
+
+
+def test_a_newcomer_pulls_striped_from_every_source_of_its_key_while_it_forms(settings):
+    import socket
+
+    job, _ = _job(settings)
+    job._start()
+    dead = []
+    for _ in range(2):  # two survivors whose transfer servers are gone
+        with socket.create_server(("127.0.0.1", 0)) as s:
+            dead.append(s.getsockname()[:2])
+    a = P.Assign(1, 2, 3, ["n1", "n2", "n3"], 1, 7, {0: [dead[0]], 1: [dead[1]]}, [2], 3, {})
+    assert job._prefetch(a, survivor=True) is None  # a survivor restores from itself
+    assert job._prefetch(P.Assign(1, 2, 3, ["n1", "n2", "n3"], 1, -1, a.sources, [2], 3, {}),
+                         survivor=False) is None  # nothing to restore: the state at creation
+    got = job._prefetch(a, survivor=False)
+    assert got is not None and got.step == 7
+    assert got.result() is None  # no such sources here: None, and the restore falls back
+    failed = [e for e in _events(settings) if e["event"] == "transfer.source_failed"]
+    assert {e["source"] for e in failed} >= {f"{h}:{p}" for h, p in dead}

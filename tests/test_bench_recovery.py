@@ -118,6 +118,9 @@ def test_summary_reports_medians_worst_lost_steps_and_every_phase():
     assert set(s["phases"]["hpct"]) == set(R.HPCT_PHASES)
     assert set(s["phases"]["baseline"]) == set(R.BASELINE_PHASES)
     assert s["phases"]["hpct"]["detect"] == pytest.approx(2.0 / len(R.HPCT_PHASES), abs=1e-4)
+    assert s["phases_add_up"] is True
+    reps[0]["hpct"]["phases"]["detect"] += 0.5  # a phase that is not a cut of the total
+    assert R.summarize(reps, 101.46)["phases_add_up"] is False
 
 
 def test_summary_counts_failed_runs_per_method():

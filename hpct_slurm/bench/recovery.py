@@ -215,6 +215,10 @@ def summarize(repeats: Sequence[dict], state_mb: float,
         "phases": {m: {p: round(statistics.median(r[m]["phases"][p] for r in repeats), 4)
                        for p in phases}
                    for m, phases in (("hpct", HPCT_PHASES), ("baseline", BASELINE_PHASES))},
+        # The phases are consecutive cuts of the critical path: in every repeat they add up
+        # to that repeat's recovery time (to the rounding of the event clock).
+        "phases_add_up": all(abs(sum(r[m]["phases"].values()) - r[m]["recovery_s"]) < 1e-3
+                             for r in repeats for m in ("hpct", "baseline")),
         # Phases the issue names that this job has no separate time for, and why.
         "phase_notes": {
             "data_reattach": "none in either method: the benchmark's batches are generated "
@@ -224,6 +228,10 @@ def summarize(repeats: Sequence[dict], state_mb: float,
                          "'recompute' phase and baseline_recomputed_steps",
             "stop": "hpct 'stop' is the STOP broadcast; the baseline has none (Slurm's "
                     "node timeout ends the dead step, then every rank is relaunched)",
+            "overlap": "hpct survivors report ready once their state is captured (the broken "
+                       "group's teardown runs on, in the background), and the spare pulls its "
+                       "state from every survivor at once while the group forms: "
+                       "'state_transfer' is what of the restore did not overlap 'reform'",
         },
     }
 

@@ -158,7 +158,7 @@ def fetch_manifest(src: _Source, step: int) -> Manifest:
                                             bytearray(sizes[1]) if len(sizes) > 1 else bytearray())
         return [memoryview(parts["layout"]), memoryview(parts["leaves"])][:len(sizes)]
 
-    env = src.request(P.FetchState(src.rank, step, "any", "manifest"), sink, 2 * LAYOUT_MAX)
+    env = src.request(P.FetchState(src.rank, step, "own", "manifest"), sink, 2 * LAYOUT_MAX)
     msg = env.msg
     if msg.part != "manifest" or msg.rank != src.rank or msg.step != step:
         raise HpctError(f"source sent {msg.part} of rank {msg.rank} step {msg.step}, asked for "
@@ -211,7 +211,7 @@ def _fetch_stripe(src: _Source, pull: _Pull, off: int, length: int) -> None:
         return [memoryview(b""), pull.view[off:off + length]]
 
     want = m.digest_of(off, length)
-    env = src.request(P.FetchState(src.rank, m.step, "any", "range", off, length, want.hex()),
+    env = src.request(P.FetchState(src.rank, m.step, "own", "range", off, length, want.hex()),
                       sink, length + 1)
     if env.msg.step != m.step or env.msg.nbytes != m.nbytes:
         raise HpctError(f"source holds step {env.msg.step} ({env.msg.nbytes} bytes), the "

@@ -258,6 +258,13 @@ class Job:
         if self._started:
             return
         self._started = True
+        # Everything alive now (torch's modules, the script's model and data) lives as long as
+        # the process: out of the collector's sight, the gc.collect() that frees the broken
+        # group at a fault scans only what the training made since. Measured with the 100 MB
+        # benchmark model: 0.25-0.58 s per full collection, ~0 frozen, of a survivor's
+        # 0.9 s from fault to ready. (The cost: a cycle among these objects that becomes
+        # garbage later is never collected.)
+        gc.freeze()
         self.host_addr = rdv.resolve_host(self.node)
         self.transfer = self._make_transfer(self.secret, self.job_id, rank=-1,
                                             own=self.snapshots, replicas=self.replicas,

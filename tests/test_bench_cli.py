@@ -28,6 +28,7 @@ CASES = {
                     "rootless_init_s", "tcpstore_init_s"}),
     "replication": (["--quick", "--smoke"], {"bench", "overhead_pct"}),
     "transfer": (["--quick", "--smoke"], {"bench", "throughput_ratio"}),
+    "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
     "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
 }
 

@@ -194,7 +194,10 @@ def test_a_newcomer_pulls_striped_from_every_source_of_its_key_while_it_forms(se
         with socket.create_server(("127.0.0.1", 0)) as s:
             dead.append(s.getsockname()[:2])
     a = P.Assign(1, 2, 3, ["n1", "n2", "n3"], 1, 7, {0: [dead[0]], 1: [dead[1]]}, [2], 3, {})
-    assert job._prefetch(a, survivor=True) is None  # a survivor restores from itself
+    lacking = job._prefetch(a, survivor=True)  # a survivor a step behind pulls too
+    assert lacking is not None and lacking.result() is None
+    job.snapshots.commit(7)
+    assert job._prefetch(a, survivor=True) is None  # one holding the step restores itself
     assert job._prefetch(P.Assign(1, 2, 3, ["n1", "n2", "n3"], 1, -1, a.sources, [2], 3, {}),
                          survivor=False) is None  # nothing to restore: the state at creation
     got = job._prefetch(a, survivor=False)

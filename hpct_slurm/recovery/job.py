@@ -767,14 +767,16 @@ class Job:
         return [(str(h), int(p)) for r, (h, p) in a.peers.items() if int(r) == peer]
 
     def _prefetch(self, a: P.Assign, survivor: bool) -> Prefetch | None:
-        """The striped pull of the shared state a newcomer restores, started now (it needs no
-        process group); None where this process restores otherwise (own copy, ring replica,
-        creation) or no source shares its key."""
-        if survivor or a.restore_step < 0 or self.mode != "jit":
+        """The striped pull of the shared state this process restores from its peers (a
+        newcomer, or a survivor that does not hold the restore step: one that faulted a step
+        behind the others), started now: it needs no process group. None where it restores
+        otherwise (own copy, ring replica, creation) or no other source shares its key."""
+        if a.restore_step < 0 or self.mode != "jit" or \
+                (survivor and a.restore_step in self.snapshots.slots.steps()):
             return None
         key = self._key(a.rank)
         sources = [(int(r), (str(h), int(p))) for r, addrs in sorted(a.sources.items())
-                   if self._key(int(r)) == key for h, p in addrs[:1]]
+                   if int(r) != a.rank and self._key(int(r)) == key for h, p in addrs[:1]]
         if not sources:
             return None
         return Prefetch(sources, a.rank, self.secret, self.job_id, a.restore_step,

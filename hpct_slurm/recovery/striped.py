@@ -204,8 +204,9 @@ def _fetch_stripe(src: _Source, pull: _Pull, off: int, length: int) -> None:
     m = pull.m
 
     def sink(msg: Any, sizes: Any) -> list[memoryview]:
-        if not (isinstance(msg, P.StateBlob) and msg.part == "range" and msg.offset == off
-                and list(sizes) == [0, length]):
+        if not isinstance(msg, P.StateBlob):  # a refusal (Ack): request() says why
+            return [memoryview(bytearray(n)) for n in sizes]
+        if not (msg.part == "range" and msg.offset == off and list(sizes) == [0, length]):
             raise P.ProtocolError(f"asked for {length} bytes at {off}, the source offers "
                                   f"{list(sizes)} at {getattr(msg, 'offset', '?')}")
         return [memoryview(b""), pull.view[off:off + length]]

@@ -29,6 +29,7 @@ from .. import events
 from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
+from .pacing import assign_view, pace
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
                      data_ranks, decide_recovery, initial_shards)
 
@@ -169,6 +170,9 @@ class Controller:
         active, spares = split_allocation(opts.nodes, opts.batch_host, opts.spares,
                                           opts.active)
         self.world = World(active, spares, opts.tasks_per_node)
+        # heartbeat and step-report intervals that keep the message rate bounded (pacing.py)
+        self.pacing = pace((len(active) + len(spares)) * opts.tasks_per_node,
+                           opts.heartbeat_timeout_s)
         self.shards = initial_shards(active)
         self.data_world = self.world.world_size  # the global batch never changes
         self.conns: dict[tuple[str, int], Conn] = {}
@@ -295,6 +299,7 @@ class Controller:
             # the data-parallel world, for a DistributedSampler built before job.run
             C.WORLD_SIZE: str(self.data_world),
         })
+        env.update(self.pacing.env())
         return env
 
     def _launch(self, node: str, role: str) -> None:
@@ -518,7 +523,9 @@ class Controller:
             conn.gone = True
 
     def _live(self, node: str) -> list[Conn]:
-        return [c for (n, _), c in self.conns.items() if n == node and not c.gone]
+        # by key, not a scan: called per node on every registration and round (O(world) each)
+        return [c for lr in range(self.o.tasks_per_node)
+                if (c := self.conns.get((node, lr))) is not None and not c.gone]
 
     def _node_ready(self, node: str) -> bool:
         return len(self._live(node)) == self.o.tasks_per_node
@@ -530,6 +537,7 @@ class Controller:
         # another generation 0, and a rank would find a stale Assign queued at its next fault.
         if self.world.generation == 0 and self.recovery is None and not self.recovering \
                 and not self.gen0_scheduled \
+                and len(self.conns) >= len(self.world.members) * self.o.tasks_per_node \
                 and all(self._node_ready(n) for n in self.world.members) \
                 and all(c.rank < 0 for n in self.world.members for c in self._live(n)):
             self.gen0_scheduled = True
@@ -543,15 +551,20 @@ class Controller:
         for c in members:
             c.rank = self.world.rank_of(c.node, c.local_rank)
         peers = {c.rank: (c.host_addr, c.transfer_port) for c in members}
+        # beyond pacing.FULL_VIEW_MAX ranks each rank gets only the peers and sources it uses
+        # (a sharded job's ranks need every peer's address: they keep the full view)
+        sharded = any(c.shard_keys for c in members)
         for c in members:
             c.generation, c.state, c.role = g, RankState.ASSIGNED, Role.ACTIVE
             c.progress_at, c.reported_at = time.monotonic(), None
             c.held, c.error = None, ""
+            src, prs = (sources, peers) if sharded else assign_view(
+                c.rank, self.world.world_size, len(self.world.members), sources, peers)
             await self._send(c, P.Assign(
                 g, c.rank, self.world.world_size, list(self.world.members),
-                self.o.tasks_per_node, restore, sources,
+                self.o.tasks_per_node, restore, src,
                 data_ranks(self.shards[c.node], c.local_rank, self.o.tasks_per_node),
-                self.data_world, peers))
+                self.data_world, prs))
 
     # ---- detection -----------------------------------------------------------------------
     def _fault(self, node: str, reason: str) -> None:
@@ -573,7 +586,7 @@ class Controller:
             for c in list(self.conns.values()):
                 if c.gone or c.state == RankState.DONE:
                     continue
-                if now - c.last_seen > self.o.heartbeat_timeout_s:
+                if now - c.last_seen > self.pacing.silence_timeout_s:
                     self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
                 elif c.state == RankState.RUNNING and not self.recovering \
                         and not self.pending_faults \

@@ -1,0 +1,95 @@
+"""How the controller keeps its steady-state load bounded as the world grows (issue 16).
+
+Pure functions, no I/O. At a few hundred ranks every rank heartbeats every 0.5 s and reports
+every step; at thousands that is more authenticated messages per second than one Python event
+loop on the batch host (itself a training node) should spend a core on. So the controller hands
+every step a heartbeat interval and a step-report interval (HPCT_HEARTBEAT_S,
+HPCT_STEP_REPORT_S) that keep the aggregate rate under MESSAGE_BUDGET_PER_S, and stretches its
+own silence timeout with the interval. A crashed process or node is still seen at once (its
+connection's EOF or reset, the first detector); only a silent-but-connected node waits for the
+longer timeout.
+
+And an assignment's per-rank view: at small worlds every Assign lists every peer and every
+survivor as a restore source (unchanged); beyond FULL_VIEW_MAX ranks an Assign carrying
+O(world) entries would make one assignment O(world^2) bytes (and overflow the 64 KiB header
+limit at ~2,000 ranks), so each rank gets only the peers it uses (its ring replica holder) and
+a few sources of its own shard key, rotated so that restore reads spread over the survivors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The rate the real ranks' defaults produce up to 1,000 ranks (0.5 s heartbeats).
+BASE_HEARTBEAT_S = 0.5
+# Heartbeats plus step reports per second the controller accepts in steady state. Measured
+# by `hpct-slurm bench scale`: ~35 us of controller CPU each (read, HMAC, decode, bookkeeping),
+# so 2,000/s is ~7% of one core, leaving room for the watchdog sweep and bursts.
+MESSAGE_BUDGET_PER_S = 2000.0
+# A silent rank is lost after this many missed intervals (3 s at 0.5 s: the old default).
+MISSED_BEATS = 6
+# Up to this many ranks an Assign carries the whole peer table and every source.
+FULL_VIEW_MAX = 512
+# Restore sources per rank beyond FULL_VIEW_MAX (a bad source costs one retry each).
+SOURCES_PER_RANK = 4
+
+
+@dataclass(frozen=True)
+class Pacing:
+    heartbeat_s: float      # each rank's heartbeat interval
+    step_report_s: float    # 0: a StepDone every step; else at most one per this interval
+    silence_timeout_s: float  # no message for this long: the rank is lost
+
+    def env(self) -> dict[str, str]:
+        """What a step's environment carries: nothing at the base rate (the ranks' defaults),
+        so small jobs run exactly as before."""
+        from .. import config as C
+        if self.heartbeat_s == BASE_HEARTBEAT_S and not self.step_report_s:
+            return {}
+        return {C.HEARTBEAT_S: f"{self.heartbeat_s:g}",
+                C.STEP_REPORT_S: f"{self.step_report_s:g}"}
+
+
+def pace(ranks: int, heartbeat_timeout_s: float,
+         budget_per_s: float = MESSAGE_BUDGET_PER_S) -> Pacing:
+    """Intervals for `ranks` connected processes: half the budget to heartbeats, half to step
+    reports. Below budget/2 * BASE_HEARTBEAT_S ranks nothing changes (0.5 s, every step, the
+    configured timeout)."""
+    if ranks < 1:
+        raise ValueError(f"ranks {ranks} must be at least 1")
+    hb = max(BASE_HEARTBEAT_S, ranks / (budget_per_s / 2))
+    if hb == BASE_HEARTBEAT_S:
+        return Pacing(BASE_HEARTBEAT_S, 0.0, heartbeat_timeout_s)
+    hb = round(hb, 2)
+    return Pacing(hb, hb, max(heartbeat_timeout_s, MISSED_BEATS * hb))
+
+
+def should_report(step: int, generation: int, last: tuple[int, float] | None, now: float,
+                  every_s: float) -> bool:
+    """Whether a rank sends this step's StepDone. Always the first step of a generation (the
+    controller ends a recovery round on it); otherwise every step when `every_s` is 0, else
+    once `every_s` has passed since the last report (the controller only needs progress, and
+    the heartbeat carries the step in between). `last`: (generation, time) of the last."""
+    if every_s <= 0 or last is None or last[0] != generation:
+        return True
+    return now - last[1] >= every_s
+
+
+def assign_view(rank: int, world_size: int, nodes: int,
+                sources: dict[int, list[tuple[str, int]]], peers: dict[int, tuple[str, int]]
+                ) -> tuple[dict[int, list[tuple[str, int]]], dict[int, tuple[str, int]]]:
+    """The sources and peers one rank's Assign carries (plain data parallelism: every source
+    holds the same shared state). Up to FULL_VIEW_MAX ranks, all of them; beyond, this rank's
+    own transfer address and its ring replica holder's (the only peers a rank uses,
+    recovery/job.py _ring/_holder), and SOURCES_PER_RANK sources starting at its own position,
+    so that the replacements' reads spread over the survivors."""
+    from ..recovery.snapshot import replica_peer_rank
+
+    if world_size <= FULL_VIEW_MAX:
+        return sources, peers
+    ranks = sorted(sources)
+    start = next((i for i, r in enumerate(ranks) if r >= rank), 0)
+    chosen = [ranks[(start + i) % len(ranks)] for i in range(min(SOURCES_PER_RANK, len(ranks)))]
+    wanted = [rank]
+    if nodes >= 2:
+        wanted.append(replica_peer_rank(rank, nodes, world_size // nodes))
+    return {r: sources[r] for r in chosen}, {r: peers[r] for r in wanted if r in peers}

@@ -29,7 +29,7 @@ from .. import events
 from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .pacing import assign_view, pace
+from .pacing import assign_view, compact_members, pace
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
                      data_ranks, decide_recovery, initial_shards)
 
@@ -554,6 +554,7 @@ class Controller:
         # beyond pacing.FULL_VIEW_MAX ranks each rank gets only the peers and sources it uses
         # (a sharded job's ranks need every peer's address: they keep the full view)
         sharded = any(c.shard_keys for c in members)
+        names, hostlist = compact_members(self.world.members, self.world.world_size)
         for c in members:
             c.generation, c.state, c.role = g, RankState.ASSIGNED, Role.ACTIVE
             c.progress_at, c.reported_at = time.monotonic(), None
@@ -561,10 +562,10 @@ class Controller:
             src, prs = (sources, peers) if sharded else assign_view(
                 c.rank, self.world.world_size, len(self.world.members), sources, peers)
             await self._send(c, P.Assign(
-                g, c.rank, self.world.world_size, list(self.world.members),
+                g, c.rank, self.world.world_size, names,
                 self.o.tasks_per_node, restore, src,
                 data_ranks(self.shards[c.node], c.local_rank, self.o.tasks_per_node),
-                self.data_world, prs))
+                self.data_world, prs, hostlist))
 
     # ---- detection -----------------------------------------------------------------------
     def _fault(self, node: str, reason: str) -> None:

@@ -93,3 +93,12 @@ def assign_view(rank: int, world_size: int, nodes: int,
     if nodes >= 2:
         wanted.append(replica_peer_rank(rank, nodes, world_size // nodes))
     return {r: sources[r] for r in chosen}, {r: peers[r] for r in wanted if r in peers}
+
+
+def compact_members(members: list[str], world_size: int) -> tuple[list[str], str]:
+    """(members, members_hostlist) for an Assign: the list as it is up to FULL_VIEW_MAX ranks,
+    beyond it one hostlist expression (order kept: `sim[00001-00999,02049,01001-02047]`)."""
+    if world_size <= FULL_VIEW_MAX:
+        return list(members), ""
+    from ..slurm.hostlist import compress
+    return [], compress(members)

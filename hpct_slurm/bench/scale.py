@@ -41,7 +41,7 @@ TASKS_PER_NODE = 8
 JOB_ID = 16016
 DEFAULT_RANKS = [2304]
 # Simulated ranks per simulator process (each one process on this 2-core machine).
-RANKS_PER_SIM = 4096
+RANKS_PER_SIM = 2048
 
 
 def node_names(ranks: int, spares: int, tpn: int = TASKS_PER_NODE) -> list[str]:
@@ -109,6 +109,7 @@ class Driver:
     def __init__(self, ranks: int, step_s: float, work: Path, faults: list[str]):
         self.ranks, self.step_s, self.faults = ranks, step_s, faults
         self.spares = len(faults)
+        self.profile = ""  # a path: cProfile the controller into it (for finding hot spots)
         self.nodes = node_names(ranks, self.spares)
         self.run_dir = work / f"run-{ranks}"
         self.procs: list[subprocess.Popen] = []
@@ -124,14 +125,16 @@ class Driver:
         self.run_dir.mkdir(parents=True, mode=0o700)
         self.ctl = self._spawn("scale_ctl", {
             "run_dir": str(self.run_dir), "job_id": JOB_ID, "nodes": self.nodes,
-            "spares": self.spares, "tasks_per_node": TASKS_PER_NODE},
+            "spares": self.spares, "tasks_per_node": TASKS_PER_NODE,
+            "profile": self.profile},
             stdout=subprocess.DEVNULL, stderr=open(self.run_dir.parent / f"ctl-{self.ranks}.err", "w"))
         env_file = self.run_dir / "sim-env.json"
         self._until(env_file.exists, "the controller's step environment", 60)
         env = json.loads(env_file.read_text())
-        for part in sim_slices(self.nodes, self.spares, TASKS_PER_NODE):
+        parts = sim_slices(self.nodes, self.spares, TASKS_PER_NODE)
+        for part in parts:
             self.sims.append(self._spawn("scale_sim", {
-                "job_id": JOB_ID, "env": env, "step_s": self.step_s,
+                "job_id": JOB_ID, "env": env, "step_s": self.step_s, "sims": len(parts),
                 "tasks_per_node": TASKS_PER_NODE, "nodes": part},
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         self.env = env

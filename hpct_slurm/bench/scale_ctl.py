@@ -70,7 +70,28 @@ def main() -> int:
                        tasks_per_node=cfg["tasks_per_node"], heartbeat_timeout_s=3.0,
                        ready_timeout_s=60.0, node_poll_s=5.0)
     ctl = CTL.Controller(opts, client=SlurmClient(runner=runner), spawn_step=spawn)
+    if cfg.get("profile"):
+        return asyncio.run(_profiled(ctl, Path(cfg["profile"])))
     return asyncio.run(ctl.run())
+
+
+async def _profiled(ctl: CTL.Controller, path: Path) -> int:
+    """Run under cProfile, its stats written every 2 s (the bench kills this process)."""
+    import cProfile
+
+    prof = cProfile.Profile()
+
+    async def dump() -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            prof.dump_stats(path)
+
+    task = asyncio.create_task(dump())
+    prof.enable()
+    try:
+        return await ctl.run()
+    finally:
+        task.cancel()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from ..controller.pacing import should_report
 
 # Connections being opened at once by one process: the controller drops the oldest
 # unregistered connection beyond 256 (controller.MAX_UNREGISTERED).
-CONNECTING = 48
+CONNECTING = 192
 
 
 def raise_fd_limit() -> int:
@@ -56,7 +56,8 @@ class Sim:
         self.ranks: list[Rank] = []
         self.sent: Counter = Counter()
         self.counting = False
-        self.connect_gate = asyncio.Semaphore(CONNECTING)
+        # all simulators together stay under the controller's cap on unregistered connections
+        self.connect_gate = asyncio.Semaphore(max(1, CONNECTING // int(cfg.get("sims", 1))))
 
     def note(self, kind: str) -> None:
         if self.counting:

@@ -117,7 +117,8 @@ class Rank:
     async def start(self) -> None:
         s = self.sim
         async with s.connect_gate:
-            for _ in range(100):
+            deadline = time.monotonic() + 300  # a busy controller accepts slowly
+            while time.monotonic() < deadline:
                 try:
                     self.reader, self.writer = await asyncio.open_connection(*s.address)
                     self.chan = await P.client_hello_async(self.reader, s.secret, s.job)
@@ -185,7 +186,10 @@ class Rank:
                 elif isinstance(msg, P.Goodbye):
                     self.fail("drop")
                     return
-        except (P.ProtocolError, OSError, ConnectionError, asyncio.IncompleteReadError):
+        except (P.ProtocolError, OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            if not self.mute:
+                print(f"{self.node}/{self.local_rank}: controller connection failed: {exc}",
+                      file=sys.stderr)
             self.mute = True
 
     def fail(self, how: str) -> None:

@@ -84,7 +84,8 @@ async def _profiled(ctl: CTL.Controller, path: Path) -> int:
     async def dump() -> None:
         while True:
             await asyncio.sleep(2.0)
-            prof.dump_stats(path)
+            prof.dump_stats(path)  # (which disables the profiler)
+            prof.enable()
 
     task = asyncio.create_task(dump())
     prof.enable()

@@ -38,6 +38,9 @@ class Pacing:
     heartbeat_s: float      # each rank's heartbeat interval
     step_report_s: float    # 0: a StepDone every step; else at most one per this interval
     silence_timeout_s: float  # no message for this long: the rank is lost
+    # how often the watchdog sweeps every connection (0.25 s; 1 s beyond the base rate, where
+    # the sweep itself costs ~5% of a core at 16,384 ranks and the timeouts are long anyway)
+    sweep_s: float = 0.25
 
     def env(self) -> dict[str, str]:
         """What a step's environment carries: nothing at the base rate (the ranks' defaults),
@@ -60,7 +63,7 @@ def pace(ranks: int, heartbeat_timeout_s: float,
     if hb == BASE_HEARTBEAT_S:
         return Pacing(BASE_HEARTBEAT_S, 0.0, heartbeat_timeout_s)
     hb = round(hb, 2)
-    return Pacing(hb, hb, max(heartbeat_timeout_s, MISSED_BEATS * hb))
+    return Pacing(hb, hb, max(heartbeat_timeout_s, MISSED_BEATS * hb), sweep_s=1.0)
 
 
 def should_report(step: int, generation: int, last: tuple[int, float] | None, now: float,

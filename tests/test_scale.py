@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from hpct_slurm import protocol as P
-from hpct_slurm.controller.pacing import (FULL_VIEW_MAX, MESSAGE_BUDGET_PER_S, MISSED_BEATS,
+from hpct_slurm.controller.pacing import (MESSAGE_BUDGET_PER_S, MISSED_BEATS,
                                           SOURCES_PER_RANK, assign_view, compact_members,
                                           pace, should_report)
 from hpct_slurm.recovery.snapshot import replica_peer_rank

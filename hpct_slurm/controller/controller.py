@@ -176,8 +176,7 @@ class Controller:
         # A burst of the job's own connections may sit unregistered at once (bench scale: a
         # 256 cap aborted ranks whose Register was already buffered); strangers still need
         # as many connections as the job has ranks to crowd it out.
-        self.max_unregistered = max(MAX_UNREGISTERED,
-                                    (len(active) + len(spares)) * opts.tasks_per_node)
+        self.job_ranks = (len(active) + len(spares)) * opts.tasks_per_node
         self.shards = initial_shards(active)
         self.data_world = self.world.world_size  # the global batch never changes
         self.conns: dict[tuple[str, int], Conn] = {}
@@ -417,7 +416,7 @@ class Controller:
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
         """Count a new connection as unregistered, dropping the oldest such one at the cap."""
-        if len(self.unregistered) >= self.max_unregistered:
+        if len(self.unregistered) >= max(MAX_UNREGISTERED, self.job_ranks):
             oldest = next(iter(self.unregistered))
             del self.unregistered[oldest]
             oldest.transport.abort()  # its _serve sees the connection fail and logs it

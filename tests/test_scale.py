@@ -179,3 +179,17 @@ def test_goodput_takes_the_scale_measurements_and_says_what_stays_assumed(tmp_pa
     assert plain["detect"]["source"].startswith("assumed")
     assert plain["assign_to_acked"] == {"term": "assign_to_acked", "s": 0.0,
                                         "source": "assumed: inside first_step_s"}
+
+
+def test_large_worlds_set_kernel_keepalives_small_ones_do_not():
+    import socket
+
+    from hpct_slurm.controller.pacing import (KEEPALIVE_COUNT, KEEPALIVE_IDLE_S,
+                                              set_keepalive)
+    assert pace(2304, 3.0).keepalive and not pace(64, 3.0).keepalive
+    with socket.socket() as s:
+        set_keepalive(s)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_COUNT
+    set_keepalive(None)  # a transport without a socket: nothing to set

@@ -29,7 +29,7 @@ from .. import events
 from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .pacing import assign_view, compact_members, pace
+from .pacing import assign_view, compact_members, pace, set_keepalive
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
                      data_ranks, decide_recovery, initial_shards)
 
@@ -374,6 +374,8 @@ class Controller:
         # a duplicate) must never touch the state of the rank it claimed to be.
         conn: Conn | None = None
         self._admit(writer)
+        if self.pacing.keepalive:  # large worlds: a dead node is found by the kernel (pacing.py)
+            set_keepalive(writer.get_extra_info("socket"))
         try:
             chan = await P.server_hello_async(writer, self.secret, self.job)
             env = await asyncio.wait_for(chan.read(reader), timeout=REGISTER_TIMEOUT_S)

@@ -17,6 +17,7 @@ a few sources of its own shard key, rotated so that restore reads spread over th
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 # The rate the real ranks' defaults produce up to 1,000 ranks (0.5 s heartbeats).
@@ -27,6 +28,12 @@ BASE_HEARTBEAT_S = 0.5
 MESSAGE_BUDGET_PER_S = 2000.0
 # A silent rank is lost after this many missed intervals (3 s at 0.5 s: the old default).
 MISSED_BEATS = 6
+# Beyond the base rate the controller's connections carry TCP keepalives: a node that died
+# without a word (power, kernel, link) stops answering the kernel's probes and its
+# connections fail after KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S (6 s),
+# however long the heartbeat interval is, at no cost to the event loop. (A hung process on a
+# live kernel still answers them: that one waits for the silence timeout.)
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 3, 1, 3
 # Up to this many ranks an Assign carries the whole peer table and every source.
 FULL_VIEW_MAX = 512
 # Restore sources per rank beyond FULL_VIEW_MAX (a bad source costs one retry each).
@@ -41,6 +48,10 @@ class Pacing:
     # how often the watchdog sweeps every connection (0.25 s; 1 s beyond the base rate, where
     # the sweep itself costs ~5% of a core at 16,384 ranks and the timeouts are long anyway)
     sweep_s: float = 0.25
+
+    @property
+    def keepalive(self) -> bool:
+        return self.heartbeat_s > BASE_HEARTBEAT_S
 
     def env(self) -> dict[str, str]:
         """What a step's environment carries: nothing at the base rate (the ranks' defaults),
@@ -105,3 +116,14 @@ def compact_members(members: list[str], world_size: int) -> tuple[list[str], str
         return list(members), ""
     from ..slurm.hostlist import compress
     return [], compress(members)
+
+
+def set_keepalive(sock: socket.socket | None) -> None:
+    """Kernel keepalive probes on one accepted connection (see KEEPALIVE_IDLE_S)."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, name):  # Linux; elsewhere the system defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

@@ -43,10 +43,11 @@ class StandInStep:
 
 
 def runner(argv, **kwargs) -> subprocess.CompletedProcess:
+    # matched by arguments, not by command name: commands are named only in hpct_slurm/slurm/
     argv = list(argv)
-    if argv[:3] == ["scontrol", "show", "node"]:
+    if argv[1:3] == ["show", "node"]:
         return subprocess.CompletedProcess(argv, 1, stdout="", stderr="simulated: unreachable")
-    if argv[:2] == ["sinfo", "--json"]:
+    if argv[1:2] == ["--json"]:  # the node list
         return subprocess.CompletedProcess(argv, 0, stdout='{"nodes": []}', stderr="")
     return subprocess.CompletedProcess(argv, 0, stdout="", stderr="")
 

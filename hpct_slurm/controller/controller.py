@@ -29,7 +29,7 @@ from .. import events
 from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
-from .pacing import assign_view, compact_members, pace, set_keepalive
+from .pacing import AssignView, compact_members, pace, set_keepalive
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
                      data_ranks, decide_recovery, initial_shards)
 
@@ -562,12 +562,12 @@ class Controller:
         # (a sharded job's ranks need every peer's address: they keep the full view)
         sharded = any(c.shard_keys for c in members)
         names, hostlist = compact_members(self.world.members, self.world.world_size)
+        view = AssignView(self.world.world_size, len(self.world.members), sources, peers)
         for c in members:
             c.generation, c.state, c.role = g, RankState.ASSIGNED, Role.ACTIVE
             c.progress_at, c.reported_at = time.monotonic(), None
             c.held, c.error = None, ""
-            src, prs = (sources, peers) if sharded else assign_view(
-                c.rank, self.world.world_size, len(self.world.members), sources, peers)
+            src, prs = (sources, peers) if sharded else view(c.rank)
             await self._send(c, P.Assign(
                 g, c.rank, self.world.world_size, names,
                 self.o.tasks_per_node, restore, src,

@@ -17,6 +17,7 @@ a few sources of its own shard key, rotated so that restore reads spread over th
 """
 from __future__ import annotations
 
+import bisect
 import socket
 from dataclasses import dataclass
 
@@ -88,25 +89,40 @@ def should_report(step: int, generation: int, last: tuple[int, float] | None, no
     return now - last[1] >= every_s
 
 
+class AssignView:
+    """The sources and peers each rank's Assign carries (plain data parallelism: every source
+    holds the same shared state), built once per assignment. Up to FULL_VIEW_MAX ranks, all of
+    them; beyond, a rank's own transfer address and its ring replica holder's (the only peers a
+    rank uses, recovery/job.py _ring/_holder), and SOURCES_PER_RANK sources starting at its own
+    position, so that the replacements' reads spread over the survivors."""
+
+    def __init__(self, world_size: int, nodes: int, sources: dict[int, list[tuple[str, int]]],
+                 peers: dict[int, tuple[str, int]]):
+        self.world_size, self.nodes, self.sources, self.peers = world_size, nodes, sources, peers
+        self.ranks = sorted(sources)  # once: per rank it made an assignment O(world^2)
+
+    def __call__(self, rank: int) -> tuple[dict[int, list[tuple[str, int]]],
+                                           dict[int, tuple[str, int]]]:
+        from ..recovery.snapshot import replica_peer_rank
+
+        if self.world_size <= FULL_VIEW_MAX:
+            return self.sources, self.peers
+        ranks = self.ranks
+        start = bisect.bisect_left(ranks, rank) % len(ranks) if ranks else 0
+        chosen = [ranks[(start + i) % len(ranks)]
+                  for i in range(min(SOURCES_PER_RANK, len(ranks)))]
+        wanted = [rank]
+        if self.nodes >= 2:
+            wanted.append(replica_peer_rank(rank, self.nodes, self.world_size // self.nodes))
+        return ({r: self.sources[r] for r in chosen},
+                {r: self.peers[r] for r in wanted if r in self.peers})
+
+
 def assign_view(rank: int, world_size: int, nodes: int,
                 sources: dict[int, list[tuple[str, int]]], peers: dict[int, tuple[str, int]]
                 ) -> tuple[dict[int, list[tuple[str, int]]], dict[int, tuple[str, int]]]:
-    """The sources and peers one rank's Assign carries (plain data parallelism: every source
-    holds the same shared state). Up to FULL_VIEW_MAX ranks, all of them; beyond, this rank's
-    own transfer address and its ring replica holder's (the only peers a rank uses,
-    recovery/job.py _ring/_holder), and SOURCES_PER_RANK sources starting at its own position,
-    so that the replacements' reads spread over the survivors."""
-    from ..recovery.snapshot import replica_peer_rank
-
-    if world_size <= FULL_VIEW_MAX:
-        return sources, peers
-    ranks = sorted(sources)
-    start = next((i for i, r in enumerate(ranks) if r >= rank), 0)
-    chosen = [ranks[(start + i) % len(ranks)] for i in range(min(SOURCES_PER_RANK, len(ranks)))]
-    wanted = [rank]
-    if nodes >= 2:
-        wanted.append(replica_peer_rank(rank, nodes, world_size // nodes))
-    return {r: sources[r] for r in chosen}, {r: peers[r] for r in wanted if r in peers}
+    """One rank's view (AssignView, for a single rank)."""
+    return AssignView(world_size, nodes, sources, peers)(rank)
 
 
 def compact_members(members: list[str], world_size: int) -> tuple[list[str], str]:

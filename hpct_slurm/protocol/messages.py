@@ -154,6 +154,9 @@ Message = Union[Register, Heartbeat, Stop, Assign, Resume, StepDone, Ack, Goodby
                 FetchState, StateBlob, Holdings]
 MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
+# each message type's fields by name, looked up once (every incoming frame is built from them)
+_FIELDS: dict[type, dict[str, dataclasses.Field]] = {
+    cls: {f.name: f for f in dataclasses.fields(cls)} for cls in MESSAGE_TYPES.values()}
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,7 @@ def _build(type_name: Any, fields: Any) -> Any:
     if not isinstance(fields, dict):
         raise ProtocolError(f"{type_name}: 'fields' must be an object, got {fields!r:.80}")
     hints = _HINTS[cls]
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = _FIELDS[cls]
     extra = set(fields) - set(known)
     if extra:
         raise ProtocolError(f"{type_name}: unknown fields {sorted(extra)!r:.120}")
@@ -257,5 +260,5 @@ def _fields_json(msg: Any) -> dict:
         raise ProtocolError(f"cannot send {type(msg).__name__}: not a protocol message")
     # Shallow: message fields are JSON values (no nested dataclasses), and asdict's deep copy
     # of every element cost 1 ms per Assign at 2,000 nodes (bench scale).
-    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return {name: getattr(msg, name) for name in _FIELDS[type(msg)]}
 

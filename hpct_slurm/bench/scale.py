@@ -233,6 +233,13 @@ def measure(ranks: int, step_s: float, work: Path, faults: list[str],
             # the controller's own CPU over the whole round (detection wait included): on a
             # loaded machine the wall-clock phases also hold time spent waiting for a core
             r["controller_cpu_s"] = cpu_seconds(d.ctl.pid) - cpu_before
+            # when the last survivor had the STOP: the rest of detect -> assign is the
+            # survivors answering (Holdings + ready) and the controller reading them
+            stops = [st["stopped"].get(str(generation - 1)) for st in d.status()]
+            last_stop = max((x[1] for x in stops if x), default=None)
+            detect_t = t_fault + r["fault_to_detect_s"]
+            r["detect_to_last_stop_received_s"] = None if last_stop is None \
+                else last_stop - detect_t
             rounds.append({"fault": how, "node": victim, **r})
         return {"ranks": ranks, "nodes": len(d.nodes), "spares": d.spares,
                 "tasks_per_node": TASKS_PER_NODE, "step_s": step_s,

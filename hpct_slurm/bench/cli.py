@@ -18,7 +18,7 @@ BENCHMARKS = ["rendezvous", "replication", "transfer", "cache", "recovery", "str
 # These run on a local Slurm cluster: their `run` also takes `root` and `down`.
 CLUSTER_BENCHMARKS = {"recovery", "stress", "all"}
 # These need no cluster; their `run` also takes `smoke` (smallest sizes, to check the command).
-SMOKE_BENCHMARKS = {"rendezvous", "replication", "transfer", "cache", "store_scale"}
+SMOKE_BENCHMARKS = {"rendezvous", "replication", "transfer", "cache"}
 DEFAULT_CLUSTER_ROOT = "/tmp/hpct-bench-cluster"
 
 

@@ -82,8 +82,8 @@ def summary(per: Counter) -> dict[str, Any]:
             "average": avg, "busiest_over_average": busiest / avg}
 
 
-def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict[str, Any]:
-    hosts = [16, 64] if smoke else ([288] if quick else HOSTS)
+def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
+    hosts = [288] if quick else HOSTS
     results: dict[str, Any] = {}
     for n in hosts:
         for pattern in ("gloo", "nccl"):

@@ -30,7 +30,6 @@ connection, so nothing recorded can be replayed, reflected or reordered.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import struct

@@ -100,6 +100,8 @@ STORE = "HPCT_STORE"
 COLLECTIVE_TIMEOUT_S = "HPCT_COLLECTIVE_TIMEOUT_S"
 INIT_TIMEOUT_S = "HPCT_INIT_TIMEOUT_S"
 PERSIST_EVERY = "HPCT_PERSIST_EVERY"
+HEARTBEAT_S = "HPCT_HEARTBEAT_S"
+STEP_REPORT_S = "HPCT_STEP_REPORT_S"
 WORLD_SIZE = "HPCT_WORLD_SIZE"
 JOB_ID = "HPCT_JOB_ID"
 RECOVERY_MODE = "HPCT_RECOVERY_MODE"
@@ -160,6 +162,13 @@ SETTINGS: tuple[Setting, ...] = (
        "step's rendezvous env: 600)", scope="job"),
     _s(PERSIST_EVERY, "int", 0, CONTROLLER, _RANK, "steps between asynchronous disk "
        "snapshots (`controller --persist-every`; 0: none)", lo=0, hi=UINT32_MAX, scope="job"),
+    _s(HEARTBEAT_S, "seconds", 0.5, CONTROLLER, _RANK,
+       "a rank's heartbeat interval; the controller stretches it beyond 1,000 ranks so the "
+       "aggregate stays within its message budget (controller/pacing.py)", scope="job"),
+    _s(STEP_REPORT_S, "seconds", None, CONTROLLER, _RANK,
+       "at most one StepDone per this many seconds after a generation's first step (unset: "
+       "every step; set by the controller beyond 1,000 ranks, controller/pacing.py)",
+       scope="job"),
     _s(WORLD_SIZE, "int", None, CONTROLLER, "recovery.DistributedSampler",
        "the job's data-parallel world size, known before job.run", lo=1, hi=UINT32_MAX,
        scope="job"),

@@ -13,6 +13,7 @@ from ..errors import HpctError
 
 # Each name is a module `hpct_slurm.bench.<name>` exposing `run(out_dir, quick=False) -> dict`.
 BENCHMARKS = ["rendezvous", "replication", "transfer", "teardown", "cache", "recovery", "stress",
+              "scale", "store_scale",
               "all"]
 # These run on a local Slurm cluster: their `run` also takes `root` and `down`.
 CLUSTER_BENCHMARKS = {"recovery", "stress", "all"}
@@ -39,6 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "else 4,16,32,64)")
     p.add_argument("--reps", type=int, default=None, metavar="R",
                    help="rendezvous only: formations per size and store (default 3)")
+    p.add_argument("--ranks", type=_ranks, default=None, metavar="N,N,...",
+                   help="scale only: simulated rank counts, multiples of 8 (default 2304; "
+                        "256 with --quick)")
+    p.add_argument("--step-s", type=float, default=None, metavar="S",
+                   help="scale only: the simulated ranks' step time (default 1.0)")
     p.set_defaults(func=main)
 
 
@@ -53,6 +59,18 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of rank "
+                                         f"counts") from None
+    if not ranks or any(n < 8 or n % 8 for n in ranks):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rank count must be a positive "
+                                         f"multiple of 8 (simulated nodes of 8)")
+    return ranks
+
+
 def main(args: argparse.Namespace) -> int:
     if args.name not in BENCHMARKS:
         raise HpctError(f"benchmark '{args.name}' is unknown; choose one of {', '.join(BENCHMARKS)}")
@@ -62,6 +80,13 @@ def main(args: argparse.Namespace) -> int:
         raise HpctError(f"--{'/--'.join(sweep)} only applies to the rendezvous benchmark")
     if sweep.get("reps", 1) < 1:
         raise HpctError(f"--reps {sweep['reps']} must be at least 1")
+    scale = {k: v for k, v in (("ranks", getattr(args, "ranks", None)),
+                               ("step_s", getattr(args, "step_s", None))) if v is not None}
+    if scale and args.name != "scale":
+        raise HpctError("--ranks/--step-s only apply to the scale benchmark")
+    if scale.get("step_s", 1.0) <= 0:
+        raise HpctError(f"--step-s {scale['step_s']} must be a positive number of seconds")
+    sweep.update(scale)
     smoke = getattr(args, "smoke", False)
     if smoke and args.name not in SMOKE_BENCHMARKS:
         raise HpctError(f"--smoke only applies to {', '.join(sorted(SMOKE_BENCHMARKS))}")

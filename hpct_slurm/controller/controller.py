@@ -29,6 +29,7 @@ from .. import events
 from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
+from .pacing import AssignView, compact_members, pace, set_keepalive
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
                      data_ranks, decide_recovery, initial_shards)
 
@@ -169,6 +170,13 @@ class Controller:
         active, spares = split_allocation(opts.nodes, opts.batch_host, opts.spares,
                                           opts.active)
         self.world = World(active, spares, opts.tasks_per_node)
+        # heartbeat and step-report intervals that keep the message rate bounded (pacing.py)
+        self.pacing = pace((len(active) + len(spares)) * opts.tasks_per_node,
+                           opts.heartbeat_timeout_s)
+        # A burst of the job's own connections may sit unregistered at once (bench scale: a
+        # 256 cap aborted ranks whose Register was already buffered); strangers still need
+        # as many connections as the job has ranks to crowd it out.
+        self.job_ranks = (len(active) + len(spares)) * opts.tasks_per_node
         self.shards = initial_shards(active)
         self.data_world = self.world.world_size  # the global batch never changes
         self.conns: dict[tuple[str, int], Conn] = {}
@@ -186,6 +194,7 @@ class Controller:
         self.fault_event = asyncio.Event()
         self.recovering = False
         self.recovery: RecoveryRecord | None = None  # the round whose first step is awaited
+        self.first_step_reports: dict[int, int] = {}  # generation -> its first step's reports
         self.finished = asyncio.Event()
         self.done_sent = False
         self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
@@ -295,6 +304,7 @@ class Controller:
             # the data-parallel world, for a DistributedSampler built before job.run
             C.WORLD_SIZE: str(self.data_world),
         })
+        env.update(self.pacing.env())
         return env
 
     def _launch(self, node: str, role: str) -> None:
@@ -364,6 +374,8 @@ class Controller:
         # a duplicate) must never touch the state of the rank it claimed to be.
         conn: Conn | None = None
         self._admit(writer)
+        if self.pacing.keepalive:  # large worlds: a dead node is found by the kernel (pacing.py)
+            set_keepalive(writer.get_extra_info("socket"))
         try:
             chan = await P.server_hello_async(writer, self.secret, self.job)
             env = await asyncio.wait_for(chan.read(reader), timeout=REGISTER_TIMEOUT_S)
@@ -406,7 +418,7 @@ class Controller:
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
         """Count a new connection as unregistered, dropping the oldest such one at the cap."""
-        if len(self.unregistered) >= MAX_UNREGISTERED:
+        if len(self.unregistered) >= max(MAX_UNREGISTERED, self.job_ranks):
             oldest = next(iter(self.unregistered))
             del self.unregistered[oldest]
             oldest.transport.abort()  # its _serve sees the connection fail and logs it
@@ -518,7 +530,9 @@ class Controller:
             conn.gone = True
 
     def _live(self, node: str) -> list[Conn]:
-        return [c for (n, _), c in self.conns.items() if n == node and not c.gone]
+        # by key, not a scan: called per node on every registration and round (O(world) each)
+        return [c for lr in range(self.o.tasks_per_node)
+                if (c := self.conns.get((node, lr))) is not None and not c.gone]
 
     def _node_ready(self, node: str) -> bool:
         return len(self._live(node)) == self.o.tasks_per_node
@@ -530,6 +544,7 @@ class Controller:
         # another generation 0, and a rank would find a stale Assign queued at its next fault.
         if self.world.generation == 0 and self.recovery is None and not self.recovering \
                 and not self.gen0_scheduled \
+                and len(self.conns) >= len(self.world.members) * self.o.tasks_per_node \
                 and all(self._node_ready(n) for n in self.world.members) \
                 and all(c.rank < 0 for n in self.world.members for c in self._live(n)):
             self.gen0_scheduled = True
@@ -543,15 +558,21 @@ class Controller:
         for c in members:
             c.rank = self.world.rank_of(c.node, c.local_rank)
         peers = {c.rank: (c.host_addr, c.transfer_port) for c in members}
+        # beyond pacing.FULL_VIEW_MAX ranks each rank gets only the peers and sources it uses
+        # (a sharded job's ranks need every peer's address: they keep the full view)
+        sharded = any(c.shard_keys for c in members)
+        names, hostlist = compact_members(self.world.members, self.world.world_size)
+        view = AssignView(self.world.world_size, len(self.world.members), sources, peers)
         for c in members:
             c.generation, c.state, c.role = g, RankState.ASSIGNED, Role.ACTIVE
             c.progress_at, c.reported_at = time.monotonic(), None
             c.held, c.error = None, ""
+            src, prs = (sources, peers) if sharded else view(c.rank)
             await self._send(c, P.Assign(
-                g, c.rank, self.world.world_size, list(self.world.members),
-                self.o.tasks_per_node, restore, sources,
+                g, c.rank, self.world.world_size, names,
+                self.o.tasks_per_node, restore, src,
                 data_ranks(self.shards[c.node], c.local_rank, self.o.tasks_per_node),
-                self.data_world, peers))
+                self.data_world, prs, hostlist))
 
     # ---- detection -----------------------------------------------------------------------
     def _fault(self, node: str, reason: str) -> None:
@@ -567,13 +588,13 @@ class Controller:
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(self.pacing.sweep_s)
             now = time.monotonic()
             reported = []
             for c in list(self.conns.values()):
                 if c.gone or c.state == RankState.DONE:
                     continue
-                if now - c.last_seen > self.o.heartbeat_timeout_s:
+                if now - c.last_seen > self.pacing.silence_timeout_s:
                     self._fault(c.node, f"no heartbeat for {now - c.last_seen:.1f} s")
                 elif c.state == RankState.RUNNING and not self.recovering \
                         and not self.pending_faults \
@@ -864,6 +885,12 @@ class Controller:
         self.trained = True
         rec = self.recovery
         if not rec or step != rec.first_step:
+            return
+        # counted first: the full check below is O(world), and run for every rank's report it
+        # made a round's end O(world^2) (53 s at 16,384 ranks, bench scale)
+        seen = self.first_step_reports.get(rec.generation, 0) + 1
+        self.first_step_reports[rec.generation] = seen
+        if seen < self.world.world_size:
             return
         ranks = {c.rank for c in self.conns.values() if not c.gone and c.step >= step
                  and c.generation == rec.generation}

@@ -32,15 +32,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the fallback rate)")
     p.add_argument("--phases", action="append", default=[], metavar="FILE",
                    help="measured costs laid over the defaults, in order: a file shaped "
-                        "like defaults.json, or `bench rendezvous` / `bench replication` "
-                        "output (repeatable)")
+                        "like defaults.json, or `bench rendezvous` / `bench replication` / "
+                        "`bench recovery` / `bench scale` output (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", type=Path, default=None, help="write goodput vs GPUs to a PNG")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .model import evaluate, load_params, sweep
+    from .model import evaluate, load_params, recovery_budget, sweep
 
     params = load_params(
         args.phases, gpus_per_node=args.gpus_per_node,
@@ -57,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = results[0].to_dict() if args.gpus is not None else \
             {"sweep": [r.to_dict() for r in results]}
+        if args.gpus is not None:
+            budget = recovery_budget(args.gpus, params)
+            doc["hpct_recovery_terms"] = budget
+            doc["assumed_terms"] = [t["term"] for t in budget
+                                    if not t["source"].startswith("measured")]
         doc["params"] = {"reform": asdict(params.hpct.reform),
                          "ckpt_restart_rendezvous": asdict(params.ckpt_restart.rendezvous),
                          "replication_overhead": params.replication_overhead,
@@ -70,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.gpus:>7} {r.failures_per_hour:>7.3f} {r.ckpt_restart_goodput:>12.1%} "
               f"{r.ckpt_restart_recovery_s / 60:>6.1f} m {r.hpct_goodput:>7.1%} "
               f"{r.hpct_recovery_s:>5.0f} s {r.hpct_spares:>6} {r.hpct_fallback_fraction:>8.2%}")
+    if args.gpus is not None:
+        print(f"hpct-slurm recovery at {args.gpus} GPUs, term by term:")
+        for t in recovery_budget(args.gpus, params):
+            print(f"  {t['term']:<16} {t['s']:>8.2f} s  {t['source']}")
     if args.plot is not None:
         print(f"plot: {args.plot}")
     return 0

@@ -114,6 +114,21 @@ class HpctCosts:
     transfer_gb_per_s: float
     data_reattach_s: float
     first_step_s: float
+    # Measured growth with the world (`hpct-slurm bench scale`, --phases results/scale.json):
+    # when given, detection, stop-to-assignment and assignment-to-acknowledged follow these
+    # curves instead of the flat detect_s and stop_s (assignment is otherwise assumed inside
+    # first_step_s).
+    detect_curve: Curve | None = None
+    stop_curve: Curve | None = None
+    assign_curve: Curve | None = None
+
+    def terms(self, ranks: int) -> dict[str, float]:
+        """Each phase of one recovery at `ranks` ranks, seconds, in order."""
+        return {"detect": self.detect_curve(ranks) if self.detect_curve else self.detect_s,
+                "stop_to_assign": self.stop_curve(ranks) if self.stop_curve else self.stop_s,
+                "assign_to_acked": self.assign_curve(ranks) if self.assign_curve else 0.0,
+                "reform": self.reform(ranks), "transfer": self.transfer_s(),
+                "data_reattach": self.data_reattach_s, "first_step": self.first_step_s}
 
     def transfer_s(self) -> float:
         # The replacement pulls only its own ranks' shards, from peers in parallel: the time
@@ -121,8 +136,7 @@ class HpctCosts:
         return self.state_gb_per_gpu / self.transfer_gb_per_s
 
     def recovery_s(self, ranks: int) -> float:
-        return (self.detect_s + self.stop_s + self.reform(ranks) + self.transfer_s()
-                + self.data_reattach_s + self.first_step_s)
+        return sum(self.terms(ranks).values())
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,8 @@ class Params:
     spares: int | None = None
     hpct_ckpt_interval_min: float | None = None
     provenance: dict[str, str] = field(default_factory=dict, compare=False)
+    # overlay key (under "hpct") -> the --phases file it was measured in
+    measured: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         checks = [("gpus_per_node", self.gpus_per_node >= 1),
@@ -327,6 +343,8 @@ def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
         return {"hpct": {"reform": {"points": rootless, "fit": "auto"}}}
     if "overhead_pct" in doc:
         return {"replication_overhead": float(doc["overhead_pct"]) / 100}
+    if doc.get("bench") == "scale":
+        return _overlay_from_scale(doc)
     if doc.get("bench") == "recovery":
         try:
             ph = doc["summary"]["phases"]["hpct"]
@@ -335,6 +353,34 @@ def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
         except (KeyError, TypeError) as exc:
             raise HpctError(f"recovery result lacks summary.phases.hpct ({exc})") from None
     return {k: v for k, v in doc.items() if k != "provenance"}
+
+
+def _points_spec(points: list[list[float]]) -> dict[str, Any]:
+    """A curve spec from measured points: fitted from two or more sizes, flat from one."""
+    if len({n for n, _ in points}) >= 2:
+        return {"points": points, "fit": "auto"}
+    return {"kind": "linear", "a": points[0][1], "b": 0.0}
+
+
+def _overlay_from_scale(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """`hpct-slurm bench scale` output: per simulated world size, the worst injected fault's
+    controller phases. Detection is the silent node's (a node that dies without a reset is
+    seen by missed heartbeats; a crashed process is seen at once, from its connection)."""
+    try:
+        runs = doc["runs"]
+        detect, stop, assign = [], [], []
+        for n, run in sorted(runs.items(), key=lambda kv: int(kv[0])):
+            rounds = run["rounds"]
+            silent = [r["fault_to_detect_s"] for r in rounds if r["fault"] == "silent"]
+            detect.append([int(n), max(silent or [r["fault_to_detect_s"] for r in rounds])])
+            stop.append([int(n), max(r["detect_to_assign_s"] for r in rounds)])
+            assign.append([int(n), max(r["assign_to_all_acked_s"] for r in rounds)])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise HpctError(f"scale result lacks runs.<N>.rounds phases ({exc})") from None
+    if not detect:
+        raise HpctError("scale result has no runs")
+    return {"hpct": {"detect_curve": _points_spec(detect), "stop_curve": _points_spec(stop),
+                     "assign_curve": _points_spec(assign)}}
 
 
 def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
@@ -358,7 +404,9 @@ def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
                 state_gb_per_gpu=float(h["state_gb_per_gpu"]),
                 transfer_gb_per_s=float(h["transfer_gb_per_s"]),
                 data_reattach_s=float(h["data_reattach_s"]),
-                first_step_s=float(h["first_step_s"])),
+                first_step_s=float(h["first_step_s"]),
+                **{f"{k}_curve": _curve(h[f"{k}_curve"], f"hpct.{k}_curve")
+                   for k in ("detect", "stop", "assign") if h.get(f"{k}_curve")}),
             replication_overhead=float(doc["replication_overhead"]),
             spare_fraction=float(sp["fraction"]), min_spares=int(sp["min"]),
             spare_refill_hours=float(sp["refill_hours"]),
@@ -372,6 +420,7 @@ def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
 def load_params(phase_files: Sequence[str | Path] = (), **overrides: Any) -> Params:
     """defaults.json, then each measured file in order, then CLI overrides."""
     doc = default_doc()
+    measured: dict[str, str] = {}
     for path in phase_files:
         try:
             extra = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -379,5 +428,28 @@ def load_params(phase_files: Sequence[str | Path] = (), **overrides: Any) -> Par
             raise HpctError(f"phases file {str(path)!r} is unreadable ({exc})") from None
         if not isinstance(extra, dict):
             raise HpctError(f"phases file {str(path)!r} is not a JSON object")
-        doc = _merge(doc, overlay_from_result(extra))
-    return params_from_doc(doc, **overrides)
+        over = overlay_from_result(extra)
+        measured.update({k: str(path) for k in (over.get("hpct") or {})})
+        doc = _merge(doc, over)
+    return replace(params_from_doc(doc, **overrides), measured=measured)
+
+
+# Which defaults.json / overlay key stands behind each recovery term.
+TERM_KEYS = {"detect": ("detect_curve", "detect_s"), "stop_to_assign": ("stop_curve", "stop_s"),
+             "assign_to_acked": ("assign_curve",), "reform": ("reform",),
+             "transfer": ("state_gb_per_gpu", "transfer_gb_per_s"),
+             "data_reattach": ("data_reattach_s",), "first_step": ("first_step_s",)}
+
+
+def recovery_budget(gpus: int, p: Params) -> list[dict[str, Any]]:
+    """hpct-slurm's recovery time at `gpus`, term by term, each marked measured (with the
+    file) or assumed (defaults.json)."""
+    out = []
+    for term, seconds in p.hpct.terms(gpus).items():
+        src = next((p.measured[k] for k in TERM_KEYS[term] if k in p.measured), None)
+        if term == "assign_to_acked" and src is None:
+            note = "assumed: inside first_step_s"
+        else:
+            note = f"measured: {src}" if src else "assumed: defaults.json"
+        out.append({"term": term, "s": seconds, "source": note})
+    return out

@@ -30,7 +30,6 @@ connection, so nothing recorded can be replayed, reflected or reordered.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import struct
@@ -59,7 +58,8 @@ Body = Union[bytes, bytearray, memoryview, Sequence[Union[bytes, bytearray, memo
 
 def _mac(secret: bytes, header: bytes, context: bytes) -> bytes:
     # `context` (direction + nonce, fixed length) cannot run into the header: that starts with {.
-    return hmac.new(secret, _MAC_DOMAIN + context + header, hashlib.sha256).digest()
+    # hmac.digest: the same HMAC-SHA256, in one C call (the controller MACs every frame)
+    return hmac.digest(secret, _MAC_DOMAIN + context + header, "sha256")
 
 
 def _parts(body: Body) -> list[memoryview]:

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import config as C
 from .. import protocol as P
+from ..controller.pacing import should_report
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from .sever import sever
@@ -60,6 +62,10 @@ class CoordinationClient:
         self.generation = -1
         self.step = -1
         self.state = "registering"
+        # The controller's pacing (controller/pacing.py): longer intervals in large worlds.
+        self.heartbeat_s = C.read(os.environ, C.HEARTBEAT_S) or HEARTBEAT_S
+        self.step_report_s = C.read(os.environ, C.STEP_REPORT_S) or 0.0
+        self._last_report: tuple[int, float] | None = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="hpct-coord-rx")
         self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="hpct-coord-hb")
 
@@ -126,7 +132,10 @@ class CoordinationClient:
 
     def step_done(self, step: int) -> None:
         self.step = step
-        self._send_or_close(P.StepDone(self.rank, self.generation, step))
+        now = time.monotonic()
+        if should_report(step, self.generation, self._last_report, now, self.step_report_s):
+            self._last_report = (self.generation, now)
+            self._send_or_close(P.StepDone(self.rank, self.generation, step))
 
     def next_assignment(self, timeout: float | None = None) -> "P.Assign | P.Goodbye":
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -184,5 +193,5 @@ class CoordinationClient:
             self.closed.set()
 
     def _beat_loop(self) -> None:
-        while not self.closed.wait(HEARTBEAT_S):
+        while not self.closed.wait(self.heartbeat_s):
             self.heartbeat_now()

@@ -653,11 +653,11 @@ class Job:
         # A newcomer pulls its state from every source at once while the group forms.
         prefetch = self._prefetch(a, held_state)
         self._await_teardown()
-        info = rdv.derive(self.slurm, a.generation, members=a.members,
+        info = rdv.derive(self.slurm, a.generation, members=a.member_nodes(),
                           tasks_per_node=a.tasks_per_node,
                           collective_timeout_s=self.collective_timeout_s,
                           init_timeout_s=self.init_timeout_s,
-                          allowed_nodes=a.members)  # the controller vouches for its members
+                          allowed_nodes=a.member_nodes())  # the controller vouches for its members
         if info.rank != a.rank:
             raise HpctError(f"controller assigned rank {a.rank} but the derived layout puts "
                             f"{self.slurm.node_name}/{self.slurm.localid} at rank {info.rank}")
@@ -746,7 +746,7 @@ class Job:
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
         if self.mesh_spec is not None:
             self.client.group_addrs = {h for h, _ in self._peers.values()} - {self.host_addr}
-        n = len(a.members)
+        n = len(a.member_nodes())
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
@@ -761,9 +761,9 @@ class Job:
 
     def _holder(self, a: P.Assign) -> list[tuple[str, int]]:
         """Where this rank's ring replica lives: the neighbour in the (unchanged) ring."""
-        if len(a.members) < 2:
+        if len(a.member_nodes()) < 2:
             return []
-        peer = replica_peer_rank(a.rank, len(a.members), a.tasks_per_node)
+        peer = replica_peer_rank(a.rank, len(a.member_nodes()), a.tasks_per_node)
         return [(str(h), int(p)) for r, (h, p) in a.peers.items() if int(r) == peer]
 
     def _prefetch(self, a: P.Assign, survivor: bool) -> Prefetch | None:

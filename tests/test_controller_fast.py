@@ -224,11 +224,13 @@ class FakeSlurmRunner:
             case ["scontrol", "show", "node", "-o", name] if name in c.alive:
                 time.sleep(c.show_node_delay_s)
                 addr = ALIVE_ADDR if c.alive[name] else DEAD_ADDR
+                reason = f" Reason={c.reason[name]}" if name in c.reason else ""
                 return (f"NodeName={name} Arch=x86_64 CoresPerSocket=1 NodeAddr={addr} "
-                        f"NodeHostName={name} State={c.state[name]} Partitions=debug\n")
+                        f"NodeHostName={name} State={c.state[name]} Partitions=debug"
+                        f"{reason}\n")
             case ["sinfo", "--json"]:
-                return json.dumps({"nodes": [{"name": n, "state": c.state[n], "state_flags": []}
-                                             for n in c.nodes]})
+                return json.dumps({"nodes": [{"name": n, "state": c.state[n], "state_flags": [],
+                                              "reason": c.reason.get(n)} for n in c.nodes]})
             case ["squeue", "-h", "-s", "-j", job, "-o", "%i %N"] if job == str(JOB):
                 running = [f"{JOB}.{s.number} {s.node}" for s in list(c.steps)
                            if s.returncode is None]
@@ -243,6 +245,13 @@ class FakeSlurmRunner:
                 return ""
             case ["scontrol", "requeue", job] if job == str(JOB):
                 return ""
+            case ["scontrol", "update", job_arg, comment] if job_arg == f"JobId={JOB}" \
+                    and comment.startswith("Comment="):
+                c.comments.append(comment.removeprefix("Comment="))
+                return ""
+            case ["scontrol", "update", node_arg, "State=DRAIN", reason]:
+                c.reason[node_arg.removeprefix("NodeName=")] = reason.removeprefix("Reason=")
+                return ""
         return None
 
 
@@ -254,6 +263,8 @@ class FakeCluster:
         self.nodes = nodes
         self.alive = {n: True for n in nodes}
         self.state = {n: "ALLOCATED" for n in nodes}
+        self.reason: dict[str, str] = {}  # node -> its Slurm Reason (a drain's)
+        self.comments: list[str] = []  # the job's Slurm Comment, each update
         self.on_stop: dict[str, object] = {}
         self.steps: list[FakeStep] = []
         self.step_numbers = itertools.count(0)

@@ -111,6 +111,7 @@ class JobInfo:
     exit_signal: int
     flags: frozenset[str] | None
     work_dir: str | None = None  # the job's WorkDir (its --chdir, else where it was submitted)
+    comment: str | None = None  # its Comment (scontrol only): the lifecycle's summary
 
     @property
     def finished(self) -> bool:
@@ -247,7 +248,7 @@ def parse_job_record(line: str) -> JobInfo:
         restart_count=_uint(rec.get("Restarts", "0"), "Restarts"),
         reason=_opt(rec.get("Reason")),
         exit_code=_uint(code, "ExitCode"), exit_signal=_uint(sig or "0", "ExitCode signal"),
-        flags=None, work_dir=_opt(rec.get("WorkDir")))
+        flags=None, work_dir=_opt(rec.get("WorkDir")), comment=_opt(rec.get("Comment")))
 
 
 def parse_squeue_json(text: str) -> list[JobInfo]:
@@ -589,6 +590,27 @@ class SlurmClient:
     def reconfigure(self) -> None:
         """`scontrol reconfigure`: slurmctld and every slurmd re-read their configuration."""
         self.run(["scontrol", "reconfigure"])
+
+    def set_job_comment(self, job_id: int, comment: str) -> None:
+        """`scontrol update JobId=J Comment=..`: a line the job's owner may set on their own
+        job, shown by `scontrol show job` and `squeue -O comment` (the lifecycle's record)."""
+        text = _one_line(comment, "job comment")
+        if len(text) > 250:
+            raise HpctError(f"job comment of {len(text)} characters is over 250: keep the "
+                            f"summary short")
+        self.run(["scontrol", "update", f"JobId={int(job_id)}", f"Comment={text}"])
+
+    def reboot_nodes(self, names: str | Sequence[str], reason: str,
+                     next_state: str = "RESUME") -> None:
+        """`scontrol reboot ASAP nextstate=<RESUME|DOWN> reason=.. <hostlist>`: reboot once the
+        node is idle, keep it from new work until then, and come back in `next_state`."""
+        hostlist = names if isinstance(names, str) else compress(names)
+        expand(hostlist)
+        next_state = next_state.upper()
+        if next_state not in ("RESUME", "DOWN"):
+            raise HpctError(f"reboot next state {next_state!r} is not RESUME or DOWN")
+        self.run(["scontrol", "reboot", "ASAP", f"nextstate={next_state}",
+                  f"reason={_one_line(reason, 'reboot reason')}", hostlist])
 
     def requeue(self, job_id: int) -> None:
         self.run(["scontrol", "requeue", str(int(job_id))])

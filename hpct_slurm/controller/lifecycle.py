@@ -1,0 +1,281 @@
+"""The node lifecycle around the recovery machinery (issue 17).
+
+* Planned move: an admin drains an active node (`scontrol update nodename=nX state=drain
+  reason=...`). Nothing has failed, so there is nothing to detect, fence or roll back: every
+  rank leaves the step at its next boundary (STOP), the warm spare takes the node's position
+  in a new generation and pulls the state from the leaving ranks themselves (still alive, they
+  are its first sources), the group resumes at the step everyone completed, and only then the
+  leaving ranks are told goodbye and exit cleanly; the node stays drained, our reason appended.
+* Grow back: after an elastic shrink, a spare that is ready again takes back a data shard a
+  survivor took over (policy.decide_grow), restoring the world the job started with.
+* The record in Slurm: after every round the job's own Comment carries a one-line summary
+  (`scontrol show job`, `squeue -O comment`), and so does an escalation.
+
+The pure parts (what is drained, the summary text, the reason) are functions here and in
+policy.py; `Lifecycle` does the I/O through the controller it belongs to.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Sequence
+
+from .. import protocol as P
+from ..errors import HpctError, describe
+from ..events import Ev, RankState
+from ..slurm.client import NodeInfo
+from .policy import Action, RecoveryDecision, RecoveryRecord, SurvivorReport, decide_grow
+
+if TYPE_CHECKING:
+    from .controller import Conn, Controller
+
+COMMENT_MAX = 250  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
+REASON_TAG = "hpct:"
+
+
+@dataclass
+class Tally:
+    """What the job went through so far, for its Slurm comment."""
+
+    faults: int = 0
+    moves: int = 0
+    grows: int = 0
+    replaced: list[str] = field(default_factory=list)  # "n3>n5": n5 took n3's place
+    pause_s: float = 0.0
+    lost_steps: int = 0
+
+
+def summary(t: Tally, outcome: str = "") -> str:
+    """The job's comment: one short line without '=' (scontrol prints Key=value records)."""
+    parts = [f"hpct: {t.faults} fault(s)", f"{t.moves} move(s)"]
+    if t.grows:
+        parts.append(f"{t.grows} grow(s)")
+    if t.replaced:
+        parts.append("replaced " + " ".join(t.replaced))
+    parts += [f"pause {t.pause_s:.2f}s", f"lost steps {t.lost_steps}"]
+    if outcome:
+        parts.append(outcome)
+    text = ", ".join(parts).replace("=", ":")
+    return text if len(text) <= COMMENT_MAX else text[:COMMENT_MAX - 3] + "..."
+
+
+def drained(nodes: Sequence[NodeInfo], members: Sequence[str]) -> list[tuple[str, str]]:
+    """Active members an admin (or a health check) drained while they still run: (node,
+    reason). A node that is also down or not responding is a fault, not a planned move."""
+    return [(n.name, n.reason or "drained") for n in nodes
+            if n.name in members and "DRAIN" in n.flags and not n.lost]
+
+
+def moved_reason(admin_reason: str | None, spare: str, job_id: int) -> str:
+    """The node's drain reason after the move: the admin's, with ours appended (once)."""
+    ours = f"{REASON_TAG} job {job_id} moved its ranks to {spare}"
+    base = (admin_reason or "drained").strip()
+    return base if ours in base else f"{base}; {ours}"
+
+
+class Lifecycle:
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+        self.tally = Tally()
+        self.requested: set[str] = set()   # nodes whose move was started (once each)
+        self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
+        self.leaving: dict[str, list["Conn"]] = {}  # moved node -> its ranks, until goodbye
+        self.grow_refused = False
+        self.task: asyncio.Task | None = None
+
+    # ---- triggers (the controller's Slurm poll) ---------------------------------------------
+    def on_nodes(self, nodes: Sequence[NodeInfo]) -> None:
+        for node, reason in drained(nodes, self.ctl.world.members):
+            self.request_move(node, reason)
+        self.maybe_grow()
+
+    def _busy(self) -> bool:
+        c = self.ctl
+        return (c.finished.is_set() or c.recovering or bool(c.pending_faults)
+                or c.recovery is not None or (self.task is not None and not self.task.done())
+                or c.world.generation == 0 and not c.trained)
+
+    def _ready_spares(self) -> list[str]:
+        return [s for s in self.ctl.world.spares if self.ctl._node_ready(s)]
+
+    def request_move(self, node: str, why: str) -> bool:
+        """Start moving `node`'s ranks to a warm spare, when one is ready and no other round
+        runs (else the next poll asks again). True when the move started."""
+        c = self.ctl
+        if node in self.requested or node not in c.world.members or self._busy():
+            return False
+        if not self._ready_spares():
+            if node not in self.skipped:
+                self.skipped.add(node)
+                c.events.emit(Ev.MOVE_SKIPPED, node=node, reason=why,
+                              why="no warm spare ready: the node trains on until one is")
+            return False
+        self.requested.add(node)
+        c.events.emit(Ev.MOVE_REQUESTED, node=node, reason=why,
+                      generation=c.world.generation)
+        self.task = asyncio.create_task(self._round(self._move(node, why)))
+        return True
+
+    def maybe_grow(self) -> bool:
+        c = self.ctl
+        if self.grow_refused or c.world.world_size >= c.data_world or self._busy() \
+                or not self._ready_spares():
+            return False
+        self.task = asyncio.create_task(self._round(self._grow()))
+        return True
+
+    # ---- rounds ------------------------------------------------------------------------------
+    async def _round(self, body: Awaitable[None]) -> None:
+        """A planned round holds the controller's round flag like a recovery: faults that come
+        meanwhile wait and are handled right after it."""
+        c = self.ctl
+        c.recovering = True
+        try:
+            await body
+        except Exception as exc:  # a planned round never ends the job: say so, go on
+            c.events.emit(Ev.MOVE_FAILED, error=describe(exc) if isinstance(exc, HpctError)
+                          else f"{type(exc).__name__}: {exc}")
+        finally:
+            c.recovering = False
+            if c.pending_faults:
+                c.fault_event.set()
+
+    async def _stop_all(self, rec: RecoveryRecord, why: str) -> list["Conn"] | None:
+        """STOP every rank (nobody is lost: no addresses to cut) and wait for all to be ready.
+        None when one is not: it is then a fault, and the fault loop takes over."""
+        c = self.ctl
+        everyone = [x for n in c.world.members for x in c._live(n)]
+        rec.newest_done = max((x.done_step for x in everyone), default=-1)
+        for x in everyone:
+            await c._send(x, P.Stop(c.world.generation, why, []))
+        rec.t_stop = rec.t_fenced = time.time()
+        await c._wait_ready(everyone)
+        rec.t_ready = time.time()
+        bad = [x for x in everyone if x.gone or x.state != RankState.READY]
+        if bad:
+            c.events.emit(Ev.MOVE_FAILED, error=f"{len(bad)} rank(s) not ready after the "
+                                                f"planned stop: handled as a fault",
+                          nodes=sorted({x.node for x in bad}))
+            for x in bad:
+                c._fault(x.node, f"not ready after a planned stop ({x.state})")
+            return None
+        return everyone
+
+    async def _move(self, node: str, why: str) -> None:
+        c = self.ctl
+        rec = RecoveryRecord(t_detect=time.time(), kind="move")
+        everyone = await self._stop_all(rec, f"planned move off {node}: {why}")
+        if everyone is None:
+            return
+        d = await c._decide([node], everyone, [])
+        if d.action != Action.REPLACE or not d.taken:
+            # the spare went away meanwhile: everyone goes on where it stopped
+            c.events.emit(Ev.MOVE_FAILED, node=node, error=d.reason)
+            self.requested.discard(node)
+            d = await c._decide([], everyone, [])
+            rec.kind = "recovery"
+            if d.escalates:
+                raise HpctError(d.reason)
+        leaving = [x for x in everyone if x.node == node] if d.taken else []
+        if leaving:
+            self.leaving[node] = leaving
+        await self._carry(rec, d, everyone, first=leaving, event=Ev.MOVE_ASSIGN)
+
+    async def _grow(self) -> None:
+        c = self.ctl
+        rec = RecoveryRecord(t_detect=time.time(), kind="grow")
+        everyone = await self._stop_all(rec, "growing back to the full world")
+        if everyone is None:
+            return
+        reports = [SurvivorReport(x.node, x.local_rank, x.held, x.held_rank, x.mode,
+                                  x.rank_state, tuple(x.shard_keys), x.error, not x.gone)
+                   for x in everyone if x.held is not None]
+        disk_shared, disk_rank = await asyncio.to_thread(c._persisted_steps)
+        d = decide_grow(c.world, c.shards, self._ready_spares(), reports,
+                        disk_shared=disk_shared, disk_rank=disk_rank)
+        if d is None:
+            self.grow_refused = True  # per-rank or sharded state: stay shrunk
+            c.events.emit(Ev.MOVE_FAILED, error="cannot grow back (per-rank or sharded state, "
+                                                "or no common step): the job stays shrunk")
+            d = await c._decide([], everyone, [])
+            rec.kind = "recovery"
+            if d.escalates:
+                raise HpctError(d.reason)
+        await self._carry(rec, d, everyone, first=[], event=Ev.GROW_ASSIGN)
+
+    async def _carry(self, rec: RecoveryRecord, d: RecoveryDecision, everyone: list["Conn"],
+                     first: list["Conn"], event: Ev) -> None:
+        """The new generation, as _recover carries out a decision: layout, sources (the
+        leaving ranks first: they hold the newest state and are about to go), assignment."""
+        c = self.ctl
+        assert d.replacement is not None and d.plan is not None
+        rep, plan = d.replacement, d.plan
+        c.shards = d.shards
+        c.world.members, c.world.spares = rep.members, d.spares
+        c.world.generation = rep.generation
+        staying = [x for x in everyone if x not in first]
+        sources = {x.rank: [(x.host_addr, x.transfer_port)] for x in first}
+        sources.update({c.world.rank_of(x.node, x.local_rank): [(x.host_addr, x.transfer_port)]
+                        for x in staying})
+        rec.generation, rec.restore_step = rep.generation, plan.step
+        rec.lost, rec.taken = d.lost, rep.taken
+        rec.reasons = {n: "planned move" for n in d.lost}
+        rec.t_assigned = time.time()
+        c.recovery = rec
+        c.events.emit(event, generation=rep.generation, restore_step=plan.step,
+                      newest_done=rec.newest_done, taken=rep.taken, members=rep.members,
+                      shards=c.shards, sources={str(r): s for r, s in sorted(plan.sources.items())})
+        await c._assign(plan.step, sources)
+
+    # ---- the end of a round ------------------------------------------------------------------
+    def round_done(self, rec: RecoveryRecord, now: float) -> None:
+        """Every rank completed the round's first step: its event, the leaving ranks' goodbye
+        (a move), the tally and the job's Slurm comment."""
+        c = self.ctl
+        fields = rec.done_fields(now)
+        t = self.tally
+        if rec.kind == "move":
+            c.events.emit(Ev.MOVE_DONE, **fields)
+            t.moves += 1
+            for node in rec.lost:
+                asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
+        elif rec.kind == "grow":
+            c.events.emit(Ev.GROW_DONE, **fields)
+            t.grows += 1
+        else:
+            c.events.emit(Ev.RECOVERY_DONE, **fields)
+            t.faults += max(1, len(rec.lost))
+        t.replaced += [f"{a}>{b}" for a, b in rec.taken.items()]
+        t.pause_s += fields["recovery_s"]
+        t.lost_steps += fields["lost_steps"]
+        asyncio.ensure_future(self.record())
+
+    async def _release(self, node: str, spare: str) -> None:
+        """The moved node's ranks leave (their state is no longer needed); the node stays
+        drained for the admin, with what we did appended to the reason."""
+        c = self.ctl
+        c.dead_nodes.add(node)  # never a spare or member again in this job
+        if node in c.steps:
+            c.expected_exits.add(c.steps[node].pid)
+        for x in self.leaving.pop(node, []):
+            await c._send(x, P.Goodbye(f"moved to {spare}"))
+        try:
+            info = await asyncio.to_thread(c.slurm.show_node, node)
+            if "DRAIN" in info.flags:
+                await asyncio.to_thread(c.slurm.update_node, node, "DRAIN",
+                                        moved_reason(info.reason, spare, c.o.job_id))
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+
+    async def record(self, outcome: str = "") -> None:
+        """Write the summary into the job's Slurm Comment (best effort: a refused update is an
+        event, never a failure of the job)."""
+        c = self.ctl
+        text = summary(self.tally, outcome)
+        try:
+            await asyncio.to_thread(c.slurm.set_job_comment, c.o.job_id, text)
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
+            return
+        c.events.emit(Ev.SLURM_COMMENT, comment=text)

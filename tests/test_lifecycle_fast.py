@@ -1,0 +1,166 @@
+"""The node lifecycle (issue 17) against the real Controller with in-process fake ranks
+(test_controller_fast's FakeCluster): planned moves off a drained node, growing back after a
+shrink, the job's Slurm comment; and the pure rules behind them."""
+from __future__ import annotations
+
+import pytest
+
+from hpct_slurm.controller.lifecycle import Tally, drained, moved_reason, summary
+from hpct_slurm.controller.policy import World, decide_grow, grow, shrink
+from hpct_slurm.errors import HpctError
+from hpct_slurm.slurm.client import NodeInfo, SlurmClient
+from test_controller_fast import FakeCluster, run
+
+
+def node(name: str, state: str, reason: str | None = None) -> NodeInfo:
+    from hpct_slurm.slurm.client import parse_node_state
+    base, flags = parse_node_state(state)
+    return NodeInfo(name=name, state=base, flags=flags, reason=reason, addr=None, hostname=None,
+                    features=(), active_features=())
+
+
+# ---- pure rules ----------------------------------------------------------------------------------
+
+def test_only_drained_members_that_still_run_are_moved():
+    nodes = [node("a1", "ALLOCATED+DRAIN", "bad fan"), node("a2", "ALLOCATED"),
+             node("a3", "DOWN+DRAIN", "dead"), node("s1", "IDLE+DRAIN", "spare")]
+    assert drained(nodes, ["a1", "a2", "a3"]) == [("a1", "bad fan")]
+
+
+def test_the_moved_reason_keeps_the_admins_and_is_appended_once():
+    once = moved_reason("bad fan", "s1", 7)
+    assert once == "bad fan; hpct: job 7 moved its ranks to s1"
+    assert moved_reason(once, "s1", 7) == once
+    assert moved_reason(None, "s1", 7).startswith("drained; hpct:")
+
+
+def test_the_summary_is_one_short_line_without_key_value_pairs():
+    t = Tally(faults=1, moves=2, replaced=["n3>n5", "n2>n6"], pause_s=1.234, lost_steps=0)
+    text = summary(t, "requeued: infrastructure: x=y")
+    assert text == ("hpct: 1 fault(s), 2 move(s), replaced n3>n5 n2>n6, pause 1.23s, "
+                    "lost steps 0, requeued: infrastructure: x:y")
+    long = summary(Tally(replaced=[f"n{i}>m{i}" for i in range(100)]))
+    assert len(long) == 250 and long.endswith("...")
+
+
+def test_grow_gives_each_spare_back_one_shard_and_restores_the_original_order():
+    w = World(["a", "b", "c", "d"], [], 1)
+    rep, shards = shrink(w, ["b", "c"], {n: [i] for i, n in enumerate(w.members)})
+    assert shards == {"a": [0, 1], "d": [3, 2]}
+    shrunk = World(rep.members, ["s"], 1, generation=1)
+    rep2, back = grow(shrunk, shards, ["s"])
+    assert back == {"a": [0], "s": [1], "d": [3, 2]}
+    assert rep2.members == ["a", "s", "d"] and rep2.generation == 2 and rep2.spares == []
+    assert grow(World(["a", "s", "d"], [], 1), back, []) is None  # no spare: nothing to do
+    assert grow(World(["a", "b"], ["s"], 1), {"a": [0], "b": [1]}, ["s"]) is None  # never shrank
+
+
+def test_grow_refuses_per_rank_state():
+    from hpct_slurm.controller.policy import Held, SurvivorReport
+    w = World(["a"], ["s"], 1, generation=1)
+    reports = [SurvivorReport("a", 0, Held(frozenset({5})), 0, rank_state=True)]
+    assert decide_grow(w, {"a": [0, 1]}, ["s"], reports) is None
+    plain = [SurvivorReport("a", 0, Held(frozenset({5})), 0)]
+    d = decide_grow(w, {"a": [0, 1]}, ["s"], plain)
+    assert d is not None and d.plan.step == 5 and d.plan.sources == {0: "own", 1: "peer"}
+
+
+def test_slurm_client_refuses_a_bad_comment_and_reboot():
+    c = SlurmClient(runner=lambda argv, **kw: pytest.fail(f"ran {argv}"))
+    with pytest.raises(HpctError, match="job comment"):
+        c.set_job_comment(1, "two\nlines")
+    with pytest.raises(HpctError, match="over 250"):
+        c.set_job_comment(1, "x" * 251)
+    with pytest.raises(HpctError, match="next state"):
+        c.reboot_nodes("n1", "hpct: x", next_state="IDLE")
+
+
+# ---- the controller ------------------------------------------------------------------------------
+
+def test_a_drained_member_moves_to_the_spare_with_no_fault_and_no_lost_step(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 4)
+            c.state["a1"], c.reason["a1"] = "ALLOCATED+DRAIN", "new DIMM"
+
+            a = await c.assigned("s1", 1)
+            assert (a.rank, a.world_size, a.restore_step) == (1, 2, 4)
+            assert a.members == ["localhost", "s1"]
+            leaving, lh = c.rank("a1"), c.rank("localhost")
+            # the leaving rank is the first source of its own position, then the survivor
+            assert list(a.sources.items()) == [
+                (1, [(leaving.host_addr, leaving.transfer_port)]),
+                (0, [(lh.host_addr, lh.transfer_port)])]
+            assert leaving.stops and leaving.stops[0].lost_addrs == []
+            assert leaving.goodbyes == []  # it serves its state until the group runs again
+            await c.train(["localhost", "s1"], 5)
+            [done] = await c.until(lambda: c.events("move.done"), "move.done")
+            assert (done["lost"], done["taken"], done["restore_step"]) == (["a1"], {"a1": "s1"}, 4)
+            assert done["lost_steps"] == 0 and done["recovery_s"] > 0
+            await c.until(lambda: leaving.goodbyes, "the leaving rank's goodbye")
+            assert leaving.goodbyes[0].reason == "moved to s1"
+            await c.until(lambda: "hpct:" in c.reason["a1"], "our drain reason")
+            assert c.reason["a1"] == "new DIMM; hpct: job 4242 moved its ranks to s1"
+            await c.until(lambda: c.comments, "the job's comment")
+            assert c.comments[-1].startswith("hpct: 0 fault(s), 1 move(s), replaced a1>s1")
+            assert c.events("fault.detected") == [] and c.events("recovery.done") == []
+            assert await c.finish() == 0
+            assert "a1" not in c.ctl.world.spares
+    run(scenario)
+
+
+def test_a_drained_member_without_a_ready_spare_trains_on(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1"], spares=0) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            c.state["a1"] = "ALLOCATED+DRAIN"
+            [skip] = await c.until(lambda: c.events("move.skipped"), "move.skipped")
+            assert skip["node"] == "a1" and "no warm spare" in skip["why"]
+            assert c.rank("a1").stops == []
+            await c.train(["localhost", "a1"], 3)
+            assert await c.finish() == 0
+    run(scenario)
+
+
+def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2"], spares=0,
+                               on_no_spare="shrink") as c:
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 3)
+            await c.crash("a2", dead=False)  # its process: the node comes back as a spare
+            await c.assigned("localhost", 1)
+            assert c.ctl.world.members == ["localhost", "a1"]
+            await c.train(["localhost", "a1"], 4)
+            await c.until(lambda: c.events("recovery.done"), "the shrink's recovery.done")
+
+            back = await c.until(lambda: c.events("grow.assign"), "grow.assign", timeout=6)
+            assert back[0]["members"] == ["localhost", "a1", "a2"]
+            assert back[0]["shards"] == {"localhost": [0], "a1": [1], "a2": [2]}
+            lh = await c.assigned("localhost", 2)
+            assert (lh.world_size, lh.data_ranks, lh.restore_step) == (3, [0], 4)
+            assert lh.data_world == 3
+            a2 = [s for s in c.steps if s.node == "a2"][-1].ranks[0]
+            await c.until(lambda: any(x.generation == 2 for x in a2.assigns), "a2's assign")
+            assert [x.data_ranks for x in a2.assigns] == [[2]]
+            await c.train(["localhost", "a1", "a2"], 5)
+            [done] = await c.until(lambda: c.events("grow.done"), "grow.done")
+            assert done["lost_steps"] == 0 and done["restore_step"] == 4
+            await c.until(lambda: any("1 grow(s)" in x for x in c.comments), "the comment")
+            assert await c.finish() == 0
+    run(scenario)
+
+
+def test_a_scripts_error_says_not_requeued_in_the_slurm_comment(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            error = "ModuleNotFoundError: No module named 'nope'\n"
+            await c.crash("localhost", rc=1, dead=False, stderr=error)
+            await c.crash("a1", rc=1, dead=False, stderr=error)
+            await c.until(lambda: c.comments, "the job's comment")
+            assert "failed, not requeued: the script's own error" in c.comments[-1]
+            assert c.events("escalate.requeue") == []
+    run(scenario)

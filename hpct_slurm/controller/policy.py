@@ -434,8 +434,9 @@ class RecoveryRecord:
     def done_fields(self, now: float) -> dict:
         """The fields of its recovery.done event, once every rank completed the first step."""
         return {"generation": self.generation, "restore_step": self.restore_step,
-                "lost_steps": max(0, self.newest_done - self.restore_step), "lost": self.lost, "taken": self.taken, "reasons": self.reasons,
-                "recovery_s": now - self.t_detect, "phases": self.phases(now)}
+                "lost": self.lost, "taken": self.taken, "reasons": self.reasons,
+                "recovery_s": now - self.t_detect, "phases": self.phases(now),
+                "lost_steps": max(0, self.newest_done - self.restore_step)}
 
 
 # ---- growing back after a shrink ------------------------------------------------------------

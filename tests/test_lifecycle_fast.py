@@ -164,3 +164,34 @@ def test_a_scripts_error_says_not_requeued_in_the_slurm_comment(tmp_path):
             assert "failed, not requeued: the script's own error" in c.comments[-1]
             assert c.events("escalate.requeue") == []
     run(scenario)
+
+
+def test_a_users_move_request_moves_the_node_and_bad_ones_are_answered(tmp_path):
+    from hpct_slurm.controller.lifecycle import ask_move
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            run_dir = c.options.run_dir
+            with pytest.raises(HpctError, match="not one node name"):
+                ask_move(run_dir, "a1;rm -rf", "x")
+            with pytest.raises(HpctError, match="printable line"):
+                ask_move(run_dir, "a1", "two\nlines")
+            with pytest.raises(HpctError, match="not a job's run dir"):
+                ask_move(tmp_path, "a1", "x")
+            await c.started()
+            await c.train(["localhost", "a1"], 3)
+            ask_move(run_dir, "nope", "typo")
+            path = ask_move(run_dir, "a1", "swap the NIC")
+            assert oct(path.stat().st_mode & 0o777) == "0o600"
+            a = await c.assigned("s1", 1)
+            assert (a.rank, a.restore_step) == (1, 3)
+            [req] = c.events("move.requested")
+            assert req["node"] == "a1" and req["reason"] == "user request: swap the NIC"
+            [skip] = c.events("move.skipped")
+            assert skip["node"] == "nope" and "not an active member" in skip["why"]
+            assert not path.exists() and list((run_dir / "requests").iterdir()) == []
+            await c.train(["localhost", "s1"], 4)
+            await c.until(lambda: c.events("move.done"), "move.done")
+            assert "a1" not in c.reason  # not drained by anyone: no reason written
+            assert await c.finish() == 0
+    run(scenario)

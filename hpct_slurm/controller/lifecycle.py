@@ -17,19 +17,27 @@ policy.py; `Lifecycle` does the I/O through the controller it belongs to.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Sequence
 
 from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, RankState
+from ..rundir import private_dir, write_private
 from ..slurm.client import NodeInfo
 from .policy import Action, RecoveryDecision, RecoveryRecord, SurvivorReport, decide_grow
 
 if TYPE_CHECKING:
     from .controller import Conn, Controller
 
+# `hpct-slurm move NODE JOB` leaves a request file here, in the job's private run dir (0700:
+# whoever can write there holds the job's secret already); the controller picks it up at its
+# next Slurm poll.
+REQUESTS = "requests"
+NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 COMMENT_MAX = 250  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
 REASON_TAG = "hpct:"
 
@@ -74,6 +82,36 @@ def moved_reason(admin_reason: str | None, spare: str, job_id: int) -> str:
     return base if ours in base else f"{base}; {ours}"
 
 
+def ask_move(run_dir: Path, node: str, reason: str) -> Path:
+    """Leave a move request for the controller of the job whose run dir is `run_dir`."""
+    if not NODE_NAME_RE.fullmatch(node):
+        raise HpctError(f"node name {node!r} is not one node name")
+    if not reason.strip() or not reason.isprintable() or len(reason) > 200:
+        raise HpctError(f"move reason {reason!r:.60} is not one printable line of at most 200 "
+                        f"characters")
+    if not (run_dir / "secret").is_file():
+        raise HpctError(f"{run_dir} is not a job's run dir (no secret file): pass --run-dir")
+    d = private_dir(run_dir / REQUESTS, "requests dir")
+    return write_private(d / f"move-{node}", reason.encode())
+
+
+def read_requests(run_dir: Path) -> list[tuple[Path, str, str]]:
+    """The move requests waiting: (file, node, reason); malformed ones are dropped with the
+    reason saying so, so they are answered (move.skipped) rather than retried forever."""
+    d = run_dir / REQUESTS
+    out = []
+    for f in sorted(d.glob("move-*")) if d.is_dir() else []:
+        node = f.name[len("move-"):]
+        try:
+            reason = f.read_bytes()[:200].decode()
+        except (OSError, UnicodeDecodeError):
+            reason = ""
+        if not reason.isprintable() or not NODE_NAME_RE.fullmatch(node):
+            reason = ""
+        out.append((f, node, reason))
+    return out
+
+
 class Lifecycle:
     def __init__(self, ctl: "Controller"):
         self.ctl = ctl
@@ -88,7 +126,20 @@ class Lifecycle:
     def on_nodes(self, nodes: Sequence[NodeInfo]) -> None:
         for node, reason in drained(nodes, self.ctl.world.members):
             self.request_move(node, reason)
+        self._user_requests()
         self.maybe_grow()
+
+    def _user_requests(self) -> None:
+        c = self.ctl
+        for f, node, reason in read_requests(c.run_dir):
+            if not reason or node not in c.world.members:
+                c.events.emit(Ev.MOVE_SKIPPED, node=node[:64], reason="user request",
+                              why="not an active member of this job" if reason
+                              else "malformed request")
+            elif not self.request_move(node, f"user request: {reason}"):
+                if node not in self.requested:
+                    continue  # busy, or no spare yet: asked again at the next poll
+            f.unlink(missing_ok=True)
 
     def _busy(self) -> bool:
         c = self.ctl

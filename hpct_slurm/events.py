@@ -78,6 +78,7 @@ class Ev(_Name):
     GROW_ASSIGN = "grow.assign"
     GROW_DONE = "grow.done"
     SLURM_COMMENT = "slurm.comment"
+    NODE_REBOOT = "node.reboot"
 
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"

@@ -249,6 +249,9 @@ class FakeSlurmRunner:
                     and comment.startswith("Comment="):
                 c.comments.append(comment.removeprefix("Comment="))
                 return ""
+            case ["scontrol", "reboot", "ASAP", "nextstate=RESUME", _, node_arg]:
+                c.state[node_arg] = "DOWN+REBOOT_REQUESTED"
+                return ""
             case ["scontrol", "update", node_arg, "State=DRAIN", reason]:
                 c.reason[node_arg.removeprefix("NodeName=")] = reason.removeprefix("Reason=")
                 return ""

@@ -195,3 +195,65 @@ def test_a_users_move_request_moves_the_node_and_bad_ones_are_answered(tmp_path)
             assert "a1" not in c.reason  # not drained by anyone: no reason written
             assert await c.finish() == 0
     run(scenario)
+
+
+@pytest.mark.parametrize("policy", ["leave", "reboot"])
+def test_a_node_fenced_down_is_left_or_rebooted_per_the_admins_policy(tmp_path, monkeypatch,
+                                                                      policy):
+    monkeypatch.setenv("HPCT_ON_FENCED", policy)
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            await c.crash("a1")
+            await c.assigned("s1", 1)
+            await c.train(["localhost", "s1"], 3)
+            [done] = await c.until(lambda: c.events("recovery.done"), "recovery.done")
+            assert done["lost_steps"] == 0
+            reboots = [a for a in c.runner.argvs if a[:2] == ["scontrol", "reboot"]]
+            if policy == "reboot":
+                await c.until(lambda: c.events("node.reboot"), "node.reboot")
+                [argv] = [a for a in c.runner.argvs if a[:2] == ["scontrol", "reboot"]]
+                assert argv[-1] == "a1" and argv[4].startswith("reason=hpct: reboot after fence")
+            else:
+                assert reboots == [] and c.events("node.reboot") == []
+            # the record in Slurm after a fault
+            await c.until(lambda: c.comments, "the job's comment")
+            assert c.comments[-1].startswith("hpct: 1 fault(s), 0 move(s), replaced a1>s1")
+            assert await c.finish() == 0
+    run(scenario)
+
+
+def test_a_bad_fence_policy_is_named_in_a_slurm_error_event(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCT_ON_FENCED", "explode")
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 1)
+            await c.crash("a1")
+            [err] = await c.until(lambda: [e for e in c.events("slurm.error")
+                                           if "HPCT_ON_FENCED" in e["error"]], "the error")
+            assert "explode" in err["error"]
+            await c.assigned("s1", 1)
+    run(scenario)
+
+
+def test_spares_loop_says_where_each_node_is_and_what_comes_next():
+    from hpct_slurm.spares.pool import loop_stage
+    cases = {
+        ("DOWN", "hpct: srun: node failure (job 3)", False): "fenced: down",
+        ("DOWN+REBOOT_REQUESTED", "hpct: reboot after fence", False): "rebooting",
+        ("IDLE+DRAIN", "fan; hpct: job 3 moved its ranks to n5", False): "moved off: drained",
+        ("ALLOCATED+DRAIN", "fan; hpct: job 3 moved its ranks to n5", False):
+            "moved off: drained (jobs still running)",
+        ("IDLE+DRAIN", "hpct: health: shm below 64 MB", False): "health check failed: drained",
+        ("IDLE", None, True): "pool spare",
+        ("ALLOCATED", None, False): "in service",
+    }
+    for (state, reason, pool), want in cases.items():
+        stage, nxt = loop_stage(node("n3", state, reason), pool)
+        assert stage == want, (state, reason)
+        assert nxt
+    assert "spares return" in loop_stage(node("n3", "IDLE+DRAIN", "x"), False)[1]

@@ -793,6 +793,8 @@ class Controller:
         except SlurmCommandError as exc:
             self.events.emit(Ev.SLURM_ERROR, node=node, error=exc.message)
         self.events.emit(Ev.FAULT_FENCED, node=node, how="node down", reason=reason)
+        # the admin's policy (leave or reboot), off the recovery's path
+        asyncio.ensure_future(self.lifecycle.after_down(node, reason))
 
     def _replenish(self, node: str) -> None:
         if self.finished.is_set() or node in self.world.spares:

@@ -17,12 +17,14 @@ policy.py; `Lifecycle` does the I/O through the controller it belongs to.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Sequence
 
+from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, RankState
@@ -318,6 +320,27 @@ class Lifecycle:
                                         moved_reason(info.reason, spare, c.o.job_id))
         except HpctError as exc:
             c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+
+    async def after_down(self, node: str, reason: str) -> None:
+        """The admin's policy for a node we fenced DOWN (HPCT_ON_FENCED): leave it, or have
+        Slurm reboot it once idle and bring it back RESUMEd, where the Prolog's health check
+        guards its next job (a failed check drains it again) and `spares check --to-pool`
+        re-admits it to the spare pool."""
+        c = self.ctl
+        try:
+            policy = C.read(os.environ, C.ON_FENCED)
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+            return
+        if policy != "reboot":
+            return
+        why = f"hpct: reboot after fence in job {c.o.job_id}: {reason}"[:200]
+        try:
+            await asyncio.to_thread(c.slurm.reboot_nodes, node, why, "RESUME")
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+            return
+        c.events.emit(Ev.NODE_REBOOT, node=node, reason=why, next_state="RESUME")
 
     async def record(self, outcome: str = "") -> None:
         """Write the summary into the job's Slurm Comment (best effort: a refused update is an

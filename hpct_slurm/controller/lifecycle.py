@@ -22,7 +22,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Coroutine, Sequence
 
 from .. import config as C
 from .. import protocol as P
@@ -167,7 +167,7 @@ class Lifecycle:
         self.requested.add(node)
         c.events.emit(Ev.MOVE_REQUESTED, node=node, reason=why,
                       generation=c.world.generation)
-        self.task = asyncio.create_task(self._round(self._move(node, why)))
+        self._start(self._move(node, why))
         return True
 
     def maybe_grow(self) -> bool:
@@ -175,20 +175,29 @@ class Lifecycle:
         if self.grow_refused or c.world.world_size >= c.data_world or self._busy() \
                 or not self._ready_spares():
             return False
-        self.task = asyncio.create_task(self._round(self._grow()))
+        self._start(self._grow())
         return True
 
     # ---- rounds ------------------------------------------------------------------------------
+    def _start(self, body: Coroutine[Any, Any, None]) -> None:
+        # The round flag is taken here, synchronously: a fault arriving before the task first
+        # runs must not start a recovery beside it.
+        self.ctl.recovering = True
+        self.task = asyncio.create_task(self._round(body))
+
     async def _round(self, body: Awaitable[None]) -> None:
         """A planned round holds the controller's round flag like a recovery: faults that come
         meanwhile wait and are handled right after it."""
         c = self.ctl
-        c.recovering = True
         try:
             await body
-        except Exception as exc:  # a planned round never ends the job: say so, go on
-            c.events.emit(Ev.MOVE_FAILED, error=describe(exc) if isinstance(exc, HpctError)
-                          else f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            # Stopped ranks wait for an assignment that would never come: rather than hang,
+            # end the run the way a failed recovery does (requeue or fail, --on-no-spare).
+            why = describe(exc) if isinstance(exc, HpctError) else f"{type(exc).__name__}: {exc}"
+            c.events.emit(Ev.MOVE_FAILED, error=why)
+            c.recovering = False
+            await c._escalate(f"planned round failed: {why}")
         finally:
             c.recovering = False
             if c.pending_faults:

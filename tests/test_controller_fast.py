@@ -249,6 +249,12 @@ class FakeSlurmRunner:
                     and comment.startswith("Comment="):
                 c.comments.append(comment.removeprefix("Comment="))
                 return ""
+            case ["scontrol", "show", "reservation", "-o"]:
+                return "\n".join(c.reservations) + "\n" if c.reservations else \
+                    "No reservations in the system\n"
+            case ["scontrol", "show", "job", "-o", job] if job == str(JOB):
+                return (f"JobId={JOB} JobName=train UserId=root(0) JobState=RUNNING "
+                        f"Restarts=0 ExitCode=0:0 EndTime={c.job_end} NodeList=x\n")
             case ["scontrol", "reboot", "ASAP", "nextstate=RESUME", _, node_arg]:
                 c.state[node_arg] = "DOWN+REBOOT_REQUESTED"
                 return ""
@@ -268,6 +274,8 @@ class FakeCluster:
         self.state = {n: "ALLOCATED" for n in nodes}
         self.reason: dict[str, str] = {}  # node -> its Slurm Reason (a drain's)
         self.comments: list[str] = []  # the job's Slurm Comment, each update
+        self.reservations: list[str] = []  # `scontrol show reservation -o` lines
+        self.job_end = "2099-01-01T00:00:00"
         self.on_stop: dict[str, object] = {}
         self.steps: list[FakeStep] = []
         self.step_numbers = itertools.count(0)

@@ -257,3 +257,46 @@ def test_spares_loop_says_where_each_node_is_and_what_comes_next():
         assert stage == want, (state, reason)
         assert nxt
     assert "spares return" in loop_stage(node("n3", "IDLE+DRAIN", "x"), False)[1]
+
+
+def test_members_in_a_maintenance_reservation_before_the_job_ends_move():
+    from hpct_slurm.controller.lifecycle import in_maintenance
+    from hpct_slurm.slurm.client import parse_reservations
+    text = ("ReservationName=fw StartTime=2026-11-23T18:00:00 EndTime=2026-11-23T20:00:00 "
+            "Duration=02:00:00 Nodes=n[2-3] NodeCnt=2 Flags=MAINT,SPEC_NODES Users=root "
+            "State=INACTIVE\n"
+            "ReservationName=hpct_spares StartTime=2026-11-23T10:00:00 EndTime=2027-11-23T10:00:00"
+            " Nodes=n5 NodeCnt=1 Flags=SPEC_NODES Users=root State=ACTIVE\n")
+    resv = parse_reservations(text)
+    assert [r.name for r in resv] == ["fw", "hpct_spares"] and resv[0].nodes == ["n2", "n3"]
+    assert parse_reservations("No reservations in the system\n") == []
+    now = "2026-11-23T17:00:00"
+    members = ["n1", "n2", "n5"]
+    assert in_maintenance(resv, members, "2026-11-23T19:00:00", now) == [
+        ("n2", "maintenance reservation fw from 2026-11-23T18:00:00")]
+    assert in_maintenance(resv, members, "2026-11-23T17:30:00", now) == []  # job ends first
+    assert in_maintenance(resv, members, "Unknown", now) != []
+    assert in_maintenance(resv, members, None, "2026-11-23T21:00:00") == []  # it is over
+    with pytest.raises(HpctError, match="lacks"):
+        parse_reservations("Nodes=n1 Flags=MAINT\n")
+
+
+def test_a_member_in_an_upcoming_maintenance_reservation_moves(tmp_path, monkeypatch):
+    from hpct_slurm.controller import lifecycle
+    monkeypatch.setattr(lifecycle, "RESERVATION_POLL_S", 0.2)
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            c.reservations = ["ReservationName=fw StartTime=2000-01-01T00:00:00 "
+                              "EndTime=2099-01-01T00:00:00 Nodes=a1 Flags=MAINT Users=root"]
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            a = await c.assigned("s1", 1)
+            assert (a.rank, a.restore_step) == (1, 2)
+            [req] = c.events("move.requested")
+            assert req["node"] == "a1" and req["reason"].startswith("maintenance reservation fw")
+            await c.train(["localhost", "s1"], 3)
+            [done] = await c.until(lambda: c.events("move.done"), "move.done")
+            assert done["lost_steps"] == 0
+            assert await c.finish() == 0
+    run(scenario)

@@ -29,12 +29,14 @@ from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, RankState
 from ..rundir import private_dir, write_private
-from ..slurm.client import NodeInfo
+from ..slurm.client import NodeInfo, ReservationInfo
 from .policy import Action, RecoveryDecision, RecoveryRecord, SurvivorReport, decide_grow
 
 if TYPE_CHECKING:
     from .controller import Conn, Controller
 
+# Reservations are read less often than nodes: maintenance is planned hours ahead.
+RESERVATION_POLL_S = 60.0
 # `hpct-slurm move NODE JOB` leaves a request file here, in the job's private run dir (0700:
 # whoever can write there holds the job's secret already); the controller picks it up at its
 # next Slurm poll.
@@ -75,6 +77,22 @@ def drained(nodes: Sequence[NodeInfo], members: Sequence[str]) -> list[tuple[str
     reason). A node that is also down or not responding is a fault, not a planned move."""
     return [(n.name, n.reason or "drained") for n in nodes
             if n.name in members and "DRAIN" in n.flags and not n.lost]
+
+
+def in_maintenance(reservations: Sequence[ReservationInfo], members: Sequence[str],
+                   job_end: str | None, now: str) -> list[tuple[str, str]]:
+    """Active members in a maintenance reservation (MAINT flag) that starts before the job
+    ends (an unknown end: any) and has not ended: (node, reason). Times are Slurm's ISO
+    local times, which order as strings."""
+    out: list[tuple[str, str]] = []
+    for r in reservations:
+        if not r.maintenance or (r.end and r.end <= now):
+            continue
+        if job_end and job_end not in ("Unknown", "NONE") and r.start >= job_end:
+            continue
+        out += [(n, f"maintenance reservation {r.name} from {r.start}") for n in r.nodes
+                if n in members and n not in {m for m, _ in out}]
+    return out
 
 
 def moved_reason(admin_reason: str | None, spare: str, job_id: int) -> str:
@@ -123,13 +141,38 @@ class Lifecycle:
         self.leaving: dict[str, list["Conn"]] = {}  # moved node -> its ranks, until goodbye
         self.grow_refused = False
         self.task: asyncio.Task | None = None
+        self.maintenance: list[tuple[str, str]] = []  # the last reservation poll's answer
+        self.reservations_at = float("-inf")
+        self.reservation_task: asyncio.Task | None = None
 
     # ---- triggers (the controller's Slurm poll) ---------------------------------------------
     def on_nodes(self, nodes: Sequence[NodeInfo]) -> None:
         for node, reason in drained(nodes, self.ctl.world.members):
             self.request_move(node, reason)
+        for node, reason in self.maintenance:
+            self.request_move(node, reason)
         self._user_requests()
         self.maybe_grow()
+        now = time.monotonic()
+        if now - self.reservations_at >= RESERVATION_POLL_S and \
+                (self.reservation_task is None or self.reservation_task.done()):
+            self.reservations_at = now
+            self.reservation_task = asyncio.create_task(self._poll_reservations())
+
+    async def _poll_reservations(self) -> None:
+        """Members in a maintenance reservation that starts before this job ends move off
+        ahead of it (at the next poll that finds a spare ready)."""
+        c = self.ctl
+        try:
+            resv = await asyncio.to_thread(c.slurm.reservations)
+            if not any(r.maintenance for r in resv):
+                self.maintenance = []
+                return
+            job = await asyncio.to_thread(c.slurm.show_job, c.o.job_id)
+            now = time.strftime("%Y-%m-%dT%H:%M:%S")  # Slurm prints local time
+            self.maintenance = in_maintenance(resv, c.world.members, job.end_time, now)
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
 
     def _user_requests(self) -> None:
         c = self.ctl

@@ -112,6 +112,7 @@ class JobInfo:
     flags: frozenset[str] | None
     work_dir: str | None = None  # the job's WorkDir (its --chdir, else where it was submitted)
     comment: str | None = None  # its Comment (scontrol only): the lifecycle's summary
+    end_time: str | None = None  # its EndTime (scontrol only; the time limit while it runs)
 
     @property
     def finished(self) -> bool:
@@ -248,7 +249,8 @@ def parse_job_record(line: str) -> JobInfo:
         restart_count=_uint(rec.get("Restarts", "0"), "Restarts"),
         reason=_opt(rec.get("Reason")),
         exit_code=_uint(code, "ExitCode"), exit_signal=_uint(sig or "0", "ExitCode signal"),
-        flags=None, work_dir=_opt(rec.get("WorkDir")), comment=_opt(rec.get("Comment")))
+        flags=None, work_dir=_opt(rec.get("WorkDir")), comment=_opt(rec.get("Comment")),
+        end_time=_opt(rec.get("EndTime")))
 
 
 def parse_squeue_json(text: str) -> list[JobInfo]:
@@ -316,6 +318,42 @@ def parse_reservation_nodes(text: str) -> list[str]:
         raise HpctError(f"scontrol show reservation printed {len(lines)} records, not 1")
     nodes = parse_scontrol_record(lines[0]).get("Nodes", "")
     return [] if nodes in ("", "(null)") else expand(nodes)
+
+
+@dataclass(frozen=True)
+class ReservationInfo:
+    """One reservation as `scontrol show reservation -o` prints it (times are Slurm's local
+    ISO times, `2026-11-23T17:00:00`, compared as such)."""
+
+    name: str
+    start: str
+    end: str
+    nodes: list[str]
+    flags: frozenset[str]
+
+    @property
+    def maintenance(self) -> bool:
+        return "MAINT" in self.flags
+
+
+def parse_reservations(text: str) -> list[ReservationInfo]:
+    """Every record of `scontrol show reservation -o` (none: "No reservations in the
+    system")."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("No reservations"):
+            continue
+        rec = parse_scontrol_record(line.strip())
+        if "ReservationName" not in rec or "StartTime" not in rec:
+            raise HpctError(f"scontrol reservation record {line[:80]!r} lacks "
+                            f"ReservationName or StartTime")
+        nodes = rec.get("Nodes", "")
+        out.append(ReservationInfo(
+            name=rec["ReservationName"], start=rec["StartTime"], end=rec.get("EndTime", ""),
+            nodes=[] if nodes in ("", "(null)") else expand(nodes),
+            flags=frozenset(f.strip().upper() for f in rec.get("Flags", "").split(",")
+                            if f.strip())))
+    return out
 
 
 def parse_sbatch_parsable(text: str) -> int:
@@ -511,6 +549,10 @@ class SlurmClient:
         out = self._output_unless(["scontrol", "show", "reservation", "-o",
                                    _reservation_name(name)], "not found")
         return None if out is None else parse_reservation_nodes(out)
+
+    def reservations(self) -> list[ReservationInfo]:
+        """Every reservation (maintenance ones carry the MAINT flag)."""
+        return parse_reservations(self.run(["scontrol", "show", "reservation", "-o"]).stdout)
 
     def _output_unless(self, argv: list[str], absent: str) -> str | None:
         """The command's stdout; None when it failed saying `absent` (what it asked about

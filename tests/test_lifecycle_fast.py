@@ -300,3 +300,28 @@ def test_a_member_in_an_upcoming_maintenance_reservation_moves(tmp_path, monkeyp
             assert done["lost_steps"] == 0
             assert await c.finish() == 0
     run(scenario)
+
+
+def test_a_fault_that_rolls_back_counts_its_lost_steps(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 4)
+            lh = c.rank("localhost")
+            lh.own = [2, 3]  # its snapshot lags: the group must go back to step 3
+
+            async def holds_3(rank, stop):
+                await rank.holdings(own=[2, 3])
+                rank.state = "ready"
+                await rank.heartbeat()
+            lh.on_stop = holds_3
+            await c.crash("a1")
+            a = await c.assigned("s1", 1)
+            assert a.restore_step == 3
+            await c.train(["localhost", "s1"], 4)
+            [done] = await c.until(lambda: c.events("recovery.done"), "recovery.done")
+            assert done["lost_steps"] == 1
+            await c.until(lambda: c.comments, "the comment")
+            assert "lost steps 1" in c.comments[-1]
+            assert await c.finish() == 0
+    run(scenario)

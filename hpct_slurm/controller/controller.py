@@ -683,6 +683,10 @@ class Controller:
             lost_active = [n for n in lost if n in self.world.members]
             survivors = [c for c in survivors if c.node not in lost]
         rec.t_ready = time.time()
+        # the newest step any rank of this generation completed: the restore step's distance
+        # from it is the steps lost (recomputed)
+        rec.newest_done = max((c.done_step for c in self.conns.values()
+                               if c.generation == g and c.done_generation == g), default=-1)
         d = await self._decide(lost_active, survivors, lost_spares)
         if d.shrunk:
             assert d.replacement is not None

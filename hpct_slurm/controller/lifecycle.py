@@ -251,12 +251,13 @@ class Lifecycle:
         None when one is not: it is then a fault, and the fault loop takes over."""
         c = self.ctl
         everyone = [x for n in c.world.members for x in c._live(n)]
-        rec.newest_done = max((x.done_step for x in everyone), default=-1)
         for x in everyone:
             await c._send(x, P.Stop(c.world.generation, why, []))
         rec.t_stop = rec.t_fenced = time.time()
         await c._wait_ready(everyone)
         rec.t_ready = time.time()
+        # after the stop: a rank in the middle of a step when it came completes it first
+        rec.newest_done = max((x.done_step for x in everyone), default=-1)
         bad = [x for x in everyone if x.gone or x.state != RankState.READY]
         if bad:
             c.events.emit(Ev.MOVE_FAILED, error=f"{len(bad)} rank(s) not ready after the "

@@ -212,13 +212,15 @@ class FakeSlurmRunner:
         argv = list(argv)
         self.argvs.append(argv)
         out = self.answer(argv)
+        if isinstance(out, tuple):  # ("fail", stderr): Slurm refuses the command
+            return subprocess.CompletedProcess(argv, 1, stdout="", stderr=out[1])
         if out is None:
             self.unexpected.append(argv)
             return subprocess.CompletedProcess(argv, 1, stdout="",
                                                stderr=f"FakeSlurmRunner: no answer for {argv}")
         return subprocess.CompletedProcess(argv, 0, stdout=out, stderr="")
 
-    def answer(self, argv: list[str]) -> str | None:
+    def answer(self, argv: list[str]) -> str | tuple[str, str] | None:
         c = self.cluster
         match argv:
             case ["scontrol", "show", "node", "-o", name] if name in c.alive:
@@ -247,6 +249,10 @@ class FakeSlurmRunner:
                 return ""
             case ["scontrol", "update", job_arg, comment] if job_arg == f"JobId={JOB}" \
                     and comment.startswith("Comment="):
+                if c.comment_refusals:
+                    c.comment_refusals -= 1
+                    return ("fail", "Job update not available right now, the DB index is "
+                                    "being set, try again in a bit for job 4242\n")
                 c.comments.append(comment.removeprefix("Comment="))
                 return ""
             case ["scontrol", "show", "reservation", "-o"]:
@@ -274,6 +280,7 @@ class FakeCluster:
         self.state = {n: "ALLOCATED" for n in nodes}
         self.reason: dict[str, str] = {}  # node -> its Slurm Reason (a drain's)
         self.comments: list[str] = []  # the job's Slurm Comment, each update
+        self.comment_refusals = 0  # so many comment updates fail first ("try again")
         self.reservations: list[str] = []  # `scontrol show reservation -o` lines
         self.job_end = "2099-01-01T00:00:00"
         self.on_stop: dict[str, object] = {}

@@ -325,3 +325,21 @@ def test_a_fault_that_rolls_back_counts_its_lost_steps(tmp_path):
             assert "lost steps 1" in c.comments[-1]
             assert await c.finish() == 0
     run(scenario)
+
+
+def test_a_comment_slurm_refuses_for_now_is_written_later(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            c.comment_refusals = 2  # slurmctld: "the DB index is being set, try again"
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            await c.crash("a1")
+            await c.assigned("s1", 1)
+            await c.train(["localhost", "s1"], 3)
+            await c.until(lambda: c.comments, "the comment, on the third try", timeout=8)
+            assert c.comments == ["hpct: 1 fault(s), 0 move(s), replaced a1>s1, pause "
+                                  + c.comments[0].split("pause ")[1]]
+            errors = [e for e in c.events("slurm.error") if "try again" in e["error"]]
+            assert len(errors) == 2
+            assert await c.finish() == 0
+    run(scenario)

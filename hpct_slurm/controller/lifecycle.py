@@ -42,7 +42,8 @@ RESERVATION_POLL_S = 60.0
 # next Slurm poll.
 REQUESTS = "requests"
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-COMMENT_MAX = 250  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
+COMMENT_MAX = 250
+COMMENT_RETRY_S = 60.0  # how long a comment refused with "try again in a bit" is retried  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
 REASON_TAG = "hpct:"
 
 
@@ -144,6 +145,8 @@ class Lifecycle:
         self.maintenance: list[tuple[str, str]] = []  # the last reservation poll's answer
         self.reservations_at = float("-inf")
         self.reservation_task: asyncio.Task | None = None
+        self.comment_wanted = self.comment_written = ""
+        self.comment_task: asyncio.Task | None = None
 
     # ---- triggers (the controller's Slurm poll) ---------------------------------------------
     def on_nodes(self, nodes: Sequence[NodeInfo]) -> None:
@@ -397,12 +400,26 @@ class Lifecycle:
 
     async def record(self, outcome: str = "") -> None:
         """Write the summary into the job's Slurm Comment (best effort: a refused update is an
-        event, never a failure of the job)."""
+        event, never a failure of the job). One writer at a time, always the newest text."""
+        self.comment_wanted = summary(self.tally, outcome)
+        if self.comment_task is None or self.comment_task.done():
+            self.comment_task = asyncio.create_task(self._write_comment())
+        await asyncio.shield(self.comment_task)
+
+    async def _write_comment(self) -> None:
         c = self.ctl
-        text = summary(self.tally, outcome)
-        try:
-            await asyncio.to_thread(c.slurm.set_job_comment, c.o.job_id, text)
-        except HpctError as exc:
-            c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
-            return
-        c.events.emit(Ev.SLURM_COMMENT, comment=text)
+        deadline = time.monotonic() + COMMENT_RETRY_S
+        while self.comment_wanted != self.comment_written:
+            text = self.comment_wanted
+            try:
+                await asyncio.to_thread(c.slurm.set_job_comment, c.o.job_id, text)
+            except HpctError as exc:
+                c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
+                # slurmctld refuses job updates until the job has its DB index ("try again
+                # in a bit"); anything else will not get better by asking again
+                if "try again" not in describe(exc) or time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(2.0)
+                continue
+            self.comment_written = text
+            c.events.emit(Ev.SLURM_COMMENT, comment=text)

@@ -43,7 +43,10 @@ RESERVATION_POLL_S = 60.0
 REQUESTS = "requests"
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 COMMENT_MAX = 250
-COMMENT_RETRY_S = 60.0  # how long a comment refused with "try again in a bit" is retried  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
+COMMENT_RETRY_S = 60.0  # how long a comment refused with "try again in a bit" is retried
+# how long the caller of record() waits for it: one scontrol update (slurmctld itself waits up
+# to 5 s for a job's DB index before it says "try again")
+COMMENT_WAIT_S = 6.0  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
 REASON_TAG = "hpct:"
 
 
@@ -398,13 +401,14 @@ class Lifecycle:
             return
         c.events.emit(Ev.NODE_REBOOT, node=node, reason=why, next_state="RESUME")
 
-    async def record(self, outcome: str = "") -> None:
+    async def record(self, outcome: str = "", wait_s: float = COMMENT_WAIT_S) -> None:
         """Write the summary into the job's Slurm Comment (best effort: a refused update is an
-        event, never a failure of the job). One writer at a time, always the newest text."""
+        event, never a failure of the job). One writer at a time, always the newest text;
+        waits at most `wait_s` for it (an escalation must not wait out the retries)."""
         self.comment_wanted = summary(self.tally, outcome)
         if self.comment_task is None or self.comment_task.done():
             self.comment_task = asyncio.create_task(self._write_comment())
-        await asyncio.shield(self.comment_task)
+        await asyncio.wait([self.comment_task], timeout=wait_s)
 
     async def _write_comment(self) -> None:
         c = self.ctl

@@ -122,6 +122,7 @@ GLOO_LAZY_INIT = "HPCT_GLOO_LAZY_INIT"
 # controller
 SPARES = "HPCT_SPARES"
 PROGRESS_TIMEOUT_S = "HPCT_PROGRESS_TIMEOUT_S"
+ON_FENCED = "HPCT_ON_FENCED"
 # hooks and the node cache
 SHM_ROOT = "HPCT_SHM_ROOT"
 SHM_FRACTION = "HPCT_SHM_FRACTION"
@@ -144,7 +145,8 @@ SETTINGS: tuple[Setting, ...] = (
        "host:port of the job's controller", scope="job"),
     _s(SECRET_FILE, "path", None, CONTROLLER, (_RANK, "rendezvous store"),
        "the per-job secret file (control channel, transfers, rootless store)", scope="job"),
-    _s(RUN_DIR, "path", None, (CONTROLLER, USER), (_RANK, "controller", "hpct-slurm report"),
+    _s(RUN_DIR, "path", None, (CONTROLLER, USER), (_RANK, "controller", "hpct-slurm report",
+                                                  "hpct-slurm move"),
        "the job's run directory (events, logs, secret, persisted snapshots); default "
        "$SLURM_SUBMIT_DIR/hpct-JOBID", scope="job"),
     _s(ROLE, "choice", "active", CONTROLLER, _RANK, "what the controller launched this "
@@ -214,6 +216,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s(PROGRESS_TIMEOUT_S, "seconds", 300.0, USER, "controller", "a running rank without a "
        "completed step this long counts as hung (`controller --progress-timeout` wins)",
        scope="controller"),
+    _s(ON_FENCED, "choice", "leave", ADMIN, "controller", "a node the controller fenced "
+       "DOWN: `leave` it for the admin, or `reboot` it (`scontrol reboot ASAP "
+       "nextstate=RESUME reason=\"hpct: ...\"`; the Prolog's health check then guards its "
+       "next job, `spares check --to-pool` re-admits it as a pool spare)",
+       choices=("leave", "reboot"), scope="controller"),
     # ---- the hooks (admin settings baked into the hook scripts) and the node cache -------
     _s(SHM_ROOT, "path", "/dev/shm/hpct", ADMIN, ("hooks", "cache"), "root of the jobs' shm "
        "dirs (absolute, root-owned)", scope="hooks"),

@@ -69,6 +69,16 @@ class Ev(_Name):
     PROTOCOL_REJECTED = "protocol.rejected"
     PROTOCOL_UNEXPECTED = "protocol.unexpected"
     SLURM_ERROR = "slurm.error"
+    # the node lifecycle (controller/lifecycle.py): planned moves, growing back, the record
+    MOVE_REQUESTED = "move.requested"
+    MOVE_SKIPPED = "move.skipped"
+    MOVE_ASSIGN = "move.assign"
+    MOVE_DONE = "move.done"
+    MOVE_FAILED = "move.failed"
+    GROW_ASSIGN = "grow.assign"
+    GROW_DONE = "grow.done"
+    SLURM_COMMENT = "slurm.comment"
+    NODE_REBOOT = "node.reboot"
 
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"

@@ -212,23 +212,27 @@ class FakeSlurmRunner:
         argv = list(argv)
         self.argvs.append(argv)
         out = self.answer(argv)
+        if isinstance(out, tuple):  # ("fail", stderr): Slurm refuses the command
+            return subprocess.CompletedProcess(argv, 1, stdout="", stderr=out[1])
         if out is None:
             self.unexpected.append(argv)
             return subprocess.CompletedProcess(argv, 1, stdout="",
                                                stderr=f"FakeSlurmRunner: no answer for {argv}")
         return subprocess.CompletedProcess(argv, 0, stdout=out, stderr="")
 
-    def answer(self, argv: list[str]) -> str | None:
+    def answer(self, argv: list[str]) -> str | tuple[str, str] | None:
         c = self.cluster
         match argv:
             case ["scontrol", "show", "node", "-o", name] if name in c.alive:
                 time.sleep(c.show_node_delay_s)
                 addr = ALIVE_ADDR if c.alive[name] else DEAD_ADDR
+                reason = f" Reason={c.reason[name]}" if name in c.reason else ""
                 return (f"NodeName={name} Arch=x86_64 CoresPerSocket=1 NodeAddr={addr} "
-                        f"NodeHostName={name} State={c.state[name]} Partitions=debug\n")
+                        f"NodeHostName={name} State={c.state[name]} Partitions=debug"
+                        f"{reason}\n")
             case ["sinfo", "--json"]:
-                return json.dumps({"nodes": [{"name": n, "state": c.state[n], "state_flags": []}
-                                             for n in c.nodes]})
+                return json.dumps({"nodes": [{"name": n, "state": c.state[n], "state_flags": [],
+                                              "reason": c.reason.get(n)} for n in c.nodes]})
             case ["squeue", "-h", "-s", "-j", job, "-o", "%i %N"] if job == str(JOB):
                 running = [f"{JOB}.{s.number} {s.node}" for s in list(c.steps)
                            if s.returncode is None]
@@ -243,6 +247,26 @@ class FakeSlurmRunner:
                 return ""
             case ["scontrol", "requeue", job] if job == str(JOB):
                 return ""
+            case ["scontrol", "update", job_arg, comment] if job_arg == f"JobId={JOB}" \
+                    and comment.startswith("Comment="):
+                if c.comment_refusals:
+                    c.comment_refusals -= 1
+                    return ("fail", "Job update not available right now, the DB index is "
+                                    "being set, try again in a bit for job 4242\n")
+                c.comments.append(comment.removeprefix("Comment="))
+                return ""
+            case ["scontrol", "show", "reservation", "-o"]:
+                return "\n".join(c.reservations) + "\n" if c.reservations else \
+                    "No reservations in the system\n"
+            case ["scontrol", "show", "job", "-o", job] if job == str(JOB):
+                return (f"JobId={JOB} JobName=train UserId=root(0) JobState=RUNNING "
+                        f"Restarts=0 ExitCode=0:0 EndTime={c.job_end} NodeList=x\n")
+            case ["scontrol", "reboot", "ASAP", "nextstate=RESUME", _, node_arg]:
+                c.state[node_arg] = "DOWN+REBOOT_REQUESTED"
+                return ""
+            case ["scontrol", "update", node_arg, "State=DRAIN", reason]:
+                c.reason[node_arg.removeprefix("NodeName=")] = reason.removeprefix("Reason=")
+                return ""
         return None
 
 
@@ -254,6 +278,11 @@ class FakeCluster:
         self.nodes = nodes
         self.alive = {n: True for n in nodes}
         self.state = {n: "ALLOCATED" for n in nodes}
+        self.reason: dict[str, str] = {}  # node -> its Slurm Reason (a drain's)
+        self.comments: list[str] = []  # the job's Slurm Comment, each update
+        self.comment_refusals = 0  # so many comment updates fail first ("try again")
+        self.reservations: list[str] = []  # `scontrol show reservation -o` lines
+        self.job_end = "2099-01-01T00:00:00"
         self.on_stop: dict[str, object] = {}
         self.steps: list[FakeStep] = []
         self.step_numbers = itertools.count(0)

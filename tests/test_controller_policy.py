@@ -342,5 +342,5 @@ def test_the_recovery_record_says_its_phases_in_the_reports_order():
                                  "reform_restore_first_step": 6.5}
     fields = rec.done_fields(110.0)
     assert list(fields) == ["generation", "restore_step", "lost", "taken", "reasons",
-                            "recovery_s", "phases"]
+                            "recovery_s", "phases", "lost_steps"]
     assert fields["recovery_s"] == 10.0 and tuple(fields["phases"]) == PHASES == model.PHASES

@@ -12,11 +12,11 @@ from pathlib import Path
 from ..errors import HpctError
 
 # Each name is a module `hpct_slurm.bench.<name>` exposing `run(out_dir, quick=False) -> dict`.
-BENCHMARKS = ["rendezvous", "replication", "transfer", "teardown", "cache", "recovery", "stress",
-              "scale", "store_scale",
+BENCHMARKS = ["rendezvous", "replication", "transfer", "teardown", "cache", "recovery", "move",
+              "stress", "scale", "store_scale",
               "all"]
 # These run on a local Slurm cluster: their `run` also takes `root` and `down`.
-CLUSTER_BENCHMARKS = {"recovery", "stress", "all"}
+CLUSTER_BENCHMARKS = {"recovery", "move", "stress", "all"}
 # These need no cluster; their `run` also takes `smoke` (smallest sizes, to check the command).
 SMOKE_BENCHMARKS = {"rendezvous", "replication", "transfer", "teardown", "cache"}
 DEFAULT_CLUSTER_ROOT = "/tmp/hpct-bench-cluster"

@@ -49,6 +49,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 
+    m = sub.add_parser("move", help="move a running job's ranks off one of its nodes to a "
+                                    "warm spare at the next step boundary (no fault, no "
+                                    "lost step)")
+    m.add_argument("node", help="the active node to leave")
+    m.add_argument("job_id", nargs="?", type=int, default=None, metavar="JOBID",
+                   help="the job (its run dir is WorkDir/hpct-JOBID unless --run-dir)")
+    m.add_argument("--run-dir", default=None, help="the job's run dir (default: $HPCT_RUN_DIR, "
+                                                   "else the job's WorkDir/hpct-JOBID)")
+    m.add_argument("--reason", default="asked by the user")
+    m.set_defaults(func=run_move)
+
+
+def run_move(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..slurm.client import SlurmClient
+    from .lifecycle import ask_move
+
+    run_dir = args.run_dir or C.read(os.environ, C.RUN_DIR)
+    if run_dir is None:
+        if args.job_id is None:
+            raise HpctError("move needs the JOBID or --run-dir (or $HPCT_RUN_DIR)")
+        work = SlurmClient().show_job(args.job_id).work_dir
+        if work is None:
+            raise HpctError(f"job {args.job_id} has no WorkDir in Slurm: pass --run-dir")
+        run_dir = Path(work) / f"hpct-{args.job_id}"
+    path = ask_move(Path(run_dir), args.node, args.reason)
+    print(f"move of {args.node} requested ({path}); the controller starts it at its next "
+          f"poll (see move.* in {Path(run_dir) / 'controller.jsonl'})")
+    return 0
+
 
 def run(args: argparse.Namespace) -> int:
     from .controller import main_from_env

@@ -29,6 +29,7 @@ from .. import events
 from ..events import Ev, EventLog, RankState, Role
 from ..rundir import private_dir, write_private
 from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
+from .lifecycle import Lifecycle
 from .pacing import AssignView, compact_members, pace, set_keepalive
 from .policy import (Held, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
                      data_ranks, decide_recovery, initial_shards)
@@ -203,6 +204,7 @@ class Controller:
         # A requeued job (or one restarted by hand on the same run dir) starts from the last
         # intact persisted snapshot instead of step 0.
         self.initial_restore = self._persisted_step()
+        self.lifecycle = Lifecycle(self)  # planned moves, growing back, the Slurm record
         if opts.store == "tcpstore":
             # Stock TCPStore has no authentication: say so where the admin and the user look.
             warning = ("the tcpstore rendezvous is not authenticated: any host that reaches "
@@ -628,6 +630,7 @@ class Controller:
                 if n.lost and (n.name in self.world.members or n.name in self.world.spares):
                     self._fault(n.name, "slurm: node down" if n.state == "DOWN"
                                 else "slurm: node not responding")
+            self.lifecycle.on_nodes(nodes)  # a drained member moves; a shrunk job grows back
 
     # ---- recovery ------------------------------------------------------------------------
     async def _faults(self) -> None:
@@ -701,6 +704,10 @@ class Controller:
             lost_active = [n for n in lost if n in self.world.members]
             survivors = [c for c in survivors if c.node not in lost]
         rec.t_ready = time.time()
+        # the newest step any rank of this generation completed: the restore step's distance
+        # from it is the steps lost (recomputed)
+        rec.newest_done = max((c.done_step for c in self.conns.values()
+                               if c.generation == g and c.done_generation == g), default=-1)
         d = await self._decide(lost_active, survivors, lost_spares)
         if d.shrunk:
             assert d.replacement is not None
@@ -811,6 +818,8 @@ class Controller:
         except SlurmCommandError as exc:
             self.events.emit(Ev.SLURM_ERROR, node=node, error=exc.message)
         self.events.emit(Ev.FAULT_FENCED, node=node, how="node down", reason=reason)
+        # the admin's policy (leave or reboot), off the recovery's path
+        asyncio.ensure_future(self.lifecycle.after_down(node, reason))
 
     def _replenish(self, node: str) -> None:
         if self.finished.is_set() or node in self.world.spares:
@@ -895,8 +904,8 @@ class Controller:
         ranks = {c.rank for c in self.conns.values() if not c.gone and c.step >= step
                  and c.generation == rec.generation}
         if len(ranks) == self.world.world_size:
-            self.events.emit(Ev.RECOVERY_DONE, **rec.done_fields(time.time()))
             self.recovery = None
+            self.lifecycle.round_done(rec, time.time())  # its event, the Slurm comment
 
     async def _escalate(self, why: str, script: bool = False) -> None:
         """End the job's run here. An infrastructure failure (nodes lost beyond the spares,
@@ -909,6 +918,11 @@ class Controller:
             await asyncio.sleep(START_FAILURE_GRACE_S)
         if self.finished.is_set():
             return
+        # Say it in the job's Slurm record too: requeued (the infrastructure) or not (a bug).
+        await self.lifecycle.record(
+            f"failed, not requeued: the script's own error: {why[:80]}" if script else
+            f"requeued: infrastructure: {why[:80]}" if self.o.on_no_spare == "requeue" else
+            f"failed: infrastructure: {why[:80]}")
         if script:
             self.events.emit(Ev.JOB_FAILED, cause="script", reason=why)
         elif self.o.on_no_spare == "requeue":

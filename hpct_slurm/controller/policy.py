@@ -414,6 +414,12 @@ class RecoveryRecord:
     lost: list[str] = field(default_factory=list)
     taken: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
+    # "recovery" (a fault), "move" (a planned move) or "grow" (back to the full world): which
+    # event ends it (controller/lifecycle.py)
+    kind: str = "recovery"
+    # the newest step any rank had completed when the round began: restore_step below it is
+    # the steps lost
+    newest_done: int = -1
 
     @property
     def first_step(self) -> int:
@@ -429,4 +435,52 @@ class RecoveryRecord:
         """The fields of its recovery.done event, once every rank completed the first step."""
         return {"generation": self.generation, "restore_step": self.restore_step,
                 "lost": self.lost, "taken": self.taken, "reasons": self.reasons,
-                "recovery_s": now - self.t_detect, "phases": self.phases(now)}
+                "recovery_s": now - self.t_detect, "phases": self.phases(now),
+                "lost_steps": max(0, self.newest_done - self.restore_step)}
+
+
+# ---- growing back after a shrink ------------------------------------------------------------
+
+def grow(world: World, shards: dict[str, list[int]], ready_spares: list[str]
+         ) -> tuple[Replacement, dict[str, list[int]]] | None:
+    """Undo a shrink (as far as ready spares allow): each spare takes back one data shard a
+    survivor took over, and the members are ordered by their shard, so that a layout of one
+    shard per node is again the layout the job started with (same ranks, same data, same
+    reduction order: bit-identical to a run that never shrank). None: nothing to grow."""
+    extra = sorted(p for n in world.members for p in shards[n][1:])
+    if not extra or not ready_spares:
+        return None
+    new = {n: list(shards[n]) for n in world.members}
+    for spare, pos in zip(ready_spares, extra):
+        owner = next(n for n in world.members if pos in new[n])
+        new[owner].remove(pos)
+        new[spare] = [pos]
+    members = sorted(new, key=lambda n: min(new[n]))
+    spares = [s for s in world.spares if s not in new]
+    return Replacement(world.generation + 1, members, spares, {}), new
+
+
+def decide_grow(world: World, shards: dict[str, list[int]], ready_spares: list[str],
+                reports: list[SurvivorReport], *,
+                disk_shared: dict[int, set[int]] | None = None,
+                disk_rank: dict[int, set[int]] | None = None) -> RecoveryDecision | None:
+    """The grow-back round's plan: the layout (grow) and the restore step every rank of the
+    bigger generation reaches (the members' own newest common snapshot: nothing is lost).
+    None when there is nothing to grow or no common step (the job then stays as it is)."""
+    grown = grow(world, shards, ready_spares)
+    if grown is None:
+        return None
+    rep, new_shards = grown
+    try:
+        needs, held, mode, rank_state, keys = restore_inputs(rep.members, world.tasks_per_node,
+                                                             reports)
+        if rank_state or keys:
+            return None  # per-rank or sharded state does not follow a shard to another node
+        plan = plan_restore(needs, held, mode=mode, rank_state=False,
+                            disk_shared=disk_shared or {}, disk_rank=disk_rank, shard_keys=keys)
+    except HpctError:
+        return None
+    added = [n for n in rep.members if n not in world.members]
+    return RecoveryDecision("grow", f"{', '.join(added)} take(s) back data shard(s) "
+                            f"{[new_shards[n][0] for n in added]}", [], rep, new_shards,
+                            rep.spares, plan)

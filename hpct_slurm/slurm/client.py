@@ -111,6 +111,8 @@ class JobInfo:
     exit_signal: int
     flags: frozenset[str] | None
     work_dir: str | None = None  # the job's WorkDir (its --chdir, else where it was submitted)
+    comment: str | None = None  # its Comment (scontrol only): the lifecycle's summary
+    end_time: str | None = None  # its EndTime (scontrol only; the time limit while it runs)
 
     @property
     def finished(self) -> bool:
@@ -247,7 +249,8 @@ def parse_job_record(line: str) -> JobInfo:
         restart_count=_uint(rec.get("Restarts", "0"), "Restarts"),
         reason=_opt(rec.get("Reason")),
         exit_code=_uint(code, "ExitCode"), exit_signal=_uint(sig or "0", "ExitCode signal"),
-        flags=None, work_dir=_opt(rec.get("WorkDir")))
+        flags=None, work_dir=_opt(rec.get("WorkDir")), comment=_opt(rec.get("Comment")),
+        end_time=_opt(rec.get("EndTime")))
 
 
 def parse_squeue_json(text: str) -> list[JobInfo]:
@@ -315,6 +318,42 @@ def parse_reservation_nodes(text: str) -> list[str]:
         raise HpctError(f"scontrol show reservation printed {len(lines)} records, not 1")
     nodes = parse_scontrol_record(lines[0]).get("Nodes", "")
     return [] if nodes in ("", "(null)") else expand(nodes)
+
+
+@dataclass(frozen=True)
+class ReservationInfo:
+    """One reservation as `scontrol show reservation -o` prints it (times are Slurm's local
+    ISO times, `2026-11-23T17:00:00`, compared as such)."""
+
+    name: str
+    start: str
+    end: str
+    nodes: list[str]
+    flags: frozenset[str]
+
+    @property
+    def maintenance(self) -> bool:
+        return "MAINT" in self.flags
+
+
+def parse_reservations(text: str) -> list[ReservationInfo]:
+    """Every record of `scontrol show reservation -o` (none: "No reservations in the
+    system")."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("No reservations"):
+            continue
+        rec = parse_scontrol_record(line.strip())
+        if "ReservationName" not in rec or "StartTime" not in rec:
+            raise HpctError(f"scontrol reservation record {line[:80]!r} lacks "
+                            f"ReservationName or StartTime")
+        nodes = rec.get("Nodes", "")
+        out.append(ReservationInfo(
+            name=rec["ReservationName"], start=rec["StartTime"], end=rec.get("EndTime", ""),
+            nodes=[] if nodes in ("", "(null)") else expand(nodes),
+            flags=frozenset(f.strip().upper() for f in rec.get("Flags", "").split(",")
+                            if f.strip())))
+    return out
 
 
 def parse_sbatch_parsable(text: str) -> int:
@@ -511,6 +550,10 @@ class SlurmClient:
                                    _reservation_name(name)], "not found")
         return None if out is None else parse_reservation_nodes(out)
 
+    def reservations(self) -> list[ReservationInfo]:
+        """Every reservation (maintenance ones carry the MAINT flag)."""
+        return parse_reservations(self.run(["scontrol", "show", "reservation", "-o"]).stdout)
+
     def _output_unless(self, argv: list[str], absent: str) -> str | None:
         """The command's stdout; None when it failed saying `absent` (what it asked about
         does not exist, which is an answer, not an error)."""
@@ -589,6 +632,27 @@ class SlurmClient:
     def reconfigure(self) -> None:
         """`scontrol reconfigure`: slurmctld and every slurmd re-read their configuration."""
         self.run(["scontrol", "reconfigure"])
+
+    def set_job_comment(self, job_id: int, comment: str) -> None:
+        """`scontrol update JobId=J Comment=..`: a line the job's owner may set on their own
+        job, shown by `scontrol show job` and `squeue -O comment` (the lifecycle's record)."""
+        text = _one_line(comment, "job comment")
+        if len(text) > 250:
+            raise HpctError(f"job comment of {len(text)} characters is over 250: keep the "
+                            f"summary short")
+        self.run(["scontrol", "update", f"JobId={int(job_id)}", f"Comment={text}"])
+
+    def reboot_nodes(self, names: str | Sequence[str], reason: str,
+                     next_state: str = "RESUME") -> None:
+        """`scontrol reboot ASAP nextstate=<RESUME|DOWN> reason=.. <hostlist>`: reboot once the
+        node is idle, keep it from new work until then, and come back in `next_state`."""
+        hostlist = names if isinstance(names, str) else compress(names)
+        expand(hostlist)
+        next_state = next_state.upper()
+        if next_state not in ("RESUME", "DOWN"):
+            raise HpctError(f"reboot next state {next_state!r} is not RESUME or DOWN")
+        self.run(["scontrol", "reboot", "ASAP", f"nextstate={next_state}",
+                  f"reason={_one_line(reason, 'reboot reason')}", hostlist])
 
     def requeue(self, job_id: int) -> None:
         self.run(["scontrol", "requeue", str(int(job_id))])

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = p.add_subparsers(dest="spares_command", metavar="ACTION")
     cmds.required = True
     cmds.add_parser("list", parents=[common], help="pool members with state, reason, record")
+    cmds.add_parser("loop", parents=[common],
+                    help="every node off service or in the pool: where it is in the lifecycle "
+                         "(drain, move, fence, reboot, health check, spare) and what is next")
     add = cmds.add_parser("add", parents=[common],
                           help="put idle nodes in the pool (refuses nodes running jobs)")
     add.add_argument("nodes", nargs="+", help="node names or hostlists (n[1-2])")
@@ -63,6 +66,24 @@ def run(args: argparse.Namespace) -> int:
             for m in members:
                 print(f"{m.name:8} {m.state:10} {'yes' if m.labelled else 'NO':5} "
                       f"{m.reason or m.comment or ''}")
+        return 0
+    if action == "loop":
+        from .pool import loop_stage
+
+        nodes, _ = pool.snapshot()
+        members = set(pool.members())
+        rows = [{"node": n.name, "state": n.summary, "reason": n.reason,
+                 "stage": st, "next": nxt}
+                for n in nodes for st, nxt in [loop_stage(n, n.name in members)]
+                if st != "in service"]
+        if args.json:
+            print(json.dumps({"loop": rows}))
+        else:
+            print(f"{'NODE':8} {'STAGE':30} NEXT")
+            for r in rows:
+                print(f"{r['node']:8} {r['stage']:30} {r['next']}")
+            if not rows:
+                print("every node is in service")
         return 0
     if action == "add":
         outcomes = pool.add(_names(args.nodes))

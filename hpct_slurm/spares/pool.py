@@ -111,6 +111,37 @@ def passive_health(node: NodeInfo) -> str | None:
     return None
 
 
+# Where a node stands in the lifecycle drain -> move -> (fence) -> reboot -> health -> spare,
+# as `spares loop` shows it, with the command that moves it on.
+REBOOT_FLAGS = frozenset({"REBOOT_REQUESTED", "REBOOT_ISSUED", "REBOOT"})
+
+
+def loop_stage(node: NodeInfo, in_pool: bool) -> tuple[str, str]:
+    """(stage, next step) of one node: pure, from Slurm's own view of it."""
+    reason = node.reason or ""
+    ours = reason.startswith(REASON_PREFIX) or f"{REASON_PREFIX} job" in reason
+    if node.flags & REBOOT_FLAGS or node.state == "REBOOT":
+        return "rebooting", "wait: Slurm resumes it after the reboot; then `spares check`"
+    if node.lost:
+        return ("fenced: down" if ours else "down"), \
+            "`scontrol reboot ASAP nextstate=RESUME reason=\"hpct: ...\" NODE` or repair it"
+    if "DRAIN" in node.flags:
+        if "moved its ranks to" in reason:
+            stage = "moved off: drained"
+        elif "health" in reason:
+            stage = "health check failed: drained"
+        else:
+            stage = "drained"
+        if node.state in ("ALLOCATED", "MIXED"):
+            return stage + " (jobs still running)", "wait for its jobs to end"
+        return stage, "`hpct-slurm spares return NODE --to-pool` (health check, then spare)"
+    if node.state == "DOWN":
+        return "down", "`hpct-slurm spares return NODE`"
+    if in_pool:
+        return "pool spare", "none: a job's controller may borrow it"
+    return "in service", "none"
+
+
 def pool_nodes(nodes: Sequence[NodeInfo], members: Sequence[str],
                comments: dict[str, str | None]) -> list[PoolNode]:
     by_name = {n.name: n for n in nodes}

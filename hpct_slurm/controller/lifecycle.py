@@ -1,0 +1,429 @@
+"""The node lifecycle around the recovery machinery (issue 17).
+
+* Planned move: an admin drains an active node (`scontrol update nodename=nX state=drain
+  reason=...`). Nothing has failed, so there is nothing to detect, fence or roll back: every
+  rank leaves the step at its next boundary (STOP), the warm spare takes the node's position
+  in a new generation and pulls the state from the leaving ranks themselves (still alive, they
+  are its first sources), the group resumes at the step everyone completed, and only then the
+  leaving ranks are told goodbye and exit cleanly; the node stays drained, our reason appended.
+* Grow back: after an elastic shrink, a spare that is ready again takes back a data shard a
+  survivor took over (policy.decide_grow), restoring the world the job started with.
+* The record in Slurm: after every round the job's own Comment carries a one-line summary
+  (`scontrol show job`, `squeue -O comment`), and so does an escalation.
+
+The pure parts (what is drained, the summary text, the reason) are functions here and in
+policy.py; `Lifecycle` does the I/O through the controller it belongs to.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Coroutine, Sequence
+
+from .. import config as C
+from .. import protocol as P
+from ..errors import HpctError, describe
+from ..events import Ev, RankState
+from ..rundir import private_dir, write_private
+from ..slurm.client import NodeInfo, ReservationInfo
+from .policy import Action, RecoveryDecision, RecoveryRecord, SurvivorReport, decide_grow
+
+if TYPE_CHECKING:
+    from .controller import Conn, Controller
+
+# Reservations are read less often than nodes: maintenance is planned hours ahead.
+RESERVATION_POLL_S = 60.0
+# `hpct-slurm move NODE JOB` leaves a request file here, in the job's private run dir (0700:
+# whoever can write there holds the job's secret already); the controller picks it up at its
+# next Slurm poll.
+REQUESTS = "requests"
+NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+COMMENT_MAX = 250
+COMMENT_RETRY_S = 60.0  # how long a comment refused with "try again in a bit" is retried
+# how long the caller of record() waits for it: one scontrol update (slurmctld itself waits up
+# to 5 s for a job's DB index before it says "try again")
+COMMENT_WAIT_S = 6.0  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
+REASON_TAG = "hpct:"
+
+
+@dataclass
+class Tally:
+    """What the job went through so far, for its Slurm comment."""
+
+    faults: int = 0
+    moves: int = 0
+    grows: int = 0
+    replaced: list[str] = field(default_factory=list)  # "n3>n5": n5 took n3's place
+    pause_s: float = 0.0
+    lost_steps: int = 0
+
+
+def summary(t: Tally, outcome: str = "") -> str:
+    """The job's comment: one short line without '=' (scontrol prints Key=value records)."""
+    parts = [f"hpct: {t.faults} fault(s)", f"{t.moves} move(s)"]
+    if t.grows:
+        parts.append(f"{t.grows} grow(s)")
+    if t.replaced:
+        parts.append("replaced " + " ".join(t.replaced))
+    parts += [f"pause {t.pause_s:.2f}s", f"lost steps {t.lost_steps}"]
+    if outcome:
+        parts.append(outcome)
+    text = ", ".join(parts).replace("=", ":")
+    return text if len(text) <= COMMENT_MAX else text[:COMMENT_MAX - 3] + "..."
+
+
+def drained(nodes: Sequence[NodeInfo], members: Sequence[str]) -> list[tuple[str, str]]:
+    """Active members an admin (or a health check) drained while they still run: (node,
+    reason). A node that is also down or not responding is a fault, not a planned move."""
+    return [(n.name, n.reason or "drained") for n in nodes
+            if n.name in members and "DRAIN" in n.flags and not n.lost]
+
+
+def in_maintenance(reservations: Sequence[ReservationInfo], members: Sequence[str],
+                   job_end: str | None, now: str) -> list[tuple[str, str]]:
+    """Active members in a maintenance reservation (MAINT flag) that starts before the job
+    ends (an unknown end: any) and has not ended: (node, reason). Times are Slurm's ISO
+    local times, which order as strings."""
+    out: list[tuple[str, str]] = []
+    for r in reservations:
+        if not r.maintenance or (r.end and r.end <= now):
+            continue
+        if job_end and job_end not in ("Unknown", "NONE") and r.start >= job_end:
+            continue
+        out += [(n, f"maintenance reservation {r.name} from {r.start}") for n in r.nodes
+                if n in members and n not in {m for m, _ in out}]
+    return out
+
+
+def moved_reason(admin_reason: str | None, spare: str, job_id: int) -> str:
+    """The node's drain reason after the move: the admin's, with ours appended (once)."""
+    ours = f"{REASON_TAG} job {job_id} moved its ranks to {spare}"
+    base = (admin_reason or "drained").strip()
+    return base if ours in base else f"{base}; {ours}"
+
+
+def ask_move(run_dir: Path, node: str, reason: str) -> Path:
+    """Leave a move request for the controller of the job whose run dir is `run_dir`."""
+    if not NODE_NAME_RE.fullmatch(node):
+        raise HpctError(f"node name {node!r} is not one node name")
+    if not reason.strip() or not reason.isprintable() or len(reason) > 200:
+        raise HpctError(f"move reason {reason!r:.60} is not one printable line of at most 200 "
+                        f"characters")
+    if not (run_dir / "secret").is_file():
+        raise HpctError(f"{run_dir} is not a job's run dir (no secret file): pass --run-dir")
+    d = private_dir(run_dir / REQUESTS, "requests dir")
+    return write_private(d / f"move-{node}", reason.encode())
+
+
+def read_requests(run_dir: Path) -> list[tuple[Path, str, str]]:
+    """The move requests waiting: (file, node, reason); malformed ones are dropped with the
+    reason saying so, so they are answered (move.skipped) rather than retried forever."""
+    d = run_dir / REQUESTS
+    out = []
+    for f in sorted(d.glob("move-*")) if d.is_dir() else []:
+        node = f.name[len("move-"):]
+        try:
+            reason = f.read_bytes()[:200].decode()
+        except (OSError, UnicodeDecodeError):
+            reason = ""
+        if not reason.isprintable() or not NODE_NAME_RE.fullmatch(node):
+            reason = ""
+        out.append((f, node, reason))
+    return out
+
+
+class Lifecycle:
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+        self.tally = Tally()
+        self.requested: set[str] = set()   # nodes whose move was started (once each)
+        self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
+        self.leaving: dict[str, list["Conn"]] = {}  # moved node -> its ranks, until goodbye
+        self.grow_refused = False
+        self.task: asyncio.Task | None = None
+        self.maintenance: list[tuple[str, str]] = []  # the last reservation poll's answer
+        self.reservations_at = float("-inf")
+        self.reservation_task: asyncio.Task | None = None
+        self.comment_wanted = self.comment_written = ""
+        self.comment_task: asyncio.Task | None = None
+
+    # ---- triggers (the controller's Slurm poll) ---------------------------------------------
+    def on_nodes(self, nodes: Sequence[NodeInfo]) -> None:
+        for node, reason in drained(nodes, self.ctl.world.members):
+            self.request_move(node, reason)
+        for node, reason in self.maintenance:
+            self.request_move(node, reason)
+        self._user_requests()
+        self.maybe_grow()
+        now = time.monotonic()
+        if now - self.reservations_at >= RESERVATION_POLL_S and \
+                (self.reservation_task is None or self.reservation_task.done()):
+            self.reservations_at = now
+            self.reservation_task = asyncio.create_task(self._poll_reservations())
+
+    async def _poll_reservations(self) -> None:
+        """Members in a maintenance reservation that starts before this job ends move off
+        ahead of it (at the next poll that finds a spare ready)."""
+        c = self.ctl
+        try:
+            resv = await asyncio.to_thread(c.slurm.reservations)
+            if not any(r.maintenance for r in resv):
+                self.maintenance = []
+                return
+            job = await asyncio.to_thread(c.slurm.show_job, c.o.job_id)
+            now = time.strftime("%Y-%m-%dT%H:%M:%S")  # Slurm prints local time
+            self.maintenance = in_maintenance(resv, c.world.members, job.end_time, now)
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
+
+    def _user_requests(self) -> None:
+        c = self.ctl
+        for f, node, reason in read_requests(c.run_dir):
+            if not reason or node not in c.world.members:
+                c.events.emit(Ev.MOVE_SKIPPED, node=node[:64], reason="user request",
+                              why="not an active member of this job" if reason
+                              else "malformed request")
+            elif not self.request_move(node, f"user request: {reason}"):
+                if node not in self.requested:
+                    continue  # busy, or no spare yet: asked again at the next poll
+            f.unlink(missing_ok=True)
+
+    def _busy(self) -> bool:
+        c = self.ctl
+        return (c.finished.is_set() or c.recovering or bool(c.pending_faults)
+                or c.recovery is not None or (self.task is not None and not self.task.done())
+                or c.world.generation == 0 and not c.trained)
+
+    def _ready_spares(self) -> list[str]:
+        return [s for s in self.ctl.world.spares if self.ctl._node_ready(s)]
+
+    def request_move(self, node: str, why: str) -> bool:
+        """Start moving `node`'s ranks to a warm spare, when one is ready and no other round
+        runs (else the next poll asks again). True when the move started."""
+        c = self.ctl
+        if node in self.requested or node not in c.world.members or self._busy():
+            return False
+        if not self._ready_spares():
+            if node not in self.skipped:
+                self.skipped.add(node)
+                c.events.emit(Ev.MOVE_SKIPPED, node=node, reason=why,
+                              why="no warm spare ready: the node trains on until one is")
+            return False
+        self.requested.add(node)
+        c.events.emit(Ev.MOVE_REQUESTED, node=node, reason=why,
+                      generation=c.world.generation)
+        self._start(self._move(node, why))
+        return True
+
+    def maybe_grow(self) -> bool:
+        c = self.ctl
+        if self.grow_refused or c.world.world_size >= c.data_world or self._busy() \
+                or not self._ready_spares():
+            return False
+        self._start(self._grow())
+        return True
+
+    # ---- rounds ------------------------------------------------------------------------------
+    def _start(self, body: Coroutine[Any, Any, None]) -> None:
+        # The round flag is taken here, synchronously: a fault arriving before the task first
+        # runs must not start a recovery beside it.
+        self.ctl.recovering = True
+        self.task = asyncio.create_task(self._round(body))
+
+    async def _round(self, body: Awaitable[None]) -> None:
+        """A planned round holds the controller's round flag like a recovery: faults that come
+        meanwhile wait and are handled right after it."""
+        c = self.ctl
+        try:
+            await body
+        except Exception as exc:
+            # Stopped ranks wait for an assignment that would never come: rather than hang,
+            # end the run the way a failed recovery does (requeue or fail, --on-no-spare).
+            why = describe(exc) if isinstance(exc, HpctError) else f"{type(exc).__name__}: {exc}"
+            c.events.emit(Ev.MOVE_FAILED, error=why)
+            c.recovering = False
+            await c._escalate(f"planned round failed: {why}")
+        finally:
+            c.recovering = False
+            if c.pending_faults:
+                c.fault_event.set()
+
+    async def _stop_all(self, rec: RecoveryRecord, why: str) -> list["Conn"] | None:
+        """STOP every rank (nobody is lost: no addresses to cut) and wait for all to be ready.
+        None when one is not: it is then a fault, and the fault loop takes over."""
+        c = self.ctl
+        everyone = [x for n in c.world.members for x in c._live(n)]
+        for x in everyone:
+            await c._send(x, P.Stop(c.world.generation, why, []))
+        rec.t_stop = rec.t_fenced = time.time()
+        await c._wait_ready(everyone)
+        rec.t_ready = time.time()
+        # after the stop: a rank in the middle of a step when it came completes it first
+        rec.newest_done = max((x.done_step for x in everyone), default=-1)
+        bad = [x for x in everyone if x.gone or x.state != RankState.READY]
+        if bad:
+            c.events.emit(Ev.MOVE_FAILED, error=f"{len(bad)} rank(s) not ready after the "
+                                                f"planned stop: handled as a fault",
+                          nodes=sorted({x.node for x in bad}))
+            for x in bad:
+                c._fault(x.node, f"not ready after a planned stop ({x.state})")
+            return None
+        return everyone
+
+    async def _move(self, node: str, why: str) -> None:
+        c = self.ctl
+        rec = RecoveryRecord(t_detect=time.time(), kind="move")
+        everyone = await self._stop_all(rec, f"planned move off {node}: {why}")
+        if everyone is None:
+            return
+        d = await c._decide([node], everyone, [])
+        if d.action != Action.REPLACE or not d.taken:
+            # the spare went away meanwhile: everyone goes on where it stopped
+            c.events.emit(Ev.MOVE_FAILED, node=node, error=d.reason)
+            self.requested.discard(node)
+            d = await c._decide([], everyone, [])
+            rec.kind = "recovery"
+            if d.escalates:
+                raise HpctError(d.reason)
+        leaving = [x for x in everyone if x.node == node] if d.taken else []
+        if leaving:
+            self.leaving[node] = leaving
+        await self._carry(rec, d, everyone, first=leaving, event=Ev.MOVE_ASSIGN)
+
+    async def _grow(self) -> None:
+        c = self.ctl
+        rec = RecoveryRecord(t_detect=time.time(), kind="grow")
+        everyone = await self._stop_all(rec, "growing back to the full world")
+        if everyone is None:
+            return
+        reports = [SurvivorReport(x.node, x.local_rank, x.held, x.held_rank, x.mode,
+                                  x.rank_state, tuple(x.shard_keys), x.error, not x.gone)
+                   for x in everyone if x.held is not None]
+        disk_shared, disk_rank = await asyncio.to_thread(c._persisted_steps)
+        d = decide_grow(c.world, c.shards, self._ready_spares(), reports,
+                        disk_shared=disk_shared, disk_rank=disk_rank)
+        if d is None:
+            self.grow_refused = True  # per-rank or sharded state: stay shrunk
+            c.events.emit(Ev.MOVE_FAILED, error="cannot grow back (per-rank or sharded state, "
+                                                "or no common step): the job stays shrunk")
+            d = await c._decide([], everyone, [])
+            rec.kind = "recovery"
+            if d.escalates:
+                raise HpctError(d.reason)
+        await self._carry(rec, d, everyone, first=[], event=Ev.GROW_ASSIGN)
+
+    async def _carry(self, rec: RecoveryRecord, d: RecoveryDecision, everyone: list["Conn"],
+                     first: list["Conn"], event: Ev) -> None:
+        """The new generation, as _recover carries out a decision: layout, sources (the
+        leaving ranks first: they hold the newest state and are about to go), assignment."""
+        c = self.ctl
+        assert d.replacement is not None and d.plan is not None
+        rep, plan = d.replacement, d.plan
+        c.shards = d.shards
+        c.world.members, c.world.spares = rep.members, d.spares
+        c.world.generation = rep.generation
+        staying = [x for x in everyone if x not in first]
+        sources = {x.rank: [(x.host_addr, x.transfer_port)] for x in first}
+        sources.update({c.world.rank_of(x.node, x.local_rank): [(x.host_addr, x.transfer_port)]
+                        for x in staying})
+        rec.generation, rec.restore_step = rep.generation, plan.step
+        rec.lost, rec.taken = d.lost, rep.taken
+        rec.reasons = {n: "planned move" for n in d.lost}
+        rec.t_assigned = time.time()
+        c.recovery = rec
+        c.events.emit(event, generation=rep.generation, restore_step=plan.step,
+                      newest_done=rec.newest_done, taken=rep.taken, members=rep.members,
+                      shards=c.shards, sources={str(r): s for r, s in sorted(plan.sources.items())})
+        await c._assign(plan.step, sources)
+
+    # ---- the end of a round ------------------------------------------------------------------
+    def round_done(self, rec: RecoveryRecord, now: float) -> None:
+        """Every rank completed the round's first step: its event, the leaving ranks' goodbye
+        (a move), the tally and the job's Slurm comment."""
+        c = self.ctl
+        fields = rec.done_fields(now)
+        t = self.tally
+        if rec.kind == "move":
+            c.events.emit(Ev.MOVE_DONE, **fields)
+            t.moves += 1
+            for node in rec.lost:
+                asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
+        elif rec.kind == "grow":
+            c.events.emit(Ev.GROW_DONE, **fields)
+            t.grows += 1
+        else:
+            c.events.emit(Ev.RECOVERY_DONE, **fields)
+            t.faults += max(1, len(rec.lost))
+        t.replaced += [f"{a}>{b}" for a, b in rec.taken.items()]
+        t.pause_s += fields["recovery_s"]
+        t.lost_steps += fields["lost_steps"]
+        asyncio.ensure_future(self.record())
+
+    async def _release(self, node: str, spare: str) -> None:
+        """The moved node's ranks leave (their state is no longer needed); the node stays
+        drained for the admin, with what we did appended to the reason."""
+        c = self.ctl
+        c.dead_nodes.add(node)  # never a spare or member again in this job
+        if node in c.steps:
+            c.expected_exits.add(c.steps[node].pid)
+        for x in self.leaving.pop(node, []):
+            await c._send(x, P.Goodbye(f"moved to {spare}"))
+        try:
+            info = await asyncio.to_thread(c.slurm.show_node, node)
+            if "DRAIN" in info.flags:
+                await asyncio.to_thread(c.slurm.update_node, node, "DRAIN",
+                                        moved_reason(info.reason, spare, c.o.job_id))
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+
+    async def after_down(self, node: str, reason: str) -> None:
+        """The admin's policy for a node we fenced DOWN (HPCT_ON_FENCED): leave it, or have
+        Slurm reboot it once idle and bring it back RESUMEd, where the Prolog's health check
+        guards its next job (a failed check drains it again) and `spares check --to-pool`
+        re-admits it to the spare pool."""
+        c = self.ctl
+        try:
+            policy = C.read(os.environ, C.ON_FENCED)
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+            return
+        if policy != "reboot":
+            return
+        why = f"hpct: reboot after fence in job {c.o.job_id}: {reason}"[:200]
+        try:
+            await asyncio.to_thread(c.slurm.reboot_nodes, node, why, "RESUME")
+        except HpctError as exc:
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+            return
+        c.events.emit(Ev.NODE_REBOOT, node=node, reason=why, next_state="RESUME")
+
+    async def record(self, outcome: str = "", wait_s: float = COMMENT_WAIT_S) -> None:
+        """Write the summary into the job's Slurm Comment (best effort: a refused update is an
+        event, never a failure of the job). One writer at a time, always the newest text;
+        waits at most `wait_s` for it (an escalation must not wait out the retries)."""
+        self.comment_wanted = summary(self.tally, outcome)
+        if self.comment_task is None or self.comment_task.done():
+            self.comment_task = asyncio.create_task(self._write_comment())
+        await asyncio.wait([self.comment_task], timeout=wait_s)
+
+    async def _write_comment(self) -> None:
+        c = self.ctl
+        deadline = time.monotonic() + COMMENT_RETRY_S
+        while self.comment_wanted != self.comment_written:
+            text = self.comment_wanted
+            try:
+                await asyncio.to_thread(c.slurm.set_job_comment, c.o.job_id, text)
+            except HpctError as exc:
+                c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
+                # slurmctld refuses job updates until the job has its DB index ("try again
+                # in a bit"); anything else will not get better by asking again
+                if "try again" not in describe(exc) or time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(2.0)
+                continue
+            self.comment_written = text
+            c.events.emit(Ev.SLURM_COMMENT, comment=text)

@@ -104,6 +104,14 @@ def _counting_store(inner: Any) -> Any:
             else:
                 self.inner.wait(keys, timeout)
 
+        def multi_get(self, keys):  # type: ignore[no-untyped-def]
+            self._count("multi_get")
+            return self.inner.multi_get(keys)
+
+        @property
+        def batched_multi_get(self) -> bool:
+            return bool(getattr(self.inner, "batched_multi_get", False))
+
         def delete_key(self, key):  # type: ignore[no-untyped-def]
             self._count("delete_key")
             return self.inner.delete_key(key)

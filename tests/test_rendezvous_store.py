@@ -109,6 +109,18 @@ class StoreVsHashStore(RuleBasedStateMachine):
     def check(self, keys: list[str]) -> None:
         assert self.store.check(keys) == self.oracle.check(keys)
 
+    @rule(keys=st.lists(KEYS, max_size=5))
+    def multi_get(self, keys: list[str]) -> None:
+        # Keys on several shards, one request to each at once: same values in the same order.
+        if all(self.present(k) for k in keys):
+            assert self.store.multi_get(keys) == self.oracle.multi_get(keys)
+        else:
+            missing = "|".join(re.escape(f"'{k}'") for k in keys if not self.present(k))
+            self.store.set_timeout(SHORT)
+            with pytest.raises(dist.DistStoreError, match=f"key ({missing}) did not appear"):
+                self.store.multi_get(keys)
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+
     @precondition(lambda self: self.oracle.num_keys() > 0)
     @rule(key=KEYS)
     def wait_present(self, key: str) -> None:

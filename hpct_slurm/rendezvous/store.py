@@ -32,14 +32,12 @@ import os
 import secrets
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
 import typing
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist

@@ -19,10 +19,10 @@ HEAD = "hpct/gen3/0//cpu//0/"
 class Fetches:
     def __init__(self, values: dict[str, bytes]):
         self.values = values
-        self.calls: list[list[str]] = []
+        self.calls: list[tuple[tuple[str, bytes] | None, list[str]]] = []
 
-    def __call__(self, keys: list[str]) -> list[bytes]:
-        self.calls.append(list(keys))
+    def __call__(self, held: tuple[str, bytes] | None, keys: list[str]) -> list[bytes]:
+        self.calls.append((held, list(keys)))
         return [self.values[k] for k in keys]
 
 
@@ -38,11 +38,13 @@ def test_plan_fetches_every_rank_key_once_after_its_own_set():
     fetch = Fetches(values)
     plan = GatherPlan(rank=2, world_size=4)
     assert plan.take(HEAD + "0", fetch) is None  # nothing set by this rank yet: not gathered
-    plan.saw_set(HEAD + "2")
+    assert plan.hold(HEAD + "2", b"mine")  # held back, to go out with the multi_get
+    assert not plan.hold(HEAD + "2", b"again")  # a second set of it goes out at once
     for i in range(4):
         assert plan.holds(f"{HEAD}{i}", fetch)
         assert plan.take(f"{HEAD}{i}", fetch) == bytes([i])
-    assert fetch.calls == [[f"{HEAD}{i}" for i in range(4)]]
+    assert fetch.calls == [((HEAD + "2", b"mine"), [f"{HEAD}{i}" for i in range(4)])]
+    assert plan.release() is None  # sent with the fetch
     assert plan.take(HEAD + "1", fetch) is None  # handed out once: a second get asks the store
     assert plan.take(HEAD + "4", fetch) is None  # beyond the world: not ours to answer
 
@@ -52,7 +54,7 @@ def test_plan_ignores_a_key_set_by_one_rank_for_another():
     <head>/1 .. <head>/N-1, which nobody sets."""
     fetch = Fetches({})
     plan = GatherPlan(rank=1, world_size=4)
-    plan.saw_set(HEAD + "0")
+    assert not plan.hold(HEAD + "0", b"id")  # sent at once
     assert not plan.holds(HEAD + "0", fetch)
     assert plan.take(HEAD + "0", fetch) is None
     assert fetch.calls == []
@@ -61,8 +63,8 @@ def test_plan_ignores_a_key_set_by_one_rank_for_another():
 def test_plan_passes_everything_through_once_finished():
     fetch = Fetches({f"{HEAD}{i}": b"v" for i in range(2)})
     plan = GatherPlan(rank=0, world_size=2)
-    plan.saw_set(HEAD + "0")
     plan.finish()
+    assert not plan.hold(HEAD + "0", b"v")
     assert plan.take(HEAD + "1", fetch) is None and fetch.calls == []
 
 
@@ -113,6 +115,25 @@ def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers)
     assert all(got[r] == [f"addr-{i}".encode() for i in range(n)] for r in range(n))
     requests = sum(s.stats().requests for s in servers)
     assert requests == n * (1 + len(servers))  # not n * (2n + 1) = 136
+
+
+def test_a_held_set_goes_out_before_any_other_request(servers):
+    """Lazy gloo sets its key and reads none in init; another call, or the end of the
+    formation, must send the held key, or the peers would wait for it forever."""
+    endpoints = [s.address for s in servers]
+    inner = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=5))
+    peer = RootlessStore(endpoints, SECRET, datetime.timedelta(milliseconds=50))
+    store = FormationStore(inner, 1, 2)
+    store.set(HEAD + "1", b"mine")
+    assert not peer.check([HEAD + "1"])  # held
+    assert store.add("counter", 1) == 1
+    assert peer.get(HEAD + "1") == b"mine"
+    store2 = FormationStore(inner, 1, 2)
+    store2.set(HEAD + "x/1", b"later")
+    store2.finish()
+    assert peer.get(HEAD + "x/1") == b"later"
+    inner.close()
+    peer.close()
 
 
 def test_formation_store_passes_other_keys_through(servers):

@@ -234,6 +234,23 @@ def test_abort_ends_a_blocked_get_at_once(shards, via_clone):
         store.clone().set("after", b"1")  # later clones and requests fail at once too
 
 
+def test_set_then_multi_get_publishes_before_it_waits(shards):
+    """Two ranks each publish their key and read both in one round trip: each one's set is
+    served before the multi_get that waits for it, so neither waits for itself."""
+    _, store = shards
+    other = store.clone()
+    keys = ["g/0", "g/1", "g/2"]
+    store.set("g/2", b"c")
+    out: list[list[bytes]] = []
+    t = threading.Thread(target=lambda: out.append(other.set_then_multi_get("g/1", b"b", keys)))
+    t.start()
+    assert store.set_then_multi_get("g/0", b"a", keys) == [b"a", b"b", b"c"]
+    t.join(5)
+    assert out == [[b"a", b"b", b"c"]]
+    assert store.multi_get([]) == []
+    other.close()
+
+
 def test_wait_timeout_names_the_missing_key(shards):
     _, store = shards
     store.set("here", b"1")

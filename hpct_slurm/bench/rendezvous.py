@@ -109,6 +109,10 @@ def _counting_store(inner: Any) -> Any:
             self._count("multi_get")
             return self.inner.multi_get(keys)
 
+        def set_then_multi_get(self, key, value, keys):  # type: ignore[no-untyped-def]
+            self._count("set_then_multi_get")
+            return self.inner.set_then_multi_get(key, value, keys)
+
         @property
         def batched_multi_get(self) -> bool:
             return bool(getattr(self.inner, "batched_multi_get", False))

@@ -6,11 +6,12 @@ round trips per rank, each one a wake-up of a Python shard server on another hos
 calls `multi_get`, even for a store that has one. Measured on 64 loopback ranks: 129 store
 calls per rank took 2.6 s of the 3.2 s init.
 
-`FormationStore` wraps the store during `init_process_group` only. The first wait or get of a
-key under a *gather head* (a `<head>/` under which this rank has just set its own rank's
-key) fetches `<head>/0 .. <head>/N-1` with one `multi_get` (one request per shard, every shard
-asked at once) and answers gloo's 2N calls from that. Everything else goes to the store
-unchanged.
+`FormationStore` wraps the store during `init_process_group` only. This rank's set of its own
+key `<head>/<rank>` makes `<head>/` a *gather head* and is held back a moment; the first wait
+or get under it sends that set and a `multi_get` of `<head>/0 .. <head>/N-1` in one round
+trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard asked at once,
+the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
+other call sends a held set first; everything else goes to the store unchanged.
 
 Why only heads this rank has set its own key under: those keys are, by that pattern, one per
 rank and each written once before anybody reads them (gloo's addresses). A key that merely
@@ -27,6 +28,8 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 _MAX_RANK_DIGITS = 9
+# (this rank's held set or None, the keys) -> the keys' values
+Fetch = Callable[[tuple[str, bytes] | None, list[str]], Sequence[bytes]]
 
 
 def split_rank_key(key: str) -> tuple[str, int] | None:
@@ -50,14 +53,28 @@ class GatherPlan:
         self.heads: set[str] = set()
         self.fetched: set[str] = set()
         self.cache: dict[str, bytes] = {}
+        self.held: tuple[str, bytes] | None = None  # this rank's own key, not sent yet
         self.fetches = 0
         self._lock = threading.Lock()
 
-    def saw_set(self, key: str) -> None:
+    def hold(self, key: str, value: bytes) -> bool:
+        """This rank sets `key`: True if it is this rank's own key under a new head, held
+        back to go out with that head's multi_get (the caller sends nothing now)."""
         parts = split_rank_key(key)
-        if self.active and parts is not None and parts[1] == self.rank:
-            with self._lock:
-                self.heads.add(parts[0])
+        if not self.active or parts is None or parts[1] != self.rank:
+            return False
+        with self._lock:
+            if self.held is not None or parts[0] in self.heads:
+                return False
+            self.heads.add(parts[0])
+            self.held = (key, value)
+            return True
+
+    def release(self) -> tuple[str, bytes] | None:
+        """The held set, which the caller must now send (before any other request)."""
+        with self._lock:
+            held, self.held = self.held, None
+            return held
 
     def _covered(self, key: str) -> str | None:
         parts = split_rank_key(key)
@@ -68,11 +85,14 @@ class GatherPlan:
             return None
         return head
 
-    def _ensure(self, head: str, fetch: Callable[[list[str]], Sequence[bytes]]) -> None:
+    def _ensure(self, head: str, fetch: Fetch) -> None:
         if head in self.fetched:
             return
         keys = [f"{head}{i}" for i in range(self.world_size)]
-        values = fetch(keys)
+        held = self.held if self.held is not None and self.held[0].startswith(head) else None
+        values = fetch(held, keys)
+        if held is not None:
+            self.held = None
         if len(values) != len(keys):
             raise dist.DistStoreError(f"multi_get of {len(keys)} keys under '{head}' returned "
                                       f"{len(values)} values")
@@ -80,7 +100,7 @@ class GatherPlan:
         self.fetched.add(head)
         self.fetches += 1
 
-    def holds(self, key: str, fetch: Callable[[list[str]], Sequence[bytes]]) -> bool:
+    def holds(self, key: str, fetch: Fetch) -> bool:
         """Whether `key` is known to exist (fetching its head's keys first if they are due)."""
         with self._lock:
             head = self._covered(key)
@@ -89,7 +109,7 @@ class GatherPlan:
             self._ensure(head, fetch)
             return key in self.cache
 
-    def take(self, key: str, fetch: Callable[[list[str]], Sequence[bytes]]) -> bytes | None:
+    def take(self, key: str, fetch: Fetch) -> bytes | None:
         """`key`'s fetched value, handed out once; None: ask the store."""
         with self._lock:
             head = self._covered(key)
@@ -108,7 +128,7 @@ class GatherPlan:
 
 class FormationStore(dist.Store):
     """`inner` with gloo's address exchange gathered (see the module doc). `inner` must have
-    a `multi_get` that waits for every key, as RootlessStore's does."""
+    `multi_get` and `set_then_multi_get` that wait for every key, as RootlessStore's do."""
 
     def __init__(self, inner: dist.Store, rank: int, world_size: int,
                  plan: GatherPlan | None = None):
@@ -117,43 +137,67 @@ class FormationStore(dist.Store):
         self.plan = plan or GatherPlan(rank, world_size)
         super().set_timeout(inner.timeout)
 
-    def _fetch(self, keys: list[str]) -> list[bytes]:
-        return self.inner.multi_get(keys)
+    def _fetch(self, held: tuple[str, bytes] | None, keys: list[str]) -> list[bytes]:
+        if held is None:
+            return self.inner.multi_get(keys)
+        return self.inner.set_then_multi_get(held[0], held[1], keys)
+
+    def _send_held(self) -> None:
+        held = self.plan.release()
+        if held is not None:
+            self.inner.set(*held)
+
+    def finish(self) -> None:
+        """The formation is over: send a set still held (lazy gloo reads no key in init),
+        then pass everything through."""
+        self._send_held()
+        self.plan.finish()
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.inner.set(key, value)
-        self.plan.saw_set(key)
+        if not self.plan.hold(key, value if isinstance(value, bytes) else value.encode()):
+            self._send_held()
+            self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
         value = self.plan.take(key, self._fetch)
-        return self.inner.get(key) if value is None else value
+        if value is not None:
+            return value
+        self._send_held()
+        return self.inner.get(key)
 
     def wait(self, keys: list[str],
              timeout: datetime.timedelta | None = None) -> None:
         if keys and all(self.plan.holds(k, self._fetch) for k in keys):
             return
+        self._send_held()
         if timeout is None:
             self.inner.wait(keys)
         else:
             self.inner.wait(keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
+        self._send_held()
         return self.inner.check(keys)
 
     def add(self, key: str, value: int) -> int:
+        self._send_held()
         return self.inner.add(key, value)
 
     def compare_set(self, key: str, expected_value: str | bytes,
                     desired_value: str | bytes) -> bytes:
+        self._send_held()
         return self.inner.compare_set(key, expected_value, desired_value)
 
     def delete_key(self, key: str) -> bool:
+        self._send_held()
         return self.inner.delete_key(key)
 
     def num_keys(self) -> int:
+        self._send_held()
         return self.inner.num_keys()
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._send_held()
         return self.inner.multi_get(keys)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:

@@ -80,14 +80,15 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
         dist.init_process_group(backend, store=prefixed, rank=info.rank,
                                 world_size=info.world_size, timeout=init_timeout, **kwargs)
     except BaseException:
+        if gathering is not None:
+            gathering.plan.finish()  # nothing more to send for a formation that failed
         # A failed formation (aborted by a STOP, a member gone, a timeout) must leave nothing
         # behind: no store connections, no shard server, and no advanced group counter.
         _release(_Formed(info, store, shard))
         _reset_group_count()
         raise
-    finally:
-        if gathering is not None:
-            gathering.plan.finish()
+    if gathering is not None:
+        gathering.finish()
     group = dist.group.WORLD
     if collective_timeout != init_timeout:
         _set_pg_timeout(collective_timeout, group)

@@ -704,12 +704,13 @@ class _Shard:
         ) from None
 
 
-def _pipelined(calls: Sequence[tuple[_Shard, bytes]], deadline: float | None,
-               what: str) -> list[tuple[int, list[bytes]]]:
-    """One request to each of several distinct shards, all in flight at once: connect to
-    every shard not connected yet, then read the nonces, then send every request, then read
-    the responses. Each phase waits for the slowest shard once instead of once per shard,
-    which is what a rank gathering every other rank's key needs (one round trip, not N)."""
+def _pipelined(calls: Sequence[tuple[_Shard, list[bytes]]], deadline: float | None,
+               what: str) -> list[list[tuple[int, list[bytes]]]]:
+    """Requests to several distinct shards, all in flight at once: connect to every shard not
+    connected yet, then read the nonces, then send every request, then read the responses.
+    Each phase waits for the slowest shard once instead of once per shard, which is what a
+    rank gathering every other rank's key needs (one round trip, not N). Several requests to
+    one shard go in order on its connection; only the last may park (a wait or get)."""
     with contextlib.ExitStack() as held:
         for shard, _ in calls:
             held.enter_context(shard._lock)
@@ -729,9 +730,10 @@ def _pipelined(calls: Sequence[tuple[_Shard, bytes]], deadline: float | None,
                         raise
                     sock = shard._connect(deadline)  # dropped before its nonce: retry
                 shard._sock = sock
-            for shard, payload in calls:
-                shard._send(payload, what)
-            return [shard._receive(what) for shard, _ in calls]
+            for shard, payloads in calls:
+                for payload in payloads:
+                    shard._send(payload, what)
+            return [[shard._receive(what) for _ in payloads] for shard, payloads in calls]
         except BaseException:
             # A shard left with a request in flight would pair its late reply with the next
             # request: start those connections afresh.
@@ -885,16 +887,36 @@ class RootlessStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Every key's value, waiting (up to the store timeout) until all exist. One request
         per shard the keys live on, all shards asked at once (see `_pipelined`)."""
-        if not keys:
+        return self.set_then_multi_get(None, b"", keys)
+
+    def set_then_multi_get(self, key: str | None, value: str | bytes,
+                           keys: list[str]) -> list[bytes]:
+        """`set(key, value)` (unless key is None), then `multi_get(keys)`, in the same round
+        trip: the set goes just ahead of the multi_get on its shard's connection, which the
+        shard serves in order. What a rank forming a group does: publish its own key, read
+        everybody's."""
+        if not keys and key is None:
             return []
         timeout = self.timeout
         deadline = self._deadline(timeout)
-        groups = sorted(self._by_shard(keys).items())
-        calls = [(self._shards[i], bytes([OP_MULTI_GET]) + _pack_fields(
-                  [_I64.pack(_ms(timeout))] + [k.encode() for k in group]))
-                 for i, group in groups]
+        groups = self._by_shard(keys)
+        requests: dict[int, list[bytes]] = {}
+        if key is not None:
+            set_at = shard_of(key, len(self._shards))
+            requests[set_at] = [bytes([OP_SET]) + _pack_fields([key.encode(), _as_bytes(value)])]
+        for i, group in groups.items():
+            requests.setdefault(i, []).append(bytes([OP_MULTI_GET]) + _pack_fields(
+                [_I64.pack(_ms(timeout))] + [k.encode() for k in group]))
+        order = sorted(requests)  # shard locks are taken in index order: no deadlock
+        replies = dict(zip(order, _pipelined([(self._shards[i], requests[i]) for i in order],
+                                             deadline, "multi_get")))
+        if key is not None:
+            status, out = replies[set_at].pop(0)
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store set of key '{key}' failed: {out!r}")
         values: dict[str, bytes] = {}
-        for (i, group), (status, out) in zip(groups, _pipelined(calls, deadline, "multi_get")):
+        for i, group in groups.items():
+            status, out = replies[i][0]
             if status == ST_TIMEOUT:
                 raise dist.DistStoreError(
                     f"store multi_get: key '{out[0].decode(errors='replace')}' did not appear "

@@ -60,6 +60,16 @@ def test_plan_ignores_a_key_set_by_one_rank_for_another():
     assert fetch.calls == []
 
 
+def test_only_gloos_own_key_is_held_back():
+    """Another own-rank key (e.g. a fan-out copy `<key>/fan/<rank>`) goes out at once: this
+    rank may next block on something that needs it. Its head is still gathered."""
+    fetch = Fetches({f"id/fan/{i}": b"c" for i in range(2)})
+    plan = GatherPlan(rank=1, world_size=2)
+    assert not plan.hold("id/fan/1", b"c")
+    assert plan.take("id/fan/0", fetch) == b"c"
+    assert fetch.calls == [(None, ["id/fan/0", "id/fan/1"])]
+
+
 def test_plan_passes_everything_through_once_finished():
     fetch = Fetches({f"{HEAD}{i}": b"v" for i in range(2)})
     plan = GatherPlan(rank=0, world_size=2)

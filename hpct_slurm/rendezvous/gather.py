@@ -22,12 +22,18 @@ once (the get after the wait); a second get goes to the store.
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
 _MAX_RANK_DIGITS = 9
+# gloo's own heads end in its device prefix, e.g. "hpct/gen3/0//cpu//0/". Only a set under such a
+# head is held back: gloo waits for the keys right after it. Any other own-rank key (a future
+# fan-out copy `<key>/fan/<j>`, a script's own) goes out at once, so that nothing this rank
+# then blocks on can wait for a set still held here; its head is still gathered.
+_GLOO_HEAD = re.compile(r"//[a-z]+//[0-9]+/$")
 # (this rank's held set or None, the keys) -> the keys' values
 Fetch = Callable[[tuple[str, bytes] | None, list[str]], Sequence[bytes]]
 
@@ -67,6 +73,8 @@ class GatherPlan:
             if self.held is not None or parts[0] in self.heads:
                 return False
             self.heads.add(parts[0])
+            if not _GLOO_HEAD.search(parts[0]):
+                return False
             self.held = (key, value)
             return True
 

@@ -25,7 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CASES = {
     "rendezvous": (["--quick", "--sizes", "3", "--reps", "1"],
                    {"bench", "ranks", "rootless_busiest_over_avg", "tcpstore_busiest_over_avg",
-                    "rootless_init_s", "tcpstore_init_s"}),
+                    "rootless_init_s", "tcpstore_init_s", "init_s_per_size", "goals"}),
     "replication": (["--quick", "--smoke"], {"bench", "overhead_pct"}),
     "transfer": (["--quick", "--smoke"], {"bench", "throughput_ratio"}),
     "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
@@ -70,6 +70,15 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
         assert "structural" in record["notes"]["tcpstore_busiest_over_avg"]
         tcp = record["sizes"][-1]["tcpstore"]
         assert tcp["requests_at_root_median"] >= 3 and "measured" in tcp["requests_at_root_source"]
+        # Both stores' init time per size, and each goal checked per size.
+        assert set(summary["init_s_per_size"]["3"]) == {"rootless", "tcpstore"}
+        assert summary["goals"]["rootless_busiest_over_avg_le_2"] == {"3": True}
+        assert set(summary["goals"]["rootless_not_slower_than_tcpstore"]) == {"3"}
+        # gloo's set + 3 waits + 3 gets reached the rootless store as one round trip
+        # (gather.py); TCPStore, the baseline, is used as torch uses it.
+        assert record["sizes"][-1]["rootless"]["client_ops_of_one_rank_last_run"] == {
+            "set_then_multi_get": 1}
+        assert tcp["client_ops_of_one_rank_last_run"] == {"set": 1, "wait": 3, "get": 3}
     else:
         assert record["smoke"] is True
 

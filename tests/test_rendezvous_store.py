@@ -109,6 +109,18 @@ class StoreVsHashStore(RuleBasedStateMachine):
     def check(self, keys: list[str]) -> None:
         assert self.store.check(keys) == self.oracle.check(keys)
 
+    @rule(keys=st.lists(KEYS, max_size=5))
+    def multi_get(self, keys: list[str]) -> None:
+        # Keys on several shards, one request to each at once: same values in the same order.
+        if all(self.present(k) for k in keys):
+            assert self.store.multi_get(keys) == self.oracle.multi_get(keys)
+        else:
+            missing = "|".join(re.escape(f"'{k}'") for k in keys if not self.present(k))
+            self.store.set_timeout(SHORT)
+            with pytest.raises(dist.DistStoreError, match=f"key ({missing}) did not appear"):
+                self.store.multi_get(keys)
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+
     @precondition(lambda self: self.oracle.num_keys() > 0)
     @rule(key=KEYS)
     def wait_present(self, key: str) -> None:
@@ -220,6 +232,23 @@ def test_abort_ends_a_blocked_get_at_once(shards, via_clone):
     assert isinstance(errors[0], dist.DistStoreError) and "aborted" in str(errors[0])
     with pytest.raises(dist.DistStoreError, match="aborted"):
         store.clone().set("after", b"1")  # later clones and requests fail at once too
+
+
+def test_set_then_multi_get_publishes_before_it_waits(shards):
+    """Two ranks each publish their key and read both in one round trip: each one's set is
+    served before the multi_get that waits for it, so neither waits for itself."""
+    _, store = shards
+    other = store.clone()
+    keys = ["g/0", "g/1", "g/2"]
+    store.set("g/2", b"c")
+    out: list[list[bytes]] = []
+    t = threading.Thread(target=lambda: out.append(other.set_then_multi_get("g/1", b"b", keys)))
+    t.start()
+    assert store.set_then_multi_get("g/0", b"a", keys) == [b"a", b"b", b"c"]
+    t.join(5)
+    assert out == [[b"a", b"b", b"c"]]
+    assert store.multi_get([]) == []
+    other.close()
 
 
 def test_wait_timeout_names_the_missing_key(shards):

@@ -10,7 +10,8 @@ and report. Measured per run:
 Where each number comes from:
   requests    every rank's store (either kind) is wrapped in the same counting Store proxy,
               which counts the requests the formation makes through it (measured, client
-              side);
+              side; rootless: gloo's 2N waits/gets reach it as one multi_get, see
+              rendezvous/gather.py);
   rootless    every shard server counts its own accepted connections and requests (measured,
               server side; a multi-key wait/check is one request per shard it touches);
   tcpstore    connections at the root: ESTABLISHED sockets on MASTER_PORT in /proc/net/tcp
@@ -103,6 +104,18 @@ def _counting_store(inner: Any) -> Any:
                 self.inner.wait(keys)
             else:
                 self.inner.wait(keys, timeout)
+
+        def multi_get(self, keys):  # type: ignore[no-untyped-def]
+            self._count("multi_get")
+            return self.inner.multi_get(keys)
+
+        def set_then_multi_get(self, key, value, keys):  # type: ignore[no-untyped-def]
+            self._count("set_then_multi_get")
+            return self.inner.set_then_multi_get(key, value, keys)
+
+        @property
+        def batched_multi_get(self) -> bool:
+            return bool(getattr(self.inner, "batched_multi_get", False))
 
         def delete_key(self, key):  # type: ignore[no-untyped-def]
             self._count("delete_key")
@@ -315,6 +328,27 @@ def _plot(path: Path, sizes: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+GOAL_64_RANKS_S = 0.5
+GOAL_BUSIEST_OVER_AVG = 2.0
+
+
+def _goals(sizes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 15's rendezvous goals, each checked on the medians of this run."""
+    at = {s["ranks"]: s for s in sizes}
+    out: dict[str, Any] = {
+        "rootless_not_slower_than_tcpstore": {
+            str(n): s["rootless"]["init_s_median"] <= s["tcpstore"]["init_s_median"]
+            for n, s in at.items()},
+        f"rootless_busiest_over_avg_le_{GOAL_BUSIEST_OVER_AVG:g}": {
+            str(n): s["rootless"]["busiest_over_avg"] <= GOAL_BUSIEST_OVER_AVG
+            for n, s in at.items()},
+    }
+    if 64 in at:
+        out[f"rootless_64_ranks_le_{GOAL_64_RANKS_S:g}_s"] = (
+            at[64]["rootless"]["init_s_median"] <= GOAL_64_RANKS_S)
+    return out
+
+
 SMOKE_SIZES = [2, 4]
 QUICK_SIZES = [4, 16]
 FULL_SIZES = [4, 16, 32, 64]
@@ -353,7 +387,11 @@ def run(out_dir: Path, quick: bool = False, sizes: list[int] | None = None,
         "tcpstore_busiest_over_avg": round(largest["tcpstore"]["busiest_over_avg"], 3),
         "rootless_init_s": round(largest["rootless"]["init_s_median"], 4),
         "tcpstore_init_s": round(largest["tcpstore"]["init_s_median"], 4),
+        "init_s_per_size": {str(s["ranks"]): {k: round(s[k]["init_s_median"], 4)
+                                              for k in ("rootless", "tcpstore")}
+                            for s in sizes},
     }
+    summary["goals"] = _goals(sizes)
     _plot(out_dir / f"{NAME}.png", sizes)
     write_result(out_dir, NAME, {
         "summary": summary, "quick": quick, "smoke": smoke, "repetitions": reps, "sizes": sizes,

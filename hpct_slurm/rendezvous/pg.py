@@ -21,6 +21,7 @@ import torch.distributed.distributed_c10d as dist_c10d
 from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
 
 from ..errors import HpctError
+from . import gather
 from .derive import RendezvousInfo
 from .store import ShardServer
 
@@ -70,17 +71,24 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     for name in _BACKEND_ENV:
         if name in env:
             os.environ.setdefault(name, env[name])
-    prefixed = dist.PrefixStore(generation_prefix(info.generation), store)
+    # gloo's address exchange in one round trip instead of 2N (gather.py), during init only.
+    gathering = gather.FormationStore(store, info.rank, info.world_size) if gather.wraps(
+        store) else None
+    prefixed = dist.PrefixStore(generation_prefix(info.generation), gathering or store)
     kwargs = {} if device_id is None else {"device_id": device_id}
     try:
         dist.init_process_group(backend, store=prefixed, rank=info.rank,
                                 world_size=info.world_size, timeout=init_timeout, **kwargs)
     except BaseException:
+        if gathering is not None:
+            gathering.plan.finish()  # nothing more to send for a formation that failed
         # A failed formation (aborted by a STOP, a member gone, a timeout) must leave nothing
         # behind: no store connections, no shard server, and no advanced group counter.
         _release(_Formed(info, store, shard))
         _reset_group_count()
         raise
+    if gathering is not None:
+        gathering.finish()
     group = dist.group.WORLD
     if collective_timeout != init_timeout:
         _set_pg_timeout(collective_timeout, group)

@@ -22,6 +22,7 @@ newcomer). A client whose first request is larger sends a small one first.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -31,13 +32,12 @@ import os
 import secrets
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
+import typing
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
@@ -64,6 +64,12 @@ MAX_STRANGERS = 256
 MAX_CONNECTIONS = 16384
 # A frame that stops arriving half-way for this long holds a buffer for nothing: dropped.
 STALL_TIMEOUT_S = 30.0
+# Retrying a refused connect (the shard's node has not started it yet): a refusal costs the
+# shard's host nothing (the kernel answers it), while each pause is time the whole rendezvous
+# may wait, since every rank needs every rank's key. A 0.5 s cap cost a 64-rank formation up
+# to 0.3 s whenever one node started its shard late.
+CONNECT_RETRY_FIRST_S = 0.002
+CONNECT_RETRY_MAX_S = 0.05
 # Longest pause in accepting while the process is out of descriptors (EMFILE/ENFILE).
 ACCEPT_BACKOFF_MAX = 1.0
 
@@ -72,10 +78,11 @@ EVENT_SHARD_STARTED = Ev.STORE_SHARD_STARTED
 EVENT_SHARD_STOPPED = Ev.STORE_SHARD_STOPPED
 EVENT_ACCEPT_FAILED = Ev.STORE_ACCEPT_FAILED
 
-OP_SET, OP_GET, OP_ADD, OP_CAS, OP_CHECK, OP_WAIT, OP_DELETE, OP_NUM_KEYS, OP_STATS = range(1, 10)
+(OP_SET, OP_GET, OP_ADD, OP_CAS, OP_CHECK, OP_WAIT, OP_DELETE, OP_NUM_KEYS, OP_STATS,
+ OP_MULTI_GET) = range(1, 11)
 OP_NAMES = {OP_SET: "set", OP_GET: "get", OP_ADD: "add", OP_CAS: "compare_set",
             OP_CHECK: "check", OP_WAIT: "wait", OP_DELETE: "delete_key",
-            OP_NUM_KEYS: "num_keys", OP_STATS: "stats"}
+            OP_NUM_KEYS: "num_keys", OP_STATS: "stats", OP_MULTI_GET: "multi_get"}
 ST_OK, ST_TIMEOUT, ST_NOT_INT, ST_BAD_REQUEST = range(4)
 
 _U32 = struct.Struct("!I")
@@ -407,8 +414,10 @@ class ShardServer:
             self._wake(f[0])
         elif op == OP_GET:
             self._park_or_answer(conn, OP_GET, [f[0]], _I64.unpack(f[1])[0])
-        elif op == OP_WAIT:
-            self._park_or_answer(conn, OP_WAIT, f[1:], _I64.unpack(f[0])[0])
+        elif op in (OP_WAIT, OP_MULTI_GET):
+            if op == OP_MULTI_GET and len(f) < 2:
+                raise ValueError("multi_get of no keys")
+            self._park_or_answer(conn, op, f[1:], _I64.unpack(f[0])[0])
         elif op == OP_ADD:
             # Like HashStore, a missing or empty value counts as 0.
             current = data.get(f[0]) or b"0"
@@ -462,7 +471,12 @@ class ShardServer:
             self._waiters.setdefault(k, set()).add(conn)
 
     def _answer_wait(self, conn: _Conn, op: int, keys: list[bytes]) -> None:
-        self._respond(conn, ST_OK, [self._data[keys[0]]] if op == OP_GET else [])
+        if op == OP_GET:
+            self._respond(conn, ST_OK, [self._data[keys[0]]])
+        elif op == OP_MULTI_GET:
+            self._respond(conn, ST_OK, [self._data[k] for k in keys])
+        else:
+            self._respond(conn, ST_OK, [])
 
     def _unpark(self, conn: _Conn) -> None:
         if conn.wait_keys is None:
@@ -544,7 +558,8 @@ class _Shard:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._nonce = b""
-        self._seq = 0
+        self._seq = 0  # of the next response to read
+        self._inflight = 0  # requests sent whose responses are not read yet
         self._reached = False
 
     def close(self) -> None:
@@ -569,12 +584,45 @@ class _Shard:
                                       f"the controller stopped this generation")
 
     def _connect(self, deadline: float | None) -> socket.socket:
-        # The node's shard server may start a moment after this rank does: retry refusals
-        # until it has answered once. After that a refusal means its node is gone, and waiting
-        # out the timeout would only keep the survivors from re-forming.
-        # Connect attempts are short so an abort (a STOP while the group forms) is seen within
-        # a second even when the shard's host is gone without a trace (no refusal, no reset).
-        delay = 0.01
+        while True:
+            sock = self._open(deadline)
+            try:
+                self._read_nonce(sock)
+                return sock
+            except dist.DistNetworkError:
+                # Hung up before its nonce (e.g. it dropped us to make room for a newcomer):
+                # like a refusal, worth retrying until the shard has answered once.
+                if self._reached or (deadline is not None and time.monotonic() > deadline):
+                    raise
+                time.sleep(0.01)
+
+    def _read_nonce(self, sock: socket.socket) -> None:
+        """The shard's nonce on a fresh connection (still under `_open`'s 1 s timeout)."""
+        try:
+            self._nonce = _recv_exact(sock, NONCE_BYTES)
+        except OSError as exc:
+            sock.close()
+            self._check_aborted("connect")
+            raise dist.DistNetworkError(
+                f"store shard {self.host}:{self.port} hung up before its nonce: {exc}") from None
+        self._reached = True
+        self._seq = 0
+        self._inflight = 0
+        # Reads wake up this often to look at the abort flag: shutdown() from the aborting
+        # thread can miss a socket that was still connecting.
+        sock.settimeout(ABORT_POLL_S)
+
+    def _open(self, deadline: float | None) -> socket.socket:
+        """A TCP connection to the shard, its nonce not read yet: `multi_get` opens many at
+        once and reads their nonces after, so the shards' accepts overlap.
+
+        The node's shard server may start a moment after this rank does: retry refusals
+        until it has answered once. After that a refusal means its node is gone, and waiting
+        out the timeout would only keep the survivors from re-forming.
+        Connect attempts are short so an abort (a STOP while the group forms) is seen within
+        a second even when the shard's host is gone without a trace (no refusal, no reset).
+        """
+        delay = CONNECT_RETRY_FIRST_S
         while True:
             self._check_aborted("connect")
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -582,12 +630,6 @@ class _Shard:
             try:
                 sock.settimeout(1.0)
                 sock.connect((self.host, self.port))
-                self._nonce = _recv_exact(sock, NONCE_BYTES)
-                self._seq = 0
-                self._reached = True
-                # Reads wake up this often to look at the abort flag: shutdown() from the
-                # aborting thread can miss a socket that was still connecting.
-                sock.settimeout(ABORT_POLL_S)
                 return sock
             except OSError as exc:
                 sock.close()
@@ -597,7 +639,7 @@ class _Shard:
                     raise dist.DistNetworkError(
                         f"store shard {self.host}:{self.port} unreachable: {exc}") from None
                 time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                delay = min(delay * 2, CONNECT_RETRY_MAX_S)
 
     def request(self, op: int, fields: list[bytes], deadline: float | None,
                 what: str) -> tuple[int, list[bytes]]:
@@ -606,41 +648,99 @@ class _Shard:
             self._check_aborted(what)
             if self._sock is None:
                 self._sock = self._connect(deadline)
-            if self._seq == 0 and TAG_BYTES + len(payload) > PREAUTH_MAX_FRAME:
-                # The shard takes no frame this big before the connection has authenticated.
-                self._exchange(bytes([OP_NUM_KEYS]), what)
-            resp = self._exchange(payload, what)
-        return resp[0], _unpack_fields(memoryview(resp)[1:])
+            self._send(payload, what)
+            return self._receive(what)
 
-    def _exchange(self, payload: bytes, what: str) -> bytes:
-        """One request and its authenticated response on the open connection (lock held)."""
+    def _send(self, payload: bytes, what: str) -> None:
+        """Send one request on the open connection (lock held); its response is read by
+        `_receive`. A first request too big for a stranger goes after a small one: the shard
+        takes no frame this big before the connection has authenticated."""
+        if self._seq + self._inflight == 0 and TAG_BYTES + len(payload) > PREAUTH_MAX_FRAME:
+            self._send(bytes([OP_NUM_KEYS]), what)
+            self._receive(what)
         sock = self._sock
         assert sock is not None
-        tag = _tag(self._secret, b"Q", self._nonce, self._seq, payload)
+        tag = _tag(self._secret, b"Q", self._nonce, self._seq + self._inflight, payload)
         try:
             sock.sendall(_U32.pack(TAG_BYTES + len(payload)) + tag + payload)
+        except OSError as exc:
+            self._fail(exc, what)
+        self._inflight += 1
+
+    def _receive(self, what: str) -> tuple[int, list[bytes]]:
+        """The authenticated response to the oldest request in flight (lock held)."""
+        sock = self._sock
+        assert sock is not None and self._inflight > 0
+        try:
             (n,) = _U32.unpack(_recv_exact(sock, 4, self._aborted))
             if n > MAX_FRAME or n < TAG_BYTES + 1:
                 raise OSError(f"bad response length {n}")
             body = _recv_exact(sock, n, self._aborted)
         except OSError as exc:
-            sock.close()
-            self._sock = None
-            self._check_aborted(what)
-            raise dist.DistNetworkError(
-                f"store shard {self.host}:{self.port} failed during {what}: {exc} (a shard "
-                f"also hangs up on requests that fail authentication: check the secret)"
-            ) from None
+            self._fail(exc, what)
         resp_tag, resp = body[:TAG_BYTES], body[TAG_BYTES:]
         if not hmac.compare_digest(resp_tag, _tag(self._secret, b"R", self._nonce,
                                                   self._seq, resp)):
-            sock.close()
-            self._sock = None
+            self._drop()
             raise dist.DistNetworkError(
                 f"store shard {self.host}:{self.port} sent an unauthenticated reply to "
                 f"{what} (wrong secret?)")
         self._seq += 1
-        return resp
+        self._inflight -= 1
+        return resp[0], _unpack_fields(memoryview(resp)[1:])
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        self._inflight = 0
+
+    def _fail(self, exc: OSError, what: str) -> "typing.NoReturn":
+        self._drop()
+        self._check_aborted(what)
+        raise dist.DistNetworkError(
+            f"store shard {self.host}:{self.port} failed during {what}: {exc} (a shard "
+            f"also hangs up on requests that fail authentication: check the secret)"
+        ) from None
+
+
+def _pipelined(calls: Sequence[tuple[_Shard, list[bytes]]], deadline: float | None,
+               what: str) -> list[list[tuple[int, list[bytes]]]]:
+    """Requests to several distinct shards, all in flight at once: connect to every shard not
+    connected yet, then read the nonces, then send every request, then read the responses.
+    Each phase waits for the slowest shard once instead of once per shard, which is what a
+    rank gathering every other rank's key needs (one round trip, not N). Several requests to
+    one shard go in order on its connection; only the last may park (a wait or get)."""
+    with contextlib.ExitStack() as held:
+        for shard, _ in calls:
+            held.enter_context(shard._lock)
+        try:
+            fresh = []
+            for shard, _ in calls:
+                shard._check_aborted(what)
+                if shard._sock is None:
+                    shard._sock = shard._open(deadline)
+                    fresh.append(shard)
+            for shard in fresh:
+                sock, shard._sock = shard._sock, None
+                try:
+                    shard._read_nonce(sock)
+                except dist.DistNetworkError:
+                    if shard._reached:
+                        raise
+                    sock = shard._connect(deadline)  # dropped before its nonce: retry
+                shard._sock = sock
+            for shard, payloads in calls:
+                for payload in payloads:
+                    shard._send(payload, what)
+            return [[shard._receive(what) for _ in payloads] for shard, payloads in calls]
+        except BaseException:
+            # A shard left with a request in flight would pair its late reply with the next
+            # request: start those connections afresh.
+            for shard, _ in calls:
+                if shard._inflight:
+                    shard._drop()
+            raise
 
 
 def _recv_exact(sock: socket.socket, n: int, aborted: threading.Event | None = None) -> bytes:
@@ -674,6 +774,9 @@ class RootlessStore(dist.Store):
     Build one per generation over that generation's live members: the shard map is the member
     list, so a new membership gives a new map.
     """
+
+    # multi_get asks every shard at once (rendezvous/gather.py gathers gloo's exchange in it).
+    batched_multi_get = True
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], secret: bytes,
                  timeout: datetime.timedelta = datetime.timedelta(seconds=300),
@@ -780,6 +883,48 @@ class RootlessStore(dist.Store):
                     f"{timeout.total_seconds():g} s")
             if status != ST_OK:
                 raise dist.DistStoreError(f"store wait for keys {group} failed: {out!r}")
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key's value, waiting (up to the store timeout) until all exist. One request
+        per shard the keys live on, all shards asked at once (see `_pipelined`)."""
+        return self.set_then_multi_get(None, b"", keys)
+
+    def set_then_multi_get(self, key: str | None, value: str | bytes,
+                           keys: list[str]) -> list[bytes]:
+        """`set(key, value)` (unless key is None), then `multi_get(keys)`, in the same round
+        trip: the set goes just ahead of the multi_get on its shard's connection, which the
+        shard serves in order. What a rank forming a group does: publish its own key, read
+        everybody's."""
+        if not keys and key is None:
+            return []
+        timeout = self.timeout
+        deadline = self._deadline(timeout)
+        groups = self._by_shard(keys)
+        requests: dict[int, list[bytes]] = {}
+        if key is not None:
+            set_at = shard_of(key, len(self._shards))
+            requests[set_at] = [bytes([OP_SET]) + _pack_fields([key.encode(), _as_bytes(value)])]
+        for i, group in groups.items():
+            requests.setdefault(i, []).append(bytes([OP_MULTI_GET]) + _pack_fields(
+                [_I64.pack(_ms(timeout))] + [k.encode() for k in group]))
+        order = sorted(requests)  # shard locks are taken in index order: no deadlock
+        replies = dict(zip(order, _pipelined([(self._shards[i], requests[i]) for i in order],
+                                             deadline, "multi_get")))
+        if key is not None:
+            status, out = replies[set_at].pop(0)
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store set of key '{key}' failed: {out!r}")
+        values: dict[str, bytes] = {}
+        for i, group in groups.items():
+            status, out = replies[i][0]
+            if status == ST_TIMEOUT:
+                raise dist.DistStoreError(
+                    f"store multi_get: key '{out[0].decode(errors='replace')}' did not appear "
+                    f"within {timeout.total_seconds():g} s")
+            if status != ST_OK or len(out) != len(group):
+                raise dist.DistStoreError(f"store multi_get of keys {group} failed: {out!r}")
+            values.update(zip(group, out))
+        return [values[k] for k in keys]
 
     def delete_key(self, key: str) -> bool:
         return self._call(key, OP_DELETE, [key.encode()], "delete_key")[0] == b"\x01"

@@ -1,0 +1,169 @@
+"""gloo's address exchange gathered into one multi_get: the pure plan, and FormationStore over
+real shard servers with threads playing the ranks the way gloo calls the store."""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from hpct_slurm.events import EventLog
+from hpct_slurm.rendezvous.gather import FormationStore, GatherPlan, split_rank_key, wraps
+from hpct_slurm.rendezvous.store import RootlessStore, ShardServer
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+HEAD = "hpct/gen3/0//cpu//0/"
+
+
+class Fetches:
+    def __init__(self, values: dict[str, bytes]):
+        self.values = values
+        self.calls: list[tuple[tuple[str, bytes] | None, list[str]]] = []
+
+    def __call__(self, held: tuple[str, bytes] | None, keys: list[str]) -> list[bytes]:
+        self.calls.append((held, list(keys)))
+        return [self.values[k] for k in keys]
+
+
+def test_split_rank_key():
+    assert split_rank_key(HEAD + "12") == (HEAD, 12)
+    assert split_rank_key("x/y") is None
+    assert split_rank_key("7") is None  # no head: not a per-rank key
+    assert split_rank_key("a/" + "1" * 10) is None  # too long to be a rank
+
+
+def test_plan_fetches_every_rank_key_once_after_its_own_set():
+    values = {f"{HEAD}{i}": bytes([i]) for i in range(4)}
+    fetch = Fetches(values)
+    plan = GatherPlan(rank=2, world_size=4)
+    assert plan.take(HEAD + "0", fetch) is None  # nothing set by this rank yet: not gathered
+    assert plan.hold(HEAD + "2", b"mine")  # held back, to go out with the multi_get
+    assert not plan.hold(HEAD + "2", b"again")  # a second set of it goes out at once
+    for i in range(4):
+        assert plan.holds(f"{HEAD}{i}", fetch)
+        assert plan.take(f"{HEAD}{i}", fetch) == bytes([i])
+    assert fetch.calls == [((HEAD + "2", b"mine"), [f"{HEAD}{i}" for i in range(4)])]
+    assert plan.release() is None  # sent with the fetch
+    assert plan.take(HEAD + "1", fetch) is None  # handed out once: a second get asks the store
+    assert plan.take(HEAD + "4", fetch) is None  # beyond the world: not ours to answer
+
+
+def test_plan_ignores_a_key_set_by_one_rank_for_another():
+    """NCCL's unique id: rank 0 sets <head>/0 and the others read it. Rank 1 must not wait for
+    <head>/1 .. <head>/N-1, which nobody sets."""
+    fetch = Fetches({})
+    plan = GatherPlan(rank=1, world_size=4)
+    assert not plan.hold(HEAD + "0", b"id")  # sent at once
+    assert not plan.holds(HEAD + "0", fetch)
+    assert plan.take(HEAD + "0", fetch) is None
+    assert fetch.calls == []
+
+
+def test_only_gloos_own_key_is_held_back():
+    """Another own-rank key (e.g. a fan-out copy `<key>/fan/<rank>`) goes out at once: this
+    rank may next block on something that needs it. Its head is still gathered."""
+    fetch = Fetches({f"id/fan/{i}": b"c" for i in range(2)})
+    plan = GatherPlan(rank=1, world_size=2)
+    assert not plan.hold("id/fan/1", b"c")
+    assert plan.take("id/fan/0", fetch) == b"c"
+    assert fetch.calls == [(None, ["id/fan/0", "id/fan/1"])]
+
+
+def test_plan_passes_everything_through_once_finished():
+    fetch = Fetches({f"{HEAD}{i}": b"v" for i in range(2)})
+    plan = GatherPlan(rank=0, world_size=2)
+    plan.finish()
+    assert not plan.hold(HEAD + "0", b"v")
+    assert plan.take(HEAD + "1", fetch) is None and fetch.calls == []
+
+
+def test_plan_rejects_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
+        GatherPlan(rank=4, world_size=4)
+
+
+@pytest.fixture
+def servers():
+    servers = [ShardServer("127.0.0.1", 0, SECRET, events=EventLog()) for _ in range(4)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers):
+    """N ranks each: set own key, then wait + get every rank's key (gloo's connectFullMesh).
+    Every value arrives right, and each rank sends one set plus one request per shard instead
+    of 2N+1 requests."""
+    n = 8
+    endpoints = [s.address for s in servers]
+    got: dict[int, list[bytes]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        inner = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=10))
+        store = FormationStore(inner, r, n)
+        try:
+            store.set(f"{HEAD}{r}", f"addr-{r}".encode())
+            out = []
+            for i in range(n):
+                store.wait([f"{HEAD}{i}"])
+                out.append(store.get(f"{HEAD}{i}"))
+            got[r] = out
+            assert store.plan.fetches == 1
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            inner.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert all(got[r] == [f"addr-{i}".encode() for i in range(n)] for r in range(n))
+    requests = sum(s.stats().requests for s in servers)
+    assert requests == n * (1 + len(servers))  # not n * (2n + 1) = 136
+
+
+def test_a_held_set_goes_out_before_any_other_request(servers):
+    """Lazy gloo sets its key and reads none in init; another call, or the end of the
+    formation, must send the held key, or the peers would wait for it forever."""
+    endpoints = [s.address for s in servers]
+    inner = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=5))
+    peer = RootlessStore(endpoints, SECRET, datetime.timedelta(milliseconds=50))
+    store = FormationStore(inner, 1, 2)
+    store.set(HEAD + "1", b"mine")
+    assert not peer.check([HEAD + "1"])  # held
+    assert store.add("counter", 1) == 1
+    assert peer.get(HEAD + "1") == b"mine"
+    store2 = FormationStore(inner, 1, 2)
+    store2.set(HEAD + "x/1", b"later")
+    store2.finish()
+    assert peer.get(HEAD + "x/1") == b"later"
+    inner.close()
+    peer.close()
+
+
+def test_formation_store_passes_other_keys_through(servers):
+    inner = RootlessStore([s.address for s in servers], SECRET, datetime.timedelta(seconds=5))
+    store = FormationStore(inner, 0, 2)
+    store.set("plain", b"1")
+    assert store.get("plain") == b"1"
+    assert store.add("counter", 3) == 3
+    store.wait(["plain"], datetime.timedelta(seconds=1))
+    store.set_timeout(datetime.timedelta(milliseconds=5))
+    with pytest.raises(dist.DistStoreError, match="'missing'"):
+        store.get("missing")
+    clone = store.clone()
+    assert clone.plan is store.plan and clone.get("plain") == b"1"
+    clone.inner.close()
+    inner.close()
+
+
+def test_only_the_rootless_store_is_gathered(servers):
+    inner = RootlessStore([s.address for s in servers], SECRET)
+    assert wraps(inner)
+    assert not wraps(dist.HashStore())
+    inner.close()

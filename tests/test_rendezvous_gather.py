@@ -167,3 +167,46 @@ def test_only_the_rootless_store_is_gathered(servers):
     assert wraps(inner)
     assert not wraps(dist.HashStore())
     inner.close()
+
+
+_AFTER_INIT = r'''
+import datetime, gc, os, sys
+import torch, torch.distributed as dist
+from hpct_slurm.rendezvous import pg
+from hpct_slurm.rendezvous.derive import derive
+from hpct_slurm.rendezvous.store import make_store, serve_shard
+from hpct_slurm.slurm.env import SlurmEnv
+
+env = SlurmEnv.from_environ({
+    "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "h1", "SLURMD_NODENAME": "h1",
+    "SLURM_STEP_NODELIST": "h1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0", "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"})
+secret = b"0123456789abcdef0123456789abcdef"
+info = derive(env, 0, ["h1"], tasks_per_node=1, resolve=lambda name: "127.0.0.1")
+shard = serve_shard(info, secret)
+store = make_store("rootless", info, secret)
+pg.init(info, store, "gloo", shard=shard)
+gc.collect()  # what a training step does sooner or later
+sub = dist.new_group([0])  # a DeviceMesh's sub-group: the store is called again after init
+t = torch.ones(2)
+dist.all_reduce(t, group=sub)
+print("SUBGROUP", t.tolist(), flush=True)
+pg.teardown()
+'''
+
+
+def test_a_group_made_after_init_still_reaches_the_store(tmp_path):
+    """A DeviceMesh's sub-groups are made after init, through the store the world group
+    holds. That store is Python-defined (FormationStore): were its Python object collected
+    once init returned, torch would fail every later call with 'Not implemented' (seen: HSDP
+    jobs faulting at their first mesh). One real gloo process, in its own interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "after_init.py"
+    script.write_text(_AFTER_INIT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SUBGROUP [1.0, 1.0]" in out.stdout

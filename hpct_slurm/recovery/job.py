@@ -37,6 +37,7 @@ import random
 import socket
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -450,6 +451,7 @@ class Job:
                 last = train(msg.restore_step + 1)
             except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                where = _where(exc)
             if failure is None:
                 self.snapshots.drop_pending()
                 self._settle_snapshots(follow_ups=True)
@@ -462,7 +464,7 @@ class Job:
                     self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.rank, error=str(exc))
                 continue  # the controller says goodbye once every rank is done
             # Outside the except block from here on: the failed group can now really close.
-            self._recover(failure)
+            self._recover(failure, where)
 
     def _run_loop(self, train: Callable[[], Any], start: int) -> int:
         """The script's loop function, continuing at step `start`; the last step it ran."""
@@ -600,10 +602,10 @@ class Job:
             return outs[0]
         return step_fn
 
-    def _recover(self, failure: str) -> None:
+    def _recover(self, failure: str, where: str = "") -> None:
         t0 = time.time()
         self.events.emit(Ev.RANK_FAULT, rank=self.rank, generation=self.generation,
-                         error=failure, stop_reason=self.client.stop_reason)
+                         error=failure, where=where, stop_reason=self.client.stop_reason)
         self._settle_snapshots()
         self._capture_pending()
         self._release_generation()
@@ -972,3 +974,10 @@ def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(client, _per_parameter_allreduce)
     return ddp
+
+
+def _where(exc: BaseException, frames: int = 4) -> str:
+    """Where a fault was raised: its innermost frames, innermost first (`file:line in fn`),
+    so that an error from deep inside torch still names the call of ours that led to it."""
+    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb))

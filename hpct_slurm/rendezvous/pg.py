@@ -37,6 +37,11 @@ class _Formed:
     info: RendezvousInfo
     store: dist.Store
     shard: ShardServer | None
+    # The Python store the group's C++ PrefixStore calls into. C++ holds only the native
+    # half of a Python-defined store: once the Python object is collected, every later call
+    # (a DeviceMesh's new_group, after init) fails inside torch with "Not implemented".
+    # So it lives as long as the group.
+    gathering: gather.FormationStore | None = None
 
 
 _formed: _Formed | None = None
@@ -92,7 +97,7 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     group = dist.group.WORLD
     if collective_timeout != init_timeout:
         _set_pg_timeout(collective_timeout, group)
-    _formed = _Formed(info, store, shard)
+    _formed = _Formed(info, store, shard, gathering)
     return group
 
 

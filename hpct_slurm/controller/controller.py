@@ -47,6 +47,13 @@ IN_PROCESS = "rank reported a fault"
 IN_PROCESS_GRACE_S = 0.5
 # How long an escalation before the first step waits for more nodes failing the same way.
 START_FAILURE_GRACE_S = 3.0
+# The controller's exit codes, which are the job's (the batch script execs it), so that
+# Slurm's requeue logic (slurm.conf RequeueExit) hears the truth:
+EXIT_OK = 0
+EXIT_FAILED = 1        # the script's own error, or a refusal: the same run would fail again
+EXIT_RETRY = 75        # EX_TEMPFAIL: the infrastructure failed beyond what the spares absorb
+                       # and the job was requeued; a run on other nodes can succeed
+EXIT_TERMINATED = 143  # SIGTERM (a time limit, scancel): the persister finished first
 # What a rank may say in a heartbeat (recovery/job.py sets them); anything else is refused.
 HEARTBEAT_STATES = events.HEARTBEAT_STATES
 # A rank's transfer address: an IPv4/IPv6 address or a host name, nothing else.
@@ -199,7 +206,7 @@ class Controller:
         self.finished = asyncio.Event()
         self.done_sent = False
         self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
-        self.exit_code = 0
+        self.exit_code = EXIT_OK
         self.address: tuple[str, int] = ("", 0)
         # A requeued job (or one restarted by hand on the same run dir) starts from the last
         # intact persisted snapshot instead of step 0.
@@ -229,7 +236,7 @@ class Controller:
                          address=f"{self.address[0]}:{self.address[1]}",
                          command=self.o.command)
         if self._spares_short():
-            self.exit_code = 1
+            self.exit_code = EXIT_FAILED
             self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)
             server.close()
             return self.exit_code
@@ -933,7 +940,10 @@ class Controller:
                 self.events.emit(Ev.SLURM_ERROR, error=exc.message)
         else:
             self.events.emit(Ev.ESCALATE_FAIL, cause="infrastructure", reason=why)
-        self.exit_code = 1
+        # only a requeued infrastructure failure says "retry": a script's error would fail
+        # again, and --on-no-spare fail is the user's choice not to retry
+        self.exit_code = (EXIT_RETRY if not script and self.o.on_no_spare == "requeue"
+                          else EXIT_FAILED)
         await self._goodbye_all(f"job escalated: {why}")
         self.finished.set()
 
@@ -942,7 +952,7 @@ class Controller:
         if self.finished.is_set():
             return
         self.events.emit(Ev.CONTROLLER_TERMINATED, signal=why)
-        self.exit_code = 143
+        self.exit_code = EXIT_TERMINATED
         await self._goodbye_all(f"terminated: {why}")
         self.finished.set()
 

@@ -42,11 +42,11 @@ RESERVATION_POLL_S = 60.0
 # next Slurm poll.
 REQUESTS = "requests"
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-COMMENT_MAX = 250
+COMMENT_MAX = 250  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
 COMMENT_RETRY_S = 60.0  # how long a comment refused with "try again in a bit" is retried
 # how long the caller of record() waits for it: one scontrol update (slurmctld itself waits up
 # to 5 s for a job's DB index before it says "try again")
-COMMENT_WAIT_S = 6.0  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
+COMMENT_WAIT_S = 6.0
 REASON_TAG = "hpct:"
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpct_slurm.errors import HpctError
-from hpct_slurm.examples import adopted_ddp, torchrun_ddp
+from hpct_slurm.examples import adopted_ddp
 from hpct_slurm.recovery import DistributedSampler
 from hpct_slurm.recovery.job import seed_everything, step_seed
 from hpct_slurm.recovery.loop import StepLoop

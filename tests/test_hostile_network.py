@@ -8,7 +8,6 @@ import asyncio
 import io
 import json
 import os
-import resource
 import socket
 import struct
 import subprocess

@@ -307,7 +307,7 @@ class LocalCluster:
     # ---- faults ------------------------------------------------------------------------
     def kill_node(self, node: str) -> list[int]:
         """Hard crash: SIGKILL the node's slurmd, slurmstepds and tasks, by PID."""
-        st = self._require_state()
+        self._require_state()
         self._check_node(node)
         pids = self.node_pids(node)
         _kill_pids(pids)

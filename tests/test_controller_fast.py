@@ -684,6 +684,9 @@ def test_the_same_error_on_two_nodes_before_the_first_step_is_the_scripts(tmp_pa
             assert c.events("escalate.requeue") == []
             assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
             assert [e["code"] for e in c.events("controller.exit")] == [1]
+            # and the job's Slurm comment says so (the escalation waits for its comment)
+            assert c.comments and \
+                "failed, not requeued: the script's own error" in c.comments[-1]
     run(scenario)
 
 

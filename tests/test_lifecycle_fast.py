@@ -153,19 +153,6 @@ def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path):
     run(scenario)
 
 
-def test_a_scripts_error_says_not_requeued_in_the_slurm_comment(tmp_path):
-    async def scenario():
-        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
-            await c.started()
-            error = "ModuleNotFoundError: No module named 'nope'\n"
-            await c.crash("localhost", rc=1, dead=False, stderr=error)
-            await c.crash("a1", rc=1, dead=False, stderr=error)
-            await c.until(lambda: c.comments, "the job's comment")
-            assert "failed, not requeued: the script's own error" in c.comments[-1]
-            assert c.events("escalate.requeue") == []
-    run(scenario)
-
-
 def test_a_users_move_request_moves_the_node_and_bad_ones_are_answered(tmp_path):
     from hpct_slurm.controller.lifecycle import ask_move
 

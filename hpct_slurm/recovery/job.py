@@ -790,6 +790,9 @@ class Job:
         if striped is not None:
             self.state.restore_from(striped.layout, striped.data, scopes=("shared",))
             self._restore_rank_state(a, own=survivor)
+            # The pulled bytes, checked on arrival, are the step this process now holds: its
+            # snapshot as they are (_hold_restored then copies nothing).
+            self.snapshots.adopt(step, striped.layout, striped.data, striped.leaves)
             return striped.source
         if step == -1 and not survivor:
             # Never trained: this process stands at the state at creation (its script built

@@ -507,11 +507,12 @@ class Job:
     def _hook_model(self) -> None:
         """Where _abandon is checked: before each module's forward, and as each trainable
         parameter's gradient is computed (a module backward hook would wrap the outputs and
-        break in-place ops after them). Once per model (a sharded job builds one per
-        generation)."""
+        break in-place ops after them). Once per model; not for a model built per generation
+        (a sharded job's modules carry FSDP's own hooks: left as they are, such a survivor
+        leaves the step at its collective as before)."""
         model = self.model
         if model is None or model is self._hooked or self._build is not None:
-            return  # (a sharded model's modules carry FSDP's own hooks: left as they are)
+            return
         for m in model.modules():
             m.register_forward_pre_hook(self._abandon_in_forward)
         for p in model.parameters():

@@ -205,3 +205,38 @@ def test_a_newcomer_pulls_striped_from_every_source_of_its_key_while_it_forms(se
     assert got.result() is None  # no such sources here: None, and the restore falls back
     failed = [e for e in _events(settings) if e["event"] == "transfer.source_failed"]
     assert {e["source"] for e in failed} >= {f"{h}:{p}" for h, p in dead}
+
+
+def test_a_step_the_stop_dooms_is_abandoned_in_its_forward_or_backward_not_after_its_update(
+        settings):
+    """A STOP naming lost nodes means the step in progress can never complete: a survivor
+    leaves it at the next module or gradient instead of computing on to its allreduce. Not a
+    STOP that loses nobody (a planned move: the step completes), nor once the update began."""
+    import threading
+
+    import hpct_slurm.recovery.job as J
+
+    job, _ = _job(settings)
+    job._make_client = RecoveringClient
+    job._start()
+    job._hook_model()
+    c = job.client
+    c.stop_event, c.stop_generation, c.stop_doomed = threading.Event(), 0, False
+    job.generation = 0
+    x = torch.ones(1, 2)
+    c.stop_event.set()
+    c.stop_reason = "n3: connection lost"
+    job.model(x).sum().backward()  # a STOP that loses nobody: the step goes on
+    c.stop_doomed = True
+    with pytest.raises(J._Stopped, match="n3: connection lost"):
+        job.model(x)
+    c.stop_event.clear()
+    loss = job.model(x).sum()
+    c.stop_event.set()  # the STOP arrives between forward and backward
+    with pytest.raises(J._Stopped):
+        loss.backward()
+    job._before_update()  # the optimizer step began: the live state is no step's any more
+    job.model(x).sum().backward()
+    job._updating = False
+    c.state = "ready"  # not training (recovering, done): never raised
+    job.model(x)

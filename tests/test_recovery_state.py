@@ -341,3 +341,20 @@ def test_rank_state_is_known_and_restored_only_for_its_scope():
     assert pos.n == 99
     state.restore_from(layout, buf, scopes=("rank",))
     assert pos.n == 5
+
+
+def test_a_survivors_restore_fills_its_own_optimizer_tensors_and_keeps_nothing_of_the_buffer():
+    """Restoring over live state allocates no new optimizer state (fresh memory is what made
+    restores slow): the same tensors hold the snapshot's values afterwards, bit for bit, and
+    nothing refers into the snapshot buffer."""
+    model, opt, state, step = make_training()
+    for _ in range(3):
+        step()
+    snap = SnapshotStore(state).commit(3)
+    buf = bytearray(snap.data)
+    expected = [step() for _ in range(3)]
+    before = {id(t) for s in opt.state.values() for t in s.values()}
+    state.restore_from(snap.layout, buf)
+    assert {id(t) for s in opt.state.values() for t in s.values()} == before
+    buf[:] = b"\0" * len(buf)  # restored state must not alias the buffer
+    assert [step() for _ in range(3)] == expected

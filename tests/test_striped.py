@@ -195,3 +195,20 @@ def test_range_digests_are_exact_and_ranges_must_be_leaf_aligned():
         P.range_digest(leaves, len(data), 100, P.CHUNK)
     with pytest.raises(HpctError, match="multiple"):
         striped.Manifest(0, None, len(data), leaves, "x").stripes(P.CHUNK + 1)  # type: ignore[arg-type]
+
+
+def test_a_pulled_buffer_adopted_as_a_snapshot_is_sealed_exactly_and_serves_unhashed(
+        monkeypatch):
+    """The newcomer keeps what it pulled as its own snapshot (SnapshotStore.adopt): no copy, and
+    the digest it seals from the manifest's leaves is the one hashing the bytes gives."""
+    store, want = _store()
+    with TransferServer(SECRET, JOB, 0, own=store) as a:
+        res = fetch_striped(_sources([a]), 3, SECRET, JOB, STEP)
+    mine = SnapshotStore(_state(), scopes=("rank",))
+    snap = mine.adopt(STEP, res.layout, res.data, res.leaves)
+    assert mine.slots.steps() == [STEP] and bytes(snap.data) == want
+    assert snap.sealed and snap.digest() == P.part_digest(want) and snap.verify()
+    with TransferServer(SECRET, JOB, 3, own=mine) as served:
+        monkeypatch.setattr(P, "leaf_digests", lambda *_a, **_k: pytest.fail("hashed again"))
+        again = fetch_striped(_sources([served]), 4, SECRET, JOB, STEP)
+    assert _got(again, want) == want

@@ -192,8 +192,11 @@ def crash_at(cluster: LocalCluster, run_dir: Path, step: int, timeout: float,
     """Hard-crash `node` once any rank completed `step`; returns when the first SIGKILL went
     out (wait_job stamps the crash after every process died instead)."""
     wait_step(run_dir, step, timeout)
+    # the lookup of the node's processes (a /proc scan) is the harness's work, not the fault's:
+    # the clock starts at the first SIGKILL, for both methods alike
+    pids = cluster.node_pids(node)
     t = time.time()
-    cluster.kill_node(node)
+    cluster.kill_node(node, pids)
     return t
 
 

@@ -50,6 +50,9 @@ class CoordinationClient:
         self.stop_event = threading.Event()
         self.stop_reason = ""
         self.stop_generation = -1
+        # The STOP names lost nodes: the step in progress can never complete (its collectives
+        # wait for a dead peer), so a rank may abandon it before its update (Job._abandon).
+        self.stop_doomed = False
         # Called from the receiving thread when a STOP arrives: a rank blocked forming its
         # group (not at a step boundary) is interrupted through it (the store's abort).
         self.on_stop: Callable[[], None] | None = None
@@ -170,6 +173,7 @@ class CoordinationClient:
                     if msg.generation >= self.generation:
                         self.stop_reason = msg.reason
                         self.stop_generation = msg.generation
+                        self.stop_doomed = bool(msg.lost_addrs)
                         self.stop_event.set()
                         # A sharded job's collectives run on sub-groups: a rank may wait on
                         # a live peer that has already left for recovery, which no cut to

@@ -90,6 +90,13 @@ class Snapshot:
             self._leaves, self._digest = leaves, root
         return self._leaves
 
+    def seal_with(self, leaves: list[bytes]) -> None:
+        """Seal with leaf digests this process already checked every byte against (a striped
+        pull's manifest): no hashing."""
+        root = P.range_digest(leaves, len(self.data), 0, len(self.data))
+        with self._leaves_lock:
+            self._leaves, self._digest = list(leaves), root
+
     def seal_in_background(self) -> bool:
         """Compute the digest in this thread, leaf by leaf, giving up once superseded. Needs no
         lease: a writer marks the snapshot superseded before touching its memory, and a digest
@@ -286,6 +293,19 @@ class SnapshotStore:
         """Capture the state after `step` into the spare slot and make it current (unsealed)."""
         idx, buf, layout, late = self._begin()
         return self._finish(idx, buf, step, layout, late)
+
+    def adopt(self, step: int, layout: Layout, buf: torch.Tensor,
+              leaves: list[bytes]) -> Snapshot:
+        """Make `buf`, this store's kind of state at `step` pulled from peers and checked on
+        arrival against `leaves` (fetch_striped), the current snapshot as it is: no copy and
+        no hashing, where a commit of the just restored state would copy it all again into
+        fresh memory. The caller gives `buf` up (it becomes a slot)."""
+        self.wait()
+        self.drop_pending()
+        idx, _ = self.slots.acquire_target()
+        snap = self.slots.publish(idx, buf, step, layout, None)
+        snap.seal_with(leaves)
+        return snap
 
     def commit_async(self, step: int, then: Callable[[Snapshot], None] | None = None) -> None:
         """Commit `step` off the step's critical path: what can still change before the next

@@ -26,7 +26,7 @@ import hmac
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -250,6 +250,9 @@ class StripedResult:
     data: Any
     source: str                  # "host:port[,host:port...]": those that delivered stripes
     per_source: dict[str, int]   # bytes each source delivered
+    # the manifest's leaf digests, which every stripe of `data` was checked against: the
+    # pulled buffer is sealed with them (SnapshotStore.adopt) without hashing it again
+    leaves: list[bytes] = field(default_factory=list)
 
 
 def fetch_striped(sources: list[tuple[int, Address]], rank: int, secret: bytes, job_id: str,
@@ -304,7 +307,7 @@ def fetch_striped(sources: list[tuple[int, Address]], rank: int, secret: bytes, 
                     sources=per_source, dropped=len(pull.failures),
                     seconds=round(time.perf_counter() - t0, 4))
     return StripedResult(manifest.step, manifest.layout, buf,
-                         ",".join(sorted(per_source)), per_source)
+                         ",".join(sorted(per_source)), per_source, manifest.leaves)
 
 
 class Prefetch:

@@ -521,10 +521,15 @@ class Job:
         self._hooked = model
 
     def _abandon_in_forward(self, *_: Any) -> None:
-        self._abandon()
+        # Under torch.compile the check is left out of the graph (dynamo reads is_compiling()
+        # as a constant), so a compiled graph never depends on the client's thread state; a
+        # compiled forward runs to its end, as before, and its backward is still checked.
+        if not torch.compiler.is_compiling():
+            self._abandon()
 
     def _abandon_in_backward(self, grad: torch.Tensor) -> None:
-        self._abandon()
+        if not torch.compiler.is_compiling():
+            self._abandon()
 
     def _seed_step(self, step: int) -> None:
         seed_everything(step_seed(self.seed, self._shard()[0], step))

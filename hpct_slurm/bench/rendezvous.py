@@ -105,6 +105,10 @@ def _counting_store(inner: Any) -> Any:
             else:
                 self.inner.wait(keys, timeout)
 
+        def get_within(self, key, timeout):  # type: ignore[no-untyped-def]
+            self._count("get_within")
+            return self.inner.get_within(key, timeout)
+
         def multi_get(self, keys):  # type: ignore[no-untyped-def]
             self._count("multi_get")
             return self.inner.multi_get(keys)

@@ -88,10 +88,11 @@ class RendezvousInfo:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
             "TORCH_NCCL_BLOCKING_WAIT": "0",
             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(self.init_timeout_s)),
-            # Lazy pairs (HPCT_GLOO_LAZY_INIT, default 1): a ring allreduce connects 2 peers,
-            # not gloo's full mesh of N - 1 (2,016 connections at 64 ranks: 0.61 s -> 0.20 s
-            # to form, docs/benchmarks.md). The cost: the first use of a pair after init reads
-            # the peer's address from the store (architecture.md, "Forming a group").
+            # Eager full mesh by default: after init nobody needs the store again, and a fault
+            # finds only open sockets, which fail at once. A lazy pair's first connect to a
+            # dead peer retries for the group's init timeout (measured: tests and
+            # architecture.md, "Forming a group"). Lazy pairs form a 64-rank group ~3x faster
+            # (docs/benchmarks.md): opt-in, HPCT_GLOO_LAZY_INIT=1.
             "TORCH_GLOO_LAZY_INIT": "1" if C.read(None, C.GLOO_LAZY_INIT) else "0",
             C.GENERATION: str(self.generation),
             C.STORE_PORT: str(self.store_port),

@@ -209,7 +209,7 @@ SETTINGS: tuple[Setting, ...] = (
        "gloo/NCCL (unset: the one holding the node's address)", scope="rendezvous"),
     _s(GLOO_LAZY_INIT, "flag", False, USER, "rendezvous", "gloo connects a pair of ranks on "
        "its first use instead of its full mesh at init (faster to form; a fault during a "
-       "pair's first connect waits out the init timeout)", choices=("0", "1"),
+       "pair's first connect can leave a rank stuck)", choices=("0", "1"),
        scope="rendezvous"),
     # ---- the controller ------------------------------------------------------------------
     _s(SPARES, "int", 1, (USER, ADMIN), "controller", "nodes of the allocation kept as warm "

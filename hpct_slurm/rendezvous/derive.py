@@ -90,8 +90,8 @@ class RendezvousInfo:
             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(self.init_timeout_s)),
             # Eager full mesh by default: after init nobody needs the store again, and a fault
             # finds only open sockets, which fail at once. A lazy pair's first connect to a
-            # dead peer retries for the group's init timeout (measured: tests and
-            # architecture.md, "Forming a group"). Lazy pairs form a 64-rank group ~3x faster
+            # SIGKILLed peer left the rank stuck in 2 of 6 probe runs (architecture.md,
+            # "Forming a group"). Lazy pairs form a 64-rank group ~3x faster
             # (docs/benchmarks.md): opt-in, HPCT_GLOO_LAZY_INIT=1.
             "TORCH_GLOO_LAZY_INIT": "1" if C.read(None, C.GLOO_LAZY_INIT) else "0",
             C.GENERATION: str(self.generation),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -78,6 +79,21 @@ def test_plan_passes_everything_through_once_finished():
     assert plan.take(HEAD + "1", fetch) is None and fetch.calls == []
 
 
+def test_after_the_formation_only_peer_keys_of_its_heads_are_late_reads():
+    """Lazy gloo reads a peer's key when it first uses the pair, after init: those reads (and
+    only those) are answered in one round trip."""
+    plan = GatherPlan(rank=1, world_size=4)
+    assert plan.hold(HEAD + "1", b"mine")
+    assert not plan.late_read(HEAD + "2")  # still forming: the gather answers it
+    plan.release()
+    plan.finish()
+    assert plan.late_read(HEAD + "2") and plan.late_read(HEAD + "0")
+    assert not plan.late_read(HEAD + "1")  # its own key
+    assert not plan.late_read(HEAD + "4")  # beyond the world
+    assert not plan.late_read("hpct/gen3/1//cpu//0/2")  # a group made after init
+    assert not plan.late_read("plain")
+
+
 def test_plan_rejects_a_rank_outside_the_world():
     with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
         GatherPlan(rank=4, world_size=4)
@@ -142,6 +158,32 @@ def test_a_held_set_goes_out_before_any_other_request(servers):
     store2.set(HEAD + "x/1", b"later")
     store2.finish()
     assert peer.get(HEAD + "x/1") == b"later"
+    inner.close()
+    peer.close()
+
+
+def test_lazy_gloos_first_use_of_a_pair_is_one_request(servers):
+    """Lazy gloo: init sets this rank's key only; each pair's first use then waits for the
+    peer's key and gets it. The wait fetches it (one request, which itself waits for the key
+    to appear), the get is answered from that; a key that never appears times out within
+    the wait's own timeout."""
+    endpoints = [s.address for s in servers]
+    inner = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=30))
+    peer = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=30))
+    store = FormationStore(inner, 0, 3)
+    store.set(HEAD + "0", b"addr-0")
+    store.finish()  # init is over: the held key goes out
+    assert peer.get(HEAD + "0") == b"addr-0"
+    threading.Timer(0.2, peer.set, (HEAD + "1", b"addr-1")).start()  # a late peer
+    before = sum(s.stats().requests for s in servers)
+    store.wait([HEAD + "1"])
+    assert store.get(HEAD + "1") == b"addr-1"
+    # The peer's set and one get (a wait and a get would make 3).
+    assert sum(s.stats().requests for s in servers) - before == 2
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timed out after 0.2 s"):
+        store.wait([HEAD + "2"], datetime.timedelta(milliseconds=200))
+    assert time.monotonic() - t0 < 5  # its own timeout, not the store's 30 s
     inner.close()
     peer.close()
 

@@ -27,7 +27,8 @@ def _node_environ(job_id: int, node: str) -> dict[str, str]:
             "SLURM_TASKS_PER_NODE": "1"}
 
 
-def _worker(node: str, job_id: int, secret_file: str, conn: Connection) -> None:
+def _worker(node: str, job_id: int, secret_file: str, lazy: str, conn: Connection) -> None:
+    os.environ["HPCT_GLOO_LAZY_INIT"] = lazy  # read when the group's env is derived
     # Imported here so the spare is "warm" (torch loaded) before it is given a rank.
     import torch
     import torch.distributed as dist
@@ -61,6 +62,19 @@ def _worker(node: str, job_id: int, secret_file: str, conn: Connection) -> None:
                 t = torch.full((1000,), float(JOB_NODES.index(node) + 1))
                 dist.all_reduce(t)
                 conn.send((node, "sum", float(t[0])))
+            elif cmd == "other_collectives":
+                # What a job does besides its gradient allreduce: an HSDP mesh's sub-group
+                # (made after init, through the group's store), a barrier, a broadcast; with
+                # lazy pairs each first use connects new pairs through the store.
+                sub = dist.new_group([0, 1])
+                t = torch.full((4,), float(dist.get_rank() + 1))
+                if dist.get_rank() in (0, 1):
+                    dist.all_reduce(t, group=sub)
+                dist.barrier()
+                b = torch.full((4,), float(dist.get_rank()))
+                dist.broadcast(b, src=dist.get_world_size() - 1)
+                conn.send((node, "others", (float(t[0]), float(b[0]),
+                                            os.environ["TORCH_GLOO_LAZY_INIT"])))
             elif cmd == "allreduce_until_failure":
                 failure = None
                 steps = 0
@@ -96,7 +110,8 @@ def _collect(conns: dict[str, Connection], nodes: list[str], what: str) -> dict[
     return got
 
 
-def test_kill_one_rank_and_reform_with_warm_spare(tmp_path):
+@pytest.mark.parametrize("lazy", ["1", "0"], ids=["lazy_pairs", "full_mesh"])
+def test_kill_one_rank_and_reform_with_warm_spare(tmp_path, lazy):
     from hpct_slurm.rendezvous.store import write_secret
 
     secret_file = tmp_path / "secret"
@@ -105,7 +120,7 @@ def test_kill_one_rank_and_reform_with_warm_spare(tmp_path):
     ctx = mp.get_context("spawn")
     pipes = {n: ctx.Pipe() for n in JOB_NODES}
     conns = {n: pipes[n][0] for n in JOB_NODES}
-    procs = {n: ctx.Process(target=_worker, args=(n, job_id, str(secret_file), pipes[n][1]),
+    procs = {n: ctx.Process(target=_worker, args=(n, job_id, str(secret_file), lazy, pipes[n][1]),
                             daemon=True) for n in JOB_NODES}
     for p in procs.values():
         p.start()
@@ -139,6 +154,11 @@ def test_kill_one_rank_and_reform_with_warm_spare(tmp_path):
         for n in gen1:
             conns[n].send(("allreduce",))
         assert _collect(conns, gen1, "sum") == {n: 1.0 + 2 + 5 + 4 for n in gen1}
+        for n in gen1:
+            conns[n].send(("other_collectives",))
+        others = _collect(conns, gen1, "others")
+        assert others == {"n0": (3.0, 3.0, lazy), "n1": (3.0, 3.0, lazy),
+                          "s0": (3.0, 3.0, lazy), "n3": (4.0, 3.0, lazy)}, others
 
         for n in gen1:
             conns[n].send(("exit",))

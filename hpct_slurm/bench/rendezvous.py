@@ -3,9 +3,13 @@
 Each process plays one node with one task. For every N and store kind the same processes form
 a gloo group (a fresh generation each time: new ports, new key prefix), run one allreduce,
 and report. Measured per run:
-  init_s      from a common start barrier to the end of the first allreduce, slowest rank
-              (gloo connects its full mesh in init; with HPCT_GLOO_LAZY_INIT=1 it connects
-              lazily, during that allreduce);
+  init_s      from a common start barrier (the earliest rank to leave it) to the end of the
+              first allreduce (the slowest rank): starting this node's shard server, the
+              store, init_process_group, one allreduce. Both stores run gloo the same way,
+              as a job does: by default gloo connects its full mesh in init; with
+              HPCT_GLOO_LAZY_INIT=1 (opt-in) it connects a pair on its first use, so the
+              ring's 2 pairs per rank connect during that allreduce, and a later barrier or
+              broadcast connects its own pairs then (not timed here);
   load        per host, connections accepted + requests served by its store server.
 Where each number comes from:
   requests    every rank's store (either kind) is wrapped in the same counting Store proxy,
@@ -35,6 +39,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from .. import config as C
 from .common import write_result
 
 NAME = "rendezvous"
@@ -104,6 +109,10 @@ def _counting_store(inner: Any) -> Any:
                 self.inner.wait(keys)
             else:
                 self.inner.wait(keys, timeout)
+
+        def get_within(self, key, timeout):  # type: ignore[no-untyped-def]
+            self._count("get_within")
+            return self.inner.get_within(key, timeout)
 
         def multi_get(self, keys):  # type: ignore[no-untyped-def]
             self._count("multi_get")
@@ -387,6 +396,7 @@ def run(out_dir: Path, quick: bool = False, sizes: list[int] | None = None,
         "tcpstore_busiest_over_avg": round(largest["tcpstore"]["busiest_over_avg"], 3),
         "rootless_init_s": round(largest["rootless"]["init_s_median"], 4),
         "tcpstore_init_s": round(largest["tcpstore"]["init_s_median"], 4),
+        "gloo_lazy_init": bool(C.read(None, C.GLOO_LAZY_INIT)),
         "init_s_per_size": {str(s["ranks"]): {k: round(s[k]["init_s_median"], 4)
                                               for k in ("rootless", "tcpstore")}
                             for s in sizes},

@@ -88,10 +88,11 @@ class RendezvousInfo:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
             "TORCH_NCCL_BLOCKING_WAIT": "0",
             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(self.init_timeout_s)),
-            # Eager full mesh: after init nobody needs the store again, so a shard owner may
-            # exit first, and a fault never finds half-open lazy pairs to a dead peer (a lazy
-            # pair was seen to hang gloo's group destructor). Lazy init (fewer connections at
-            # scale) is opt-in: HPCT_GLOO_LAZY_INIT=1.
+            # Eager full mesh by default: after init nobody needs the store again, and a fault
+            # finds only open sockets, which fail at once. A lazy pair's first connect to a
+            # SIGKILLed peer left the rank stuck in 2 of 6 probe runs (architecture.md,
+            # "Forming a group"). Lazy pairs form a 64-rank group ~3x faster
+            # (docs/benchmarks.md): opt-in, HPCT_GLOO_LAZY_INIT=1.
             "TORCH_GLOO_LAZY_INIT": "1" if C.read(None, C.GLOO_LAZY_INIT) else "0",
             C.GENERATION: str(self.generation),
             C.STORE_PORT: str(self.store_port),

@@ -13,6 +13,12 @@ trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard ask
 the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
 other call sends a held set first; everything else goes to the store unchanged.
 
+Lazy gloo (TORCH_GLOO_LAZY_INIT=1, opt-in here: HPCT_GLOO_LAZY_INIT in config.py) only sets its
+key in init and reads a peer's key when it first uses the pair to that peer, after init: a
+`wait([k])` then a `get(k)`. For keys under a head gathered in init, that wait is answered
+by one `get` (which itself waits for the key) and the get from its value: one round trip per
+pair instead of two (`late_read`).
+
 Why only heads this rank has set its own key under: those keys are, by that pattern, one per
 rank and each written once before anybody reads them (gloo's addresses). A key that merely
 ends in a number (NCCL's unique-id key `<head>/0`, set by rank 0 alone) must not make a rank
@@ -60,6 +66,7 @@ class GatherPlan:
         self.fetched: set[str] = set()
         self.cache: dict[str, bytes] = {}
         self.held: tuple[str, bytes] | None = None  # this rank's own key, not sent yet
+        self.formation_heads: frozenset[str] = frozenset()  # set by finish()
         self.fetches = 0
         self._lock = threading.Lock()
 
@@ -127,11 +134,21 @@ class GatherPlan:
             return self.cache.pop(key, None)
 
     def finish(self) -> None:
-        """The formation is over: forget everything, pass every call through from now on."""
+        """The formation is over: forget everything, pass every call through from now on,
+        except lazy gloo's first read of a peer's key under one of the formation's heads
+        (`late_read`)."""
         with self._lock:
             self.active = False
+            self.formation_heads = frozenset(self.heads)
             self.heads.clear()
             self.cache.clear()
+
+    def late_read(self, key: str) -> bool:
+        """After the formation: `key` is a peer's key under a head this rank set its own
+        key under in init (lazy gloo connecting a pair on first use)."""
+        parts = split_rank_key(key)
+        return (not self.active and parts is not None and parts[0] in self.formation_heads
+                and parts[1] < self.world_size and parts[1] != self.rank)
 
 
 class FormationStore(dist.Store):
@@ -143,6 +160,8 @@ class FormationStore(dist.Store):
         super().__init__()
         self.inner = inner
         self.plan = plan or GatherPlan(rank, world_size)
+        # Peer keys read by a late wait, for the get that follows it (see late_read).
+        self._late: dict[str, bytes] = {}
         super().set_timeout(inner.timeout)
 
     def _fetch(self, held: tuple[str, bytes] | None, keys: list[str]) -> list[bytes]:
@@ -167,6 +186,9 @@ class FormationStore(dist.Store):
             self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
+        late = self._late.pop(key, None)
+        if late is not None:
+            return late
         value = self.plan.take(key, self._fetch)
         if value is not None:
             return value
@@ -176,6 +198,11 @@ class FormationStore(dist.Store):
     def wait(self, keys: list[str],
              timeout: datetime.timedelta | None = None) -> None:
         if keys and all(self.plan.holds(k, self._fetch) for k in keys):
+            return
+        if len(keys) == 1 and self.plan.late_read(keys[0]) and hasattr(self.inner, "get_within"):
+            # Lazy gloo's first use of a pair: fetch the value now, the get follows at once.
+            self._late[keys[0]] = self.inner.get_within(
+                keys[0], self.timeout if timeout is None else timeout)
             return
         self._send_held()
         if timeout is None:
@@ -213,8 +240,10 @@ class FormationStore(dist.Store):
         self.inner.set_timeout(timeout)
 
     def clone(self) -> "FormationStore":
-        return FormationStore(self.inner.clone(), self.plan.rank, self.plan.world_size,
-                              self.plan)
+        clone = FormationStore(self.inner.clone(), self.plan.rank, self.plan.world_size,
+                               self.plan)
+        clone._late = self._late  # a wait on one and the get on another still pair up
+        return clone
 
 
 def wraps(store: dist.Store) -> bool:

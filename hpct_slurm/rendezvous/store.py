@@ -833,7 +833,11 @@ class RootlessStore(dist.Store):
         self._call(key, OP_SET, [key.encode(), _as_bytes(value)], "set")
 
     def get(self, key: str) -> bytes:
-        timeout = self.timeout
+        return self.get_within(key, self.timeout)
+
+    def get_within(self, key: str, timeout: datetime.timedelta) -> bytes:
+        """`get`, waiting up to `timeout` (not the store's) for the key to exist: a wait and
+        a get in one round trip (gather.py answers lazy gloo's wait-then-get with it)."""
         status, out = self._shard(key).request(
             OP_GET, [key.encode(), _I64.pack(_ms(timeout))], self._deadline(timeout), "get")
         if status == ST_TIMEOUT:

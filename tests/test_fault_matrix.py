@@ -199,8 +199,9 @@ def test_second_fault_during_recovery_a_source_dies_mid_pull(cluster, reference,
     # got every byte from n1 after the kill
     restore = first["restore_step"]
     mine = rank_events(tmp_path, taker)
-    [dropped] = [e for e in mine if e["event"] == "transfer.source_dropped"]
-    assert dropped["source"] == n2["transfer"] and dropped["step"] == restore
+    [dropped] = [e for e in mine if e["event"] == "transfer.source_dropped"
+                 and e["source"] == n2["transfer"]]
+    assert dropped["step"] == restore
     assert "refused" not in dropped["error"].lower(), dropped  # a live connection, cut
     pulled = [e for e in mine if e["event"] == "transfer.striped"][0]
     n1 = _registered(tmp_path, "n1")["transfer"]

@@ -405,8 +405,10 @@ class Controller:
                         writer, chan)
             self.unregistered.pop(writer, None)
             self.conns[(r.node, r.local_rank)] = conn
+            # transfer: the "host:port" that transfer.* events name as a source
             self.events.emit(Ev.RANK_REGISTER, node=r.node, local_rank=r.local_rank,
-                             role=r.role, pid=r.pid)
+                             role=r.role, pid=r.pid,
+                             transfer=f"{r.host_addr}:{r.transfer_port}")
             self._maybe_start()
             while True:
                 env = await chan.read(reader)

@@ -598,8 +598,8 @@ def _write(root: Path, snap, step: int, key: bytes = SECRET) -> Path:
     return write_snapshot(root, 0, step, snap.layout, snap.data, snap.digest(), key=key)
 
 
-def test_a_snapshot_planted_with_a_valid_sha256_is_refused(tmp_path, snap):
-    """Written as the old format was: meta with an unkeyed digest that matches the data."""
+def test_a_snapshot_planted_with_a_valid_unkeyed_digest_is_refused(tmp_path, snap):
+    """Written as the first format was: meta with an unkeyed digest that matches the data."""
     from hpct_slurm import protocol as P
     from hpct_slurm.recovery.persist import load_latest, rank_dir
 
@@ -614,6 +614,44 @@ def test_a_snapshot_planted_with_a_valid_sha256_is_refused(tmp_path, snap):
     [corrupt] = [e for e in read_events(tmp_path / "events.jsonl")
                  if e["event"] == "persist.corrupt"]
     assert corrupt["step"] == 2
+
+
+def _sha256_tree(data: bytes) -> bytes:
+    """The part digest of hpct-slurm before BLAKE3 (format HPCTSNP2), as it was documented."""
+    import hashlib
+
+    from hpct_slurm import protocol as P
+    leaves = [hashlib.sha256(b"\x00" + data[i:i + P.CHUNK]).digest()
+              for i in range(0, len(data), P.CHUNK)]
+    return hashlib.sha256(b"\x01" + struct.pack(">QI", len(data), P.CHUNK)
+                          + b"".join(leaves)).digest()
+
+
+def test_a_snapshot_file_of_the_sha256_format_is_refused_by_name(tmp_path, snap):
+    """A file an older release wrote for this very job (its secret, a SHA-256 tree digest that
+    matches the data) is genuine but not checkable here: refused, naming its format, never
+    accepted unverified; an older good file of this format is used instead."""
+    from hpct_slurm.recovery import persist
+
+    data = bytes(snap.data)
+    meta = json.dumps({"rank": 0, "step": 2, "digest": _sha256_tree(data).hex(),
+                       "layout": json.loads(snap.layout.to_json())}).encode()
+    head = b"HPCTSNP2" + struct.pack(">I", len(meta)) + meta
+    old = persist.rank_dir(tmp_path, 0) / "step2.bin"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(head + persist._mac(SECRET, head) + data)
+    with pytest.raises(HpctError, match="format HPCTSNP2 with a SHA-256 tree digest.*reads only "
+                                        "HPCTSNP3 .*cannot verify it"):
+        persist.read_snapshot(old, 0, key=SECRET)
+    with pytest.raises(HpctError, match="no intact snapshot of rank 0 .*newest: .*HPCTSNP2"):
+        persist.load_latest(tmp_path, 0, key=SECRET)
+    _write(tmp_path, snap, 1)
+    events = EventLog(tmp_path / "events.jsonl")
+    step, _, got = persist.load_latest(tmp_path, 0, events=events, key=SECRET)
+    assert step == 1 and bytes(got) == data
+    [corrupt] = [e for e in read_events(tmp_path / "events.jsonl")
+                 if e["event"] == "persist.corrupt"]
+    assert corrupt["step"] == 2 and "HPCTSNP2" in corrupt["error"]
 
 
 def test_a_snapshot_written_with_another_jobs_secret_is_refused(tmp_path, snap):

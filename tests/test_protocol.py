@@ -10,6 +10,7 @@ import socket
 import stat
 import struct
 
+import blake3
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -107,7 +108,7 @@ def _forge(header: dict, body: bytes = b"", secret: bytes = SECRET) -> bytes:
 
 
 def _hdr(type_: str, fields: dict, **over) -> dict:
-    return {"v": 2, "type": type_, "job": JOB, "seq": 1, "parts": [], "fields": fields, **over}
+    return {"v": P.VERSION, "type": type_, "job": JOB, "seq": 1, "parts": [], "fields": fields, **over}
 
 
 @pytest.mark.parametrize("header,reason", [
@@ -126,7 +127,9 @@ def _hdr(type_: str, fields: dict, **over) -> dict:
                      "tasks_per_node": 1, "restore_step": 0, "peers": {"1": ["h", "7"]}}),
      "assign.peers.*must be an int, got '7'"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, v=1), "version"),
-    (_hdr("stop", {"generation": 1, "reason": "x"}, parts=[[3, "ab"]]), "not \\[nbytes, sha256 hex\\]"),
+    # version 2 carried SHA-256 part digests: a peer of that release is told so by version
+    (_hdr("stop", {"generation": 1, "reason": "x"}, v=2), "protocol version 2 is not 3"),
+    (_hdr("stop", {"generation": 1, "reason": "x"}, parts=[[3, "ab"]]), "not \\[nbytes, digest hex\\]"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, parts={"a": 1}), "'parts' must be a list"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, seq=-1), "seq"),
     (_hdr("stop", {"generation": 1, "reason": "x"}, job=5), "'job' must be a string"),
@@ -159,9 +162,10 @@ def test_not_json_header():
 
 def _reference_digest(data: bytes) -> bytes:
     """The documented tree, written out independently of the implementation."""
-    leaves = [hashlib.sha256(b"\x00" + data[i:i + P.CHUNK]).digest()
+    leaves = [blake3.blake3(b"\x00" + data[i:i + P.CHUNK]).digest()
               for i in range(0, len(data), P.CHUNK)]
-    return hashlib.sha256(b"\x01" + struct.pack(">QI", len(data), P.CHUNK) + b"".join(leaves)).digest()
+    return blake3.blake3(b"\x01" + struct.pack(">QI", len(data), P.CHUNK)
+                         + b"".join(leaves)).digest()
 
 
 def test_part_digest_follows_the_documented_tree_serial_parallel_and_streamed():
@@ -189,6 +193,76 @@ def test_a_substituted_body_under_an_authentic_header_is_rejected():
     env = P.decode_frame(P.encode(P.Goodbye("x"), SECRET, 3, JOB, [b"layout", b"payload!"]),
                          SECRET, JOB)
     assert env.digests == (P.part_digest(b"layout"), P.part_digest(b"payload!"))
+
+
+def _tampered(data: bytes, how: str) -> bytes:
+    """`data` (3 full leaves and a partial one) changed as a faulty or hostile sender would."""
+    b = bytearray(data)
+    if how.startswith("flip"):  # one byte in leaf i, somewhere inside it
+        i = int(how[len("flip"):])
+        b[i * P.CHUNK + (7919 * (i + 1)) % min(P.CHUNK, len(b) - i * P.CHUNK)] ^= 0x01
+    elif how == "swap":  # leaves 0 and 1 trade places: every leaf digest still occurs once
+        b[:P.CHUNK], b[P.CHUNK:2 * P.CHUNK] = data[P.CHUNK:2 * P.CHUNK], data[:P.CHUNK]
+    elif how == "shorter":
+        del b[-1]
+    elif how == "longer":
+        b += b"\0"
+    elif how == "leaf_shorter":  # the cut falls on a leaf boundary: the leaves left are intact
+        del b[3 * P.CHUNK:]
+    return bytes(b)
+
+
+TAMPERING = ["flip0", "flip1", "flip2", "flip3", "swap", "shorter", "longer", "leaf_shorter"]
+_DATA = os.urandom(3 * P.CHUNK + 1000)
+
+
+@pytest.mark.parametrize("how", TAMPERING)
+def test_a_changed_body_under_the_original_digest_is_rejected_whole_and_streamed(how):
+    """An authentic header carrying the original data's digest (a sender whose memory changed
+    after its digest was sealed, or one lying about its body): whether a byte of any leaf
+    flipped, two leaves swapped, or the body is a byte or a whole partial leaf shorter or
+    longer (so the header's size is the wrong length for the digest), both receivers refuse."""
+    want = P.part_digest(_DATA)
+    bad = _tampered(_DATA, how)
+    assert bad != _DATA and P.part_digest(bad) != want
+    frame = P.encode(P.Goodbye(how), SECRET, 1, JOB, bad, digests=[want])
+    with pytest.raises(P.DigestMismatch, match="body part 0"):
+        P.decode(frame, SECRET, JOB, max_body=len(bad))
+    a, b = socket.socketpair()
+    with a, b:
+        import threading
+        t = threading.Thread(target=a.sendall, args=(frame,))
+        t.start()
+        with pytest.raises(P.DigestMismatch):
+            P.recv_msg(b, SECRET, JOB, timeout=10, max_body=len(bad), context=b"")
+        t.join()
+
+
+def test_a_body_cut_short_in_flight_is_rejected_streamed():
+    """The header (and its size) is the sender's; the connection ends a byte early."""
+    frame = P.encode(P.Goodbye("x"), SECRET, 1, JOB, _DATA)
+    a, b = socket.socketpair()
+    with a, b:
+        import threading
+        def send_and_end():
+            a.sendall(frame[:-1])
+            a.shutdown(socket.SHUT_WR)
+
+        t = threading.Thread(target=send_and_end)
+        t.start()
+        with pytest.raises(P.ProtocolError, match="truncated frame"):
+            P.recv_msg(b, SECRET, JOB, timeout=10, max_body=len(_DATA), context=b"")
+        t.join()
+
+
+def test_range_digests_bind_leaf_order_and_length():
+    leaves = P.leaf_digests(_DATA)
+    n = len(_DATA)
+    whole = P.range_digest(leaves, n, 0, n)
+    assert whole == P.part_digest(_DATA)
+    assert P.range_digest([leaves[1], leaves[0], *leaves[2:]], n, 0, n) != whole
+    # the same leaves under another claimed length (a tail of zeros is not the same data)
+    assert P.range_digest(leaves, n + 1, 0, n + 1) != whole
 
 
 def test_known_digests_are_sent_not_recomputed_and_wrong_ones_caught():

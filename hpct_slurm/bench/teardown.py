@@ -3,7 +3,7 @@
 (`--quick`: a small one) and Adam, the last rank is SIGKILLed between two allreduces, and each
 survivor times, after its collective failed, the parts of the old `Job._recover`:
 capture (copy the live state into the snapshot slot), gc.collect, destroy the group,
-gc.collect again, the health check, and one SHA-256 of the state. Twice: as before, and with
+gc.collect again, the health check, and one part digest of the state. Twice: as before, and with
 what existed at startup frozen out of the collector's sight (`gc.freeze()`, what `Job._start`
 does now). The summary: the median over survivors of each part, per mode.
 """

@@ -146,7 +146,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     write_result(out_dir, "transfer", {**summary, "quick": quick, "smoke": smoke, "reps": reps,
                                        "ratios": ratios, "seconds": times,
                                        "notes": "single = HMAC-SHA256 header carrying the sealed "
-                                                "SHA-256 tree digest, every byte hashed by the "
+                                                "BLAKE3 tree digest, every byte hashed by the "
                                                 "receiver; serve_verify also re-hashes on serve; "
                                                 "stripedK = K holder processes at once, each "
                                                 "stripe checked against the manifest"})

@@ -4,7 +4,7 @@ One frame on the wire::
 
     u32 big-endian header length | header (UTF-8 JSON object) | MAC (32 bytes) | body
 
-    header = {"v": 2, "type": "...", "job": "...", "seq": int,
+    header = {"v": 3, "type": "...", "job": "...", "seq": int,
               "parts": [[nbytes, "digest hex"], ...], "fields": {...}}
     MAC    = HMAC-SHA256(secret, b"hpct2" + direction + nonce + header bytes)
 

@@ -4,7 +4,7 @@ One frame on the wire::
 
     u32 big-endian header length | header (UTF-8 JSON object) | MAC (32 bytes) | body
 
-    header = {"v": 2, "type": "...", "job": "...", "seq": int,
+    header = {"v": 3, "type": "...", "job": "...", "seq": int,
               "parts": [[nbytes, "digest hex"], ...], "fields": {...}}
     MAC    = HMAC-SHA256(secret, b"hpct2" + direction + nonce + header bytes)
 
@@ -12,8 +12,8 @@ On every connection the server first sends NONCE_BYTES fresh random bytes; every
 connection is MACed with that nonce and its direction (TO_SERVER or TO_CLIENT), see `Channel`.
 
 The MAC covers only the header; the body is a sequence of parts, each bound to the header by its
-`part_digest` (a SHA-256 hash tree, digest.py). An attacker without the secret can forge no header,
-so substituting a body means finding a second SHA-256 preimage: the body stays authenticated
+`part_digest` (a BLAKE3 hash tree, digest.py). An attacker without the secret can forge no header,
+so substituting a body means finding a second BLAKE3 preimage: the body stays authenticated
 while the expensive per-byte work shrinks to one hash the sender usually already has (a
 snapshot's digest is computed once at commit and reused by every send of it), and the receiver
 hashes 4 MiB leaves on a thread pool while the next ones are still arriving.
@@ -40,7 +40,9 @@ from .digest import _flat, part_digest
 from .errors import DigestMismatch, ProtocolError
 from .messages import Envelope, _build, _fields_json
 
-VERSION = 2
+# 3: part digests are BLAKE3 trees (2 had SHA-256 ones): a peer of the other version is refused
+# by its version, not by a digest mismatch on its first body.
+VERSION = 3
 HEADER_MAX = 64 * 1024
 DEFAULT_MAX_BODY = 1024 * 1024
 MAC_LEN = 32
@@ -132,7 +134,7 @@ def _parse_parts(parts: Any) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
         except ValueError:
             d = b""
         if len(d) != DIGEST_LEN:
-            raise ProtocolError(f"header part {p!r:.80} is not [nbytes, sha256 hex]")
+            raise ProtocolError(f"header part {p!r:.80} is not [nbytes, digest hex]")
         sizes.append(p[0])
         digests.append(d)
     return tuple(sizes), tuple(digests)
@@ -151,7 +153,8 @@ def _authentic_header(raw: bytes, tag: bytes, secret: bytes, job_id: str | None,
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame header must be a JSON object, got {type(obj).__name__}")
     if obj.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {obj.get('v')!r:.20} is not {VERSION}")
+        raise ProtocolError(f"protocol version {obj.get('v')!r:.20} is not {VERSION} (a peer "
+                            f"running another hpct-slurm release?)")
     job, seq = obj.get("job"), obj.get("seq")
     if not isinstance(job, str):
         raise ProtocolError(f"header 'job' must be a string, got {job!r:.80}")

@@ -2,15 +2,20 @@
 
 One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
 
-    "HPCTSNP2" | u32 big-endian meta length | meta JSON {"rank", "step", "digest", "layout"}
+    "HPCTSNP3" | u32 big-endian meta length | meta JSON {"rank", "step", "digest", "layout"}
     | 32-byte MAC | flat data
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
-either the old file or the new one. `digest` is the snapshot's own (hex) and covers the data,
+either the old file or the new one. `digest` is the snapshot's own (hex, the BLAKE3 tree of
+protocol/digest.py) and covers the data,
 so saving hashes nothing new; the MAC is HMAC-SHA256 over everything before it, keyed with the
 job's secret: a plain digest anyone can compute would let whoever can write a file here hand
 the job a training state. Sizes are checked against the file before anything is allocated.
 The last two are kept; `load_latest` falls back to the older if the newer fails its checks.
+
+The magic is the format version. "HPCTSNP2" files carry a SHA-256 tree digest, which this
+version no longer computes: they are refused by name (restore from a peer, or with the release
+that wrote them), never checked against the wrong hash.
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ from .state import Layout, as_memoryview
 from .worker import BackgroundQueue
 
 KEEP = 2
-MAGIC = b"HPCTSNP2"
+MAGIC = b"HPCTSNP3"
+# Older formats, named when refused: what they hold that this version cannot check.
+_OLD_FORMATS = {b"HPCTSNP2": "a SHA-256 tree digest (hpct-slurm before BLAKE3 part digests)"}
 _LEN = struct.Struct(">I")
 _MAC_LEN = hashlib.sha256().digest_size
 _HEADER = len(MAGIC) + _LEN.size
@@ -89,6 +96,11 @@ def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, by
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(_HEADER)
+            old = _OLD_FORMATS.get(head[:len(MAGIC)])
+            if old is not None:
+                raise HpctError(f"snapshot file '{path}' is format {head[:len(MAGIC)].decode()} "
+                                f"with {old}; this version reads only {MAGIC.decode()} "
+                                f"(BLAKE3 tree digest) and cannot verify it")
             if len(head) < _HEADER or not head.startswith(MAGIC):
                 raise HpctError(f"snapshot file '{path}' is not an hpct snapshot of this "
                                 f"version (it does not start with {MAGIC!r})")
@@ -128,6 +140,7 @@ def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,
     """The newest intact snapshot of `rank` (at or before `max_step`) written with `key`,
     older ones as fallback."""
     steps = [s for s in list_steps(root, rank) if max_step is None or s <= max_step]
+    newest_error = ""
     for step in reversed(steps):
         path = rank_dir(root, rank) / f"step{step}.bin"
         try:
@@ -136,10 +149,12 @@ def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,
                 raise HpctError(f"snapshot file '{path}' holds step {got_step}")
             return got_step, layout, data
         except HpctError as exc:
+            newest_error = newest_error or exc.message
             if events:
                 events.emit(EV_CORRUPT, rank=rank, step=step, path=str(path), error=exc.message)
     raise HpctError(f"no intact snapshot of rank {rank} under '{rank_dir(root, rank)}'"
-                    + (f" at or before step {max_step}" if max_step is not None else ""))
+                    + (f" at or before step {max_step}" if max_step is not None else "")
+                    + (f" (newest: {newest_error})" if newest_error else ""))
 
 
 class DiskPersister:

@@ -811,6 +811,11 @@ def test_a_node_lost_while_the_new_generation_restores_costs_one_more_generation
             await c.crash("a1")
             s1 = await c.assigned("s1", 1)
             assert (s1.rank, s1.restore_step) == (1, 3)
+
+            async def pull_cut_short(rank, stop):  # s1 had not restored step 3 yet
+                rank.own = []
+                await rank.ready()
+            c.rank("s1").on_stop = pull_cut_short
             await c.crash(dies)  # before the new group's first step
 
             s2 = await c.assigned("s2", 2)
@@ -823,6 +828,10 @@ def test_a_node_lost_while_the_new_generation_restores_costs_one_more_generation
             assert [(e["generation"], e["restore_step"]) for e in assigns] == [(1, 3), (2, 3)]
             assert assigns[1]["taken"] == {dies: "s2"}
             assert c.events("recovery.failed") == [] and c.events("escalate.requeue") == []
+            # the round's sources are the live survivors that hold the restore step: not s1,
+            # which took a position in the round cut short and never restored it
+            # (controller.py: asking it would cost the new spare a refused request)
+            assert set(s2.sources) == ({0, 2} if dies == "s1" else {0})
             # the round's sources are the live survivors only
             assert all(int(r) != lost_rank or src == "peer"
                        for r, src in assigns[1]["sources"].items())

@@ -735,10 +735,12 @@ class Controller:
         self.world.generation = rep.generation
         self.world.lost += lost_active
         restore = plan.step
-        # shared state is identical on every survivor: the controller lists them all, nearest
-        # first, so a corrupted or vanished source costs one retry, not the recovery
+        # shared state is identical on every survivor: the controller lists all that hold the
+        # restore step, nearest first, so a corrupted or vanished source costs one retry, not
+        # the recovery (a spare that took a position in a round cut short holds nothing yet:
+        # asking it would cost a refused request)
         sources = {self.world.rank_of(c.node, c.local_rank): [(c.host_addr, c.transfer_port)]
-                   for c in survivors}
+                   for c in survivors if c.held is not None and restore in c.held.own}
         rec.generation, rec.restore_step = rep.generation, restore
         rec.lost, rec.taken = lost_active, rep.taken
         rec.reasons = {n: lost[n] for n in lost_active}

@@ -205,6 +205,10 @@ class Controller:
         self.first_step_reports: dict[int, int] = {}  # generation -> its first step's reports
         self.finished = asyncio.Event()
         self.done_sent = False
+        # this generation's connections that said done (ids): _maybe_finish looks at every
+        # rank only once they are as many as the world (each done heartbeat checking every
+        # rank is O(world^2) at a job's end)
+        self.said_done: set[int] = set()
         self.gen0_scheduled = False  # generation 0's assignment is on its way (once)
         self.exit_code = EXIT_OK
         self.address: tuple[str, int] = ("", 0)
@@ -492,7 +496,7 @@ class Controller:
             previous = conn.state
             conn.state, conn.step = RankState(msg.state), msg.step
             if conn.state == RankState.DONE:
-                self._maybe_finish()
+                self._maybe_finish(conn)
             elif conn.state in (RankState.READY, RankState.UNHEALTHY):
                 if not self.recovering and previous not in (RankState.READY, RankState.UNHEALTHY) \
                         and conn.rank >= 0 and conn.generation == self.world.generation \
@@ -563,6 +567,7 @@ class Controller:
 
     async def _assign(self, restore: int, sources: dict[int, list[tuple[str, int]]]) -> None:
         g = self.world.generation
+        self.said_done.clear()
         self.events.emit(Ev.GENERATION_START, generation=g, members=self.world.members,
                          restore_step=restore)
         members = [c for node in self.world.members for c in self._live(node)]
@@ -960,9 +965,13 @@ class Controller:
         await self._goodbye_all(f"terminated: {why}")
         self.finished.set()
 
-    def _maybe_finish(self) -> None:
+    def _maybe_finish(self, conn: Conn) -> None:
+        if conn.generation == self.world.generation:
+            self.said_done.add(id(conn))
+        if self.recovering or len(self.said_done) < self.world.world_size:
+            return
         actives = [c for n in self.world.members for c in self._live(n)]
-        if self.recovering or len(actives) != self.world.world_size:
+        if len(actives) != self.world.world_size:
             return
         if all(c.state == RankState.DONE for c in actives) and not self.done_sent:
             self.done_sent = True

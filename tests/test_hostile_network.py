@@ -27,7 +27,7 @@ from hpct_slurm.controller import controller as C
 from hpct_slurm.events import EventLog, read_events
 from hpct_slurm.recovery.client import ControllerAddress, CoordinationClient
 from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
-from hpct_slurm.recovery.state import TrainState
+from hpct_slurm.recovery.state import TrainState, as_memoryview
 from hpct_slurm.recovery.transfer import (ReplicaPusher, TransferServer, fetch_state,
                                           push_replica)
 from hpct_slurm.rendezvous import store as S
@@ -185,6 +185,32 @@ def test_replica_store_refuses_an_older_step_and_keeps_both_slots():
             with pytest.raises(Exception, match="older than step 5"):
                 push_replica(sock, P.client_hello(sock, SECRET, JOB, 5), 0, snap, timeout=3)
     assert replicas.steps(0) == [4, 5]
+
+
+def test_a_rollback_keeps_the_replica_of_the_restore_step_and_forgets_the_newer():
+    """A planned move restores step 4 while the ring holder already has rank 0's step 5: the
+    newcomer still fetches step 4 from it after the holder has rolled back (it lost that race
+    when a rollback dropped every replica of the rank)."""
+    own = marked_store()
+    replicas = ReplicaStore()
+    with TransferServer(SECRET, JOB, 1, replicas=replicas) as srv:
+        pusher = ReplicaPusher(own, 0, srv.address, SECRET, JOB, timeout=5)
+        for step in (4, 5):
+            own.commit(step)
+            pusher.after_commit(step)
+        pusher.close()
+        assert replicas.forget_after(4) == [0] and replicas.steps(0) == [4]
+        got = fetch_state([srv.address], 0, SECRET, JOB, step=4)
+        with own.lease(4) as snap:
+            n = snap.layout.nbytes
+            assert got.step == 4 and bytes(as_memoryview(got.data)[:n]) == bytes(snap.data)
+        assert replicas.forget_after(4) == []  # nothing newer left
+        assert replicas.forget_after(3) == [0] and replicas.ranks() == []
+        # the replayed history's pushes are taken again
+        pusher = ReplicaPusher(own, 0, srv.address, SECRET, JOB, timeout=5)
+        pusher.after_commit(4)
+        pusher.close()
+    assert replicas.steps(0) == [4]
 
 
 # --- the controller ------------------------------------------------------------------------------
@@ -438,7 +464,7 @@ _FD_CHILD = textwrap.dedent("""
     if kind == "transfer":
         import torch
         from hpct_slurm.recovery.snapshot import SnapshotStore
-        from hpct_slurm.recovery.state import TrainState
+        from hpct_slurm.recovery.state import TrainState, as_memoryview
         from hpct_slurm.recovery.transfer import TransferServer
         model = torch.nn.Linear(4, 4)
         own = SnapshotStore(TrainState(model=model))

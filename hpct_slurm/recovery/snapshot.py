@@ -210,6 +210,15 @@ class DoubleBuffer:
                     self._leases[idx] -= 1
                     self._cond.notify_all()
 
+    def drop_after(self, step: int) -> bool:
+        """Forget the snapshots newer than `step`; one at `step` or older stays. Whether any
+        was dropped."""
+        with self._cond:
+            newer = [x for x in self._snaps if x is not None and x.step > step]
+        for x in newer:
+            self.discard(x)
+        return bool(newer)
+
     def discard(self, snap: Snapshot) -> None:
         """Forget a snapshot found corrupt, so it is not offered again."""
         with self._cond:
@@ -422,12 +431,15 @@ class ReplicaStore:
     def forget_after(self, step: int) -> list[int]:
         """Drop every rank's replicas newer than `step`: the group rolled back to it (a restore
         from disk), so the next pushes legitimately carry older steps than those held, and the
-        newer copies belong to a history that no longer happens. The ranks dropped."""
+        newer copies belong to a history that no longer happens. A replica at `step` itself
+        stays: it is the state the group restores, and a newcomer may still be fetching it
+        from this holder (a planned move's restore step is often one behind the newest
+        replica; dropping it lost the race to the newcomer's fetch). The ranks dropped."""
         with self._lock:
-            dropped = [r for r, db in self._ranks.items()
-                       if db.latest() is not None and db.latest().step > step]
+            dropped = [r for r, db in self._ranks.items() if db.drop_after(step)]
             for r in dropped:
-                del self._ranks[r]
+                if self._ranks[r].latest() is None:
+                    del self._ranks[r]
         return dropped
 
     @staticmethod

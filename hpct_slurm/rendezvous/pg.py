@@ -51,6 +51,15 @@ def generation_prefix(generation: int) -> str:
     return f"hpct/gen{generation}"
 
 
+def nccl_id_prefix(generation: int, group_name: str = "0") -> str:
+    """The store prefix of a group's NCCL unique-id keys (torch 2.13): the generation's prefix
+    (init's PrefixStore), the group's name (`_new_process_group_helper`'s
+    PrefixStore(f"{group_name}/"), "0" for the default group since the group count starts
+    from 0 every generation), the device's (PrefixStore("cuda/")); ProcessGroupNCCL then sets
+    `<counter>` under it on rank 0 and every other rank gets it (fanout.py)."""
+    return f"{generation_prefix(generation)}/{group_name}//cuda//"
+
+
 def current() -> RendezvousInfo | None:
     """The generation this process's default group belongs to, if one is formed."""
     return _formed.info if _formed else None
@@ -76,6 +85,14 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     for name in _BACKEND_ENV:
         if name in env:
             os.environ.setdefault(name, env[name])
+    fan_out = getattr(store, "fan_out", None)
+    if "nccl" in backend and fan_out is not None:
+        # The world communicator's id is read by every rank: a copy on every node's shard,
+        # each rank reads its own. With the device bound (device_id), torch creates subgroups
+        # by splitting the world communicator (ncclCommSplit, where NCCL supports it), which
+        # sets no id in the store; a script that creates communicators otherwise declares
+        # their prefixes the same way (nccl_id_prefix with the group's name).
+        fan_out(nccl_id_prefix(info.generation), range(len(info.store_endpoints)))
     # gloo's address exchange in one round trip instead of 2N (gather.py), during init only.
     gathering = gather.FormationStore(store, info.rank, info.world_size) if gather.wraps(
         store) else None

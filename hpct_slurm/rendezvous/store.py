@@ -37,7 +37,7 @@ import threading
 import time
 import typing
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from .. import config as C
 from .. import protocol
 from ..errors import HpctError
 from ..events import Ev, EventLog, stderr_log
+from .fanout import FanoutTable
 
 if TYPE_CHECKING:
     from .derive import RendezvousInfo
@@ -773,6 +774,10 @@ class RootlessStore(dist.Store):
 
     Build one per generation over that generation's live members: the shard map is the member
     list, so a new membership gives a new map.
+
+    `local_shard`: the index of this process's own node in the endpoints (host i runs shard
+    i), where it reads the copies of fanned-out keys (`fan_out`); None reads every key at its
+    home shard.
     """
 
     # multi_get asks every shard at once (rendezvous/gather.py gathers gloo's exchange in it).
@@ -780,16 +785,23 @@ class RootlessStore(dist.Store):
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], secret: bytes,
                  timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-                 aborted: threading.Event | None = None):
+                 aborted: threading.Event | None = None, *, local_shard: int | None = None,
+                 fanout: FanoutTable | None = None):
         super().__init__()
         if not endpoints:
             raise HpctError("RootlessStore needs at least one shard endpoint")
         self._endpoints = [(str(h), int(p)) for h, p in endpoints]
+        if local_shard is not None and not 0 <= local_shard < len(self._endpoints):
+            raise HpctError(f"local shard {local_shard} is not one of the "
+                            f"{len(self._endpoints)} endpoints")
         self._secret = secret
         # Shared with clones (gloo clones the store per group): one abort reaches them all.
         self._aborted = aborted or threading.Event()
         self._shards = [_Shard(h, p, secret, self._aborted) for h, p in self._endpoints]
         self._clones: list[RootlessStore] = []
+        self.local_shard = local_shard
+        # Shared with clones too: a declaration made after cloning reaches the group's store.
+        self._fanout = fanout or FanoutTable(len(self._endpoints))
         self.set_timeout(timeout)
 
     @property
@@ -810,12 +822,47 @@ class RootlessStore(dist.Store):
                 shard.abort()
 
     def clone(self) -> "RootlessStore":
-        clone = RootlessStore(self._endpoints, self._secret, self.timeout, self._aborted)
+        clone = RootlessStore(self._endpoints, self._secret, self.timeout, self._aborted,
+                              local_shard=self.local_shard, fanout=self._fanout)
         self._clones.append(clone)
         return clone
 
+    def fan_out(self, prefix: str, reader_hosts: Iterable[int]) -> None:
+        """Declare the keys `<prefix><counter>` written once and read from `reader_hosts`
+        (endpoint indices): a set of one also writes a copy to each reader host's shard, and a
+        reader whose `local_shard` is one of them reads its own copy (fanout.py). Every member
+        must declare it alike before the key is set or read; clones share declarations.
+        `num_keys` counts the copies."""
+        try:
+            self._fanout.declare(prefix, reader_hosts)
+        except ValueError as exc:
+            raise HpctError(str(exc)) from None
+
     def _shard(self, key: str | bytes) -> _Shard:
         return self._shards[shard_of(key, len(self._shards))]
+
+    def _read_key(self, key: str) -> str:
+        return self._fanout.read_key(key, self.local_shard)
+
+    def _write_once(self, key: str, what: str) -> None:
+        if self._fanout.readers(key) is not None:
+            raise dist.DistStoreError(f"store {what} of key '{key}': the key is declared "
+                                      f"write-once (fan_out) and its copies would go stale")
+
+    def _by_key_shard(self, keys: Sequence[str], op: int,
+                      fields: Sequence[bytes] = ()) -> dict[int, list[bytes]]:
+        """One `op` request payload per key, by the shard the key lives on."""
+        requests: dict[int, list[bytes]] = {}
+        for k in keys:
+            requests.setdefault(shard_of(k, len(self._shards)), []).append(
+                bytes([op]) + _pack_fields([k.encode(), *fields]))
+        return requests
+
+    def _send_all(self, requests: dict[int, list[bytes]], deadline: float | None,
+                  what: str) -> dict[int, list[tuple[int, list[bytes]]]]:
+        order = sorted(requests)  # shard locks are taken in index order: no deadlock
+        return dict(zip(order, _pipelined([(self._shards[i], requests[i]) for i in order],
+                                          deadline, what)))
 
     def _deadline(self, timeout: datetime.timedelta) -> float | None:
         ms = _ms(timeout)
@@ -830,7 +877,16 @@ class RootlessStore(dist.Store):
         return out
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(key, OP_SET, [key.encode(), _as_bytes(value)], "set")
+        keys = self._fanout.write_keys(key)
+        if len(keys) == 1:
+            self._call(key, OP_SET, [key.encode(), _as_bytes(value)], "set")
+            return
+        # A fanned-out key and its copies, every shard asked at once: one round trip.
+        replies = self._send_all(self._by_key_shard(keys, OP_SET, [_as_bytes(value)]),
+                                 self._deadline(self.timeout), "set")
+        for status, out in (r for shard in replies.values() for r in shard):
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store set of key '{key}' failed: {out!r}")
 
     def get(self, key: str) -> bytes:
         return self.get_within(key, self.timeout)
@@ -838,8 +894,9 @@ class RootlessStore(dist.Store):
     def get_within(self, key: str, timeout: datetime.timedelta) -> bytes:
         """`get`, waiting up to `timeout` (not the store's) for the key to exist: a wait and
         a get in one round trip (gather.py answers lazy gloo's wait-then-get with it)."""
-        status, out = self._shard(key).request(
-            OP_GET, [key.encode(), _I64.pack(_ms(timeout))], self._deadline(timeout), "get")
+        read = self._read_key(key)
+        status, out = self._shard(read).request(
+            OP_GET, [read.encode(), _I64.pack(_ms(timeout))], self._deadline(timeout), "get")
         if status == ST_TIMEOUT:
             raise dist.DistStoreError(
                 f"store get of key '{key}' timed out after {timeout.total_seconds():g} s")
@@ -848,18 +905,21 @@ class RootlessStore(dist.Store):
         return out[0]
 
     def add(self, key: str, value: int) -> int:
+        self._write_once(key, "add")
         out = self._call(key, OP_ADD, [key.encode(), _I64.pack(int(value))], "add")
         return _I64.unpack(out[0])[0]
 
     def compare_set(self, key: str, expected_value: str | bytes,
                     desired_value: str | bytes) -> bytes:
+        self._write_once(key, "compare_set")
         out = self._call(key, OP_CAS, [key.encode(), _as_bytes(expected_value),
                                        _as_bytes(desired_value)], "compare_set")
         return out[0]
 
     def _by_shard(self, keys: Sequence[str]) -> dict[int, list[str]]:
+        """The keys this process reads for `keys` (a fanned-out key's local copy), by shard."""
         groups: dict[int, list[str]] = {}
-        for k in keys:
+        for k in map(self._read_key, keys):
             groups.setdefault(shard_of(k, len(self._shards)), []).append(k)
         return groups
 
@@ -904,23 +964,21 @@ class RootlessStore(dist.Store):
         timeout = self.timeout
         deadline = self._deadline(timeout)
         groups = self._by_shard(keys)
-        requests: dict[int, list[bytes]] = {}
-        if key is not None:
-            set_at = shard_of(key, len(self._shards))
-            requests[set_at] = [bytes([OP_SET]) + _pack_fields([key.encode(), _as_bytes(value)])]
+        # The set (and a fanned-out key's copies) go first on their shards' connections.
+        requests = {} if key is None else self._by_key_shard(
+            self._fanout.write_keys(key), OP_SET, [_as_bytes(value)])
+        sets = {i: len(payloads) for i, payloads in requests.items()}
         for i, group in groups.items():
             requests.setdefault(i, []).append(bytes([OP_MULTI_GET]) + _pack_fields(
                 [_I64.pack(_ms(timeout))] + [k.encode() for k in group]))
-        order = sorted(requests)  # shard locks are taken in index order: no deadlock
-        replies = dict(zip(order, _pipelined([(self._shards[i], requests[i]) for i in order],
-                                             deadline, "multi_get")))
-        if key is not None:
-            status, out = replies[set_at].pop(0)
-            if status != ST_OK:
-                raise dist.DistStoreError(f"store set of key '{key}' failed: {out!r}")
+        replies = self._send_all(requests, deadline, "multi_get")
+        for i, n in sets.items():
+            for status, out in replies[i][:n]:
+                if status != ST_OK:
+                    raise dist.DistStoreError(f"store set of key '{key}' failed: {out!r}")
         values: dict[str, bytes] = {}
         for i, group in groups.items():
-            status, out = replies[i][0]
+            status, out = replies[i][sets.get(i, 0)]
             if status == ST_TIMEOUT:
                 raise dist.DistStoreError(
                     f"store multi_get: key '{out[0].decode(errors='replace')}' did not appear "
@@ -928,10 +986,20 @@ class RootlessStore(dist.Store):
             if status != ST_OK or len(out) != len(group):
                 raise dist.DistStoreError(f"store multi_get of keys {group} failed: {out!r}")
             values.update(zip(group, out))
-        return [values[k] for k in keys]
+        return [values[self._read_key(k)] for k in keys]
 
     def delete_key(self, key: str) -> bool:
-        return self._call(key, OP_DELETE, [key.encode()], "delete_key")[0] == b"\x01"
+        keys = self._fanout.write_keys(key)
+        if len(keys) == 1:
+            return self._call(key, OP_DELETE, [key.encode()], "delete_key")[0] == b"\x01"
+        # The copies go with the key: a later set must not leave a reader an old copy.
+        requests = self._by_key_shard(keys, OP_DELETE)
+        home = shard_of(key, len(self._shards))
+        replies = self._send_all(requests, self._deadline(self.timeout), "delete_key")
+        for status, out in (r for shard in replies.values() for r in shard):
+            if status != ST_OK:
+                raise dist.DistStoreError(f"store delete_key of key '{key}' failed: {out!r}")
+        return replies[home][0][1][0] == b"\x01"  # the key itself: first on its shard
 
     def num_keys(self) -> int:
         deadline = self._deadline(self.timeout)
@@ -975,7 +1043,7 @@ def make_store(kind: Literal["rootless", "tcpstore"], info: "RendezvousInfo",
         timeout = datetime.timedelta(seconds=info.init_timeout_s)
     if kind == "rootless":
         return RootlessStore(info.store_endpoints, secret if secret is not None else load_secret(),
-                             timeout)
+                             timeout, local_shard=info.node_rank)
     if kind == "tcpstore":
         return dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                              is_master=info.rank == 0, timeout=timeout, wait_for_workers=False)

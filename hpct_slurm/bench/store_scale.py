@@ -1,98 +1,220 @@
-"""`hpct-slurm bench store_scale`: the sharded store's busiest shard under the key traffic of
-a large job's rendezvous, at 288 and 2,048 hosts (8 ranks each), without and with fan-out.
+"""`hpct-slurm bench store_scale`: the sharded store's busiest shard under the key traffic of a
+large job's rendezvous, on real shard servers, at 288 and 2,048 hosts (8 ranks each), without
+and with fan-out (issue 16).
 
-A request-count model over the store's real placement (`store.shard_of`) and the fan-out's
-copy names (`rendezvous/fanout.py`), not a run of shard servers: every set, get and wait is
-one request on the shard its key maps to, and the result is each pattern's busiest shard over
-the average shard. Patterns:
+One `ShardServer` per simulated host (the store's own server code; all in this process, one
+thread each, on loopback), driven through real `RootlessStore` clients by WORKERS threads, each
+with its own store over all the shards; a simulated rank's requests go through a worker's
+store with `local_shard` set to the rank's host. Every shard server counts the requests it
+served (`ShardStats.requests`): the headline is each pattern's busiest shard over the average
+shard, from those counts. Every phase's writes finish before its reads start, so no request
+waits for another worker's (the counts do not depend on the order).
 
-* `gloo`: full-mesh rendezvous: every rank sets `<prefix>/<rank>` and reads every other
-  rank's key (per-rank keys land on consecutive shards already);
-* `nccl`: communicator creation: one unique id per communicator, written once by its first
-  rank and read by every member: the world, one tensor-parallel group per node (8 ranks), 8
-  data-parallel groups across the nodes (one rank per node each).
+Patterns, with torch 2.13's key names under generation 0's prefix:
 
-`plain` places every key where shard_of does; `fanout` gives communicator ids with more than
-FANOUT_MIN_READERS readers a copy on each reader's own shard (the writer's extra sets count
-on the shards they go to); gloo's per-rank keys are spread already and stay as they are.
+* `gloo`: the full-mesh exchange as gather.py makes it: every rank sets `<head><rank>`
+  (`hpct/gen0/0//cpu//0/<rank>`) and reads every rank's key in one multi_get, one request per
+  shard that holds any. Every reader sends the same requests, so GLOO_READERS ranks (evenly
+  spaced) read and every rank sets: the whole exchange at 2,048 hosts would be 33.5 million
+  requests. gloo's keys are never declared: both layouts carry the same traffic.
+* `nccl`: communicator creation, one unique id per communicator, set by its first member and
+  read (`get`) by every other: the world (group `0`), one tensor-parallel group per node (8
+  ranks; groups `1`..`hosts`), 8 data-parallel groups across the nodes (one rank per node
+  each), each id at `nccl_id_prefix(0, <group>)` + `0`.
+
+`plain`: no declarations, every key where `shard_of` puts it. `fanout`: every member's store
+declares each communicator's prefix with its members' hosts (`RootlessStore.fan_out`), so the
+writer also sets a copy on each of those shards and each reader gets its own shard's copy.
+
+Cross-check: `expected` counts the same traffic from `shard_of` and the fan-out table alone
+(no sockets); each run records whether the servers' counts equal it, shard for shard.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import secrets
 import statistics
+import threading
+import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from ..rendezvous.fanout import copy_key, fans_out, reader_shards
-from .common import write_result
+from ..events import EventLog
+from ..rendezvous.fanout import FanoutTable
+from .common import plot_bars, write_result
 
 TPN = 8
 HOSTS = [288, 2048]
+GLOO_READERS = 64
+# Each worker holds a connection to every shard it talks to (gloo's readers: all of them), and
+# both ends live in this process next to 4 descriptors per server: 2 workers at 2,048 shards
+# need ~16,400 descriptors, under the usual 20,000 limit; more workers would not be faster
+# anyway (one interpreter runs clients and servers).
+WORKERS = 2
+GLOO_HEAD = "hpct/gen0/0//cpu//0/"
+ID_BYTES = 128  # an ncclUniqueId
+PATTERNS = ("gloo", "nccl")
+LAYOUTS = ("plain", "fanout")
 
 
-def _shard_of(key: str, n: int) -> int:
-    from ..rendezvous.store import shard_of  # imports torch.distributed
-    return shard_of(key, n)
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One simulated rank's store call: `set` or `get` of keys[0], or `multi_get` of keys."""
+    host: int
+    kind: str
+    keys: tuple[str, ...]
 
 
-def groups(pattern: str, hosts: int, tpn: int = TPN) -> Iterator[tuple[str, list[int]]]:
-    """(key, member ranks) of every many-reader key of `pattern`; gloo's are per-rank keys."""
+def nccl_groups(hosts: int, tpn: int = TPN) -> list[tuple[str, list[int]]]:
+    """(id key prefix, member ranks) of every communicator, in torch's group-name order."""
+    from ..rendezvous.pg import nccl_id_prefix
+
+    world = hosts * tpn
+    comms = [list(range(world))]
+    comms += [list(range(h * tpn, (h + 1) * tpn)) for h in range(hosts)]       # TP
+    comms += [list(range(lr, world, tpn)) for lr in range(tpn)]                 # DP
+    return [(nccl_id_prefix(0, str(g)), members) for g, members in enumerate(comms)]
+
+
+def phases(pattern: str, hosts: int, tpn: int = TPN,
+           gloo_readers: int = GLOO_READERS) -> list[list[Op]]:
+    """The pattern's calls: its writes, then its reads."""
     world = hosts * tpn
     if pattern == "gloo":
-        for r in range(world):
-            yield f"hpct/gen0/0//cpu//0/{r}", list(range(world))
-    elif pattern == "nccl":
-        counter = 0
-        comms = [list(range(world))]
-        comms += [list(range(h * tpn, (h + 1) * tpn)) for h in range(hosts)]       # TP
-        comms += [list(range(lr, world, tpn)) for lr in range(tpn)]                 # DP
-        for members in comms:
-            yield f"hpct/gen0/nccl/{counter}", members
-            counter += 1
-    else:
-        raise ValueError(f"unknown pattern {pattern!r}: gloo or nccl")
+        keys = tuple(f"{GLOO_HEAD}{r}" for r in range(world))
+        readers = sorted({i * world // gloo_readers for i in range(min(gloo_readers, world))})
+        return [[Op(r // tpn, "set", (keys[r],)) for r in range(world)],
+                [Op(r // tpn, "multi_get", keys) for r in readers]]
+    if pattern == "nccl":
+        groups = nccl_groups(hosts, tpn)
+        return [[Op(members[0] // tpn, "set", (prefix + "0",)) for prefix, members in groups],
+                [Op(r // tpn, "get", (prefix + "0",)) for prefix, members in groups
+                 for r in members[1:]]]
+    raise ValueError(f"unknown pattern {pattern!r}: gloo or nccl")
 
 
-def load(pattern: str, hosts: int, layout: str, tpn: int = TPN) -> Counter:
-    """Requests per shard (one shard per host)."""
+def declarations(pattern: str, hosts: int, tpn: int = TPN) -> Iterator[tuple[str, list[int]]]:
+    """(prefix, member hosts) every member declares in the fan-out layout: the communicators'."""
+    if pattern == "nccl":
+        for prefix, members in nccl_groups(hosts, tpn):
+            yield prefix, sorted({r // tpn for r in members})
+
+
+def expected(pattern: str, hosts: int, layout: str, tpn: int = TPN,
+             gloo_readers: int = GLOO_READERS) -> Counter:
+    """Requests per shard, counted from shard_of and the fan-out table alone."""
+    from ..rendezvous.store import shard_of
+
+    table = FanoutTable(hosts)
+    if layout == "fanout":
+        for prefix, member_hosts in declarations(pattern, hosts, tpn):
+            table.declare(prefix, member_hosts)
     per: Counter = Counter({s: 0 for s in range(hosts)})
-    for key, members in groups(pattern, hosts, tpn):
-        readers = members[1:] if pattern == "nccl" else members  # nccl: the writer is first
-        home = _shard_of(key, hosts)
-        per[home] += 1  # the set
-        # gloo's per-rank keys are spread by shard_of already: only communicator ids fan out
-        if layout == "fanout" and pattern == "nccl" and fans_out(len(readers)):
-            hosts_of = [r // tpn for r in readers]
-            for s in reader_shards(hosts_of, hosts):
-                per[_shard_of(copy_key(key, s, hosts), hosts)] += 1  # the writer's copy
-            for r in readers:
-                per[r // tpn % hosts] += 1  # each reader reads its own shard's copy
-        else:
-            if pattern == "gloo":
-                per[home] += len(readers) - 1  # every other rank reads it
-            else:
-                per[home] += len(readers)
+    for op in (op for phase in phases(pattern, hosts, tpn, gloo_readers) for op in phase):
+        if op.kind == "set":
+            per.update(shard_of(k, hosts) for k in table.write_keys(op.keys[0]))
+        else:  # a get, or a multi_get's one request per shard
+            per.update({shard_of(table.read_key(k, op.host), hosts) for k in op.keys})
     return per
+
+
+def measure(pattern: str, hosts: int, layout: str, tpn: int = TPN,
+            gloo_readers: int = GLOO_READERS, workers: int = WORKERS) -> tuple[Counter, float]:
+    """Requests per shard as the shard servers counted them, and the run's wall seconds."""
+    from ..rendezvous.store import RootlessStore, ShardServer
+
+    secret = secrets.token_bytes(32)
+    quiet = EventLog()  # no path, no stream: 2,048 servers' start/stop events go nowhere
+    servers: list[ShardServer] = []
+    stores: list[RootlessStore] = []
+    try:
+        for _ in range(hosts):
+            servers.append(ShardServer("127.0.0.1", 0, secret, events=quiet))
+        endpoints = [s.address for s in servers]
+        for _ in range(workers):
+            store = RootlessStore(endpoints, secret, datetime.timedelta(seconds=120))
+            if layout == "fanout":
+                for prefix, member_hosts in declarations(pattern, hosts, tpn):
+                    store.fan_out(prefix, member_hosts)
+            stores.append(store)
+        t0 = time.monotonic()
+        for phase in phases(pattern, hosts, tpn, gloo_readers):
+            _drive(stores, phase)
+        wall = time.monotonic() - t0
+        return Counter({i: s.stats().requests for i, s in enumerate(servers)}), wall
+    finally:
+        for store in stores:
+            store.close()
+        for server in servers:
+            server.stop()
+
+
+def _drive(stores: Sequence[Any], ops: Sequence[Op]) -> None:
+    """`ops` spread over one thread per store; the first error is raised here."""
+    errors: list[BaseException] = []
+    value = b"\x01" * ID_BYTES
+
+    def work(store: Any, mine: Sequence[Op]) -> None:
+        try:
+            for op in mine:
+                store.local_shard = op.host  # this call is that rank's, on its node
+                if op.kind == "set":
+                    store.set(op.keys[0], value)
+                elif op.kind == "get":
+                    store.get(op.keys[0])
+                else:
+                    store.multi_get(list(op.keys))
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(store, ops[i::len(stores)]), daemon=True)
+               for i, store in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def summary(per: Counter) -> dict[str, Any]:
     avg = statistics.fmean(per.values())
     busiest = max(per.values())
     return {"shards": len(per), "requests": sum(per.values()), "busiest": busiest,
-            "average": avg, "busiest_over_average": busiest / avg}
+            "busiest_shard": max(per, key=per.__getitem__), "average": avg,
+            "busiest_over_average": busiest / avg}
 
 
 def run(out_dir: Path, quick: bool = False) -> dict[str, Any]:
     hosts = [288] if quick else HOSTS
     results: dict[str, Any] = {}
     for n in hosts:
-        for pattern in ("gloo", "nccl"):
-            for layout in ("plain", "fanout"):
-                results[f"{pattern}/{layout}/{n}"] = summary(load(pattern, n, layout))
-    write_result(out_dir, "store_scale", {"model": "request count per shard (store.shard_of)",
-                                          "tasks_per_node": TPN, "results": results})
+        for pattern in PATTERNS:
+            for layout in LAYOUTS:
+                counts, wall = measure(pattern, n, layout)
+                model = expected(pattern, n, layout)
+                results[f"{pattern}/{layout}/{n}"] = {
+                    **summary(counts), "wall_s": round(wall, 2),
+                    "model_busiest_over_average": summary(model)["busiest_over_average"],
+                    "servers_match_model": counts == model}
     top = max(hosts)
-    return {"hosts": top,
-            "nccl_plain_busiest_over_average": results[f"nccl/plain/{top}"]["busiest_over_average"],
-            "nccl_fanout_busiest_over_average": results[f"nccl/fanout/{top}"]["busiest_over_average"],
-            "gloo_fanout_busiest_over_average": results[f"gloo/fanout/{top}"]["busiest_over_average"]}
+    ratio = {f"{p}_{lay}": results[f"{p}/{lay}/{top}"]["busiest_over_average"]
+             for p in PATTERNS for lay in LAYOUTS}
+    goal = ratio["nccl_fanout"] <= 2 and ratio["gloo_fanout"] <= 2
+    write_result(out_dir, "store_scale", {
+        "source": "request counts of real shard servers (ShardStats.requests), one per host",
+        "tasks_per_node": TPN, "gloo_readers": GLOO_READERS, "workers": WORKERS,
+        "goal": "busiest/average <= 2 for both patterns with fan-out at the largest size",
+        "goal_met": goal, "results": results})
+    labels = [f"{p} {lay}\n{n}" for n in hosts for p in PATTERNS for lay in LAYOUTS]
+    plot_bars(Path(out_dir) / "store_scale.png", labels,
+              [results[f"{p}/{lay}/{n}"]["busiest_over_average"]
+               for n in hosts for p in PATTERNS for lay in LAYOUTS],
+              "busiest shard / average", "requests per shard server (measured)")
+    return {"bench": "store_scale", "hosts": top,
+            **{f"{k}_busiest_over_average": round(v, 3) for k, v in ratio.items()},
+            "servers_match_model": all(r["servers_match_model"] for r in results.values()),
+            "goal_met": goal}

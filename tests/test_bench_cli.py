@@ -137,3 +137,24 @@ def test_bench_all_exits_nonzero_when_a_benchmark_failed(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(bench_all, "SUITE", (("fake_ok", False),))
     assert main(["bench", "all", "--out", str(tmp_path)]) == 0
+
+
+def test_bench_store_scale_counts_requests_on_real_shard_servers(tmp_path):
+    """--quick: 288 shard servers, each pattern with and without fan-out (~15 s)."""
+    proc = _bench("store_scale", tmp_path, "--quick")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "store_scale" and summary["hosts"] == 288
+    # The world id's shard serves every rank without fan-out; with it, no shard is hot.
+    assert summary["nccl_plain_busiest_over_average"] > 50
+    assert summary["nccl_fanout_busiest_over_average"] <= 2
+    assert summary["gloo_plain_busiest_over_average"] <= 2
+    assert summary["servers_match_model"] is True and summary["goal_met"] is True
+    record = json.loads((tmp_path / "store_scale.json").read_text())
+    assert "shard servers" in record["source"]
+    assert set(record["results"]) == {f"{p}/{lay}/288" for p in ("gloo", "nccl")
+                                      for lay in ("plain", "fanout")}
+    fanned = record["results"]["nccl/fanout/288"]
+    assert fanned["shards"] == 288 and fanned["requests"] > record["results"][
+        "nccl/plain/288"]["requests"]  # the writers' copies, counted where they landed
+    assert (tmp_path / "store_scale.png").read_bytes()[:8] == PNG_MAGIC

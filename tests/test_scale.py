@@ -1,5 +1,5 @@
-"""Issue 16, fast tier: the controller's pacing and per-rank Assign view, the fan-out of
-many-reader store keys, bench scale's phase extraction and a small end-to-end run of it (the
+"""Issue 16, fast tier: the controller's pacing and per-rank Assign view (the store's fan-out
+is in test_store_fanout.py), bench scale's phase extraction and a small end-to-end run of it (the
 real controller process against simulated ranks), and the goodput model's measured terms."""
 from __future__ import annotations
 
@@ -93,28 +93,6 @@ def test_a_bad_member_hostlist_is_a_protocol_error_naming_the_field():
     msg = P.Assign(1, 0, 8, [], 8, -1, members_hostlist="n[1-")
     with pytest.raises(P.ProtocolError, match="members_hostlist"):
         msg.member_nodes()
-
-
-# ---- the store ------------------------------------------------------------------------------
-def test_copy_keys_land_on_the_shard_they_name():
-    from hpct_slurm.rendezvous.fanout import copy_key
-    from hpct_slurm.rendezvous.store import shard_of
-
-    for n in (1, 7, 288, 2048):
-        for s in {0, n // 2, n - 1}:
-            assert shard_of(copy_key("hpct/gen3/nccl/0", s, n), n) == s
-    with pytest.raises(ValueError, match="shard 5"):
-        copy_key("k", 5, 5)
-
-
-def test_fanout_removes_the_nccl_hot_spot_at_2048_hosts():
-    from hpct_slurm.bench.store_scale import load, summary
-
-    plain = summary(load("nccl", 2048, "plain"))
-    fanned = summary(load("nccl", 2048, "fanout"))
-    assert plain["busiest_over_average"] > 100  # the world id's shard serves every rank
-    assert fanned["busiest_over_average"] <= 2.0
-    assert summary(load("gloo", 288, "fanout"))["busiest_over_average"] <= 2.0
 
 
 # ---- bench scale ------------------------------------------------------------------------------

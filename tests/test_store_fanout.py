@@ -164,13 +164,14 @@ def test_a_declared_key_is_write_once(four):
 def test_clones_share_declarations_local_shard_and_abort(four):
     servers, store = four
     parent = RootlessStore([sv.address for sv in servers], SECRET,
-                           datetime.timedelta(seconds=30), local_shard=2)
+                           datetime.timedelta(seconds=30), local_shard=1)
     clone = parent.clone()
     parent.fan_out(PREFIX, [1, 2, 3])  # after cloning: the clone sees it
     store(0).set(KEY, b"id")
     before = _requests(servers)
     assert clone.get(KEY) == b"id"
-    assert [a - b for a, b in zip(_requests(servers), before)] == [0, 0, 1, 0]
+    assert shard_of(KEY, 4) != 1  # so the clone's read is its local shard's, not home's
+    assert [a - b for a, b in zip(_requests(servers), before)] == [0, 1, 0, 0]
     # A reader blocked on its local copy is ended by an abort (a STOP during formation).
     errors = []
 

@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from hpct_slurm.bench import store_scale
 from hpct_slurm.errors import HpctError
@@ -209,6 +210,80 @@ def test_the_formation_store_passes_a_fanned_key_through(four):
     before = _requests(servers)
     assert reader.get(KEY) == b"id"
     assert [a - b for a, b in zip(_requests(servers), before)] == [0, 0, 0, 1]
+
+
+SHORT = datetime.timedelta(milliseconds=5)
+FAN_KEYS = st.sampled_from([PREFIX + "0", PREFIX + "1", PREFIX + "0:1", "hpct/gen0/7//cpu//0/2",
+                            "other"])
+VALUES = st.binary(min_size=1, max_size=8)
+READER = st.integers(0, 3)  # a reader on shard 0, 1 (not a declared host), 2, or with none
+
+
+class FannedStoreVsHashStore(RuleBasedStateMachine):
+    """With a declared prefix, whatever a writer sets, overwrites or deletes, each reader (on
+    a declared host, off them, or with no local shard) reads what HashStore holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.servers = [ShardServer("127.0.0.1", 0, SECRET, events=EventLog()) for _ in range(3)]
+        self.writer, *self.readers = (self._store(local) for local in (None, 0, 1, 2, None))
+        self.oracle = dist.HashStore()
+
+    def _store(self, local: int | None) -> RootlessStore:
+        store = RootlessStore([s.address for s in self.servers], SECRET,
+                              datetime.timedelta(seconds=5), local_shard=local)
+        store.fan_out(PREFIX, [0, 2])
+        return store
+
+    def teardown(self) -> None:
+        for store in (self.writer, *self.readers):
+            store.close()
+        for s in self.servers:
+            s.stop()
+
+    def present(self, key: str) -> bool:
+        return self.oracle.check([key])
+
+    @rule(key=FAN_KEYS, value=VALUES)
+    def set(self, key: str, value: bytes) -> None:
+        self.writer.set(key, value)
+        self.oracle.set(key, value)
+
+    @rule(key=FAN_KEYS)
+    def delete_key(self, key: str) -> None:
+        assert self.writer.delete_key(key) == self.oracle.delete_key(key)
+
+    @rule(key=FAN_KEYS, reader=READER)
+    def get(self, key: str, reader: int) -> None:
+        store = self.readers[reader]
+        if self.present(key):
+            assert store.get(key) == self.oracle.get(key)
+        else:
+            with pytest.raises(dist.DistStoreError, match="timed out"):
+                store.get_within(key, SHORT)
+
+    @rule(keys=st.lists(FAN_KEYS, max_size=4), reader=READER)
+    def check_and_multi_get(self, keys: list[str], reader: int) -> None:
+        store = self.readers[reader]
+        assert store.check(keys) == self.oracle.check(keys)
+        if all(self.present(k) for k in keys):
+            assert store.multi_get(keys) == self.oracle.multi_get(keys)
+            store.wait(keys, SHORT)
+
+    @rule(key=FAN_KEYS, value=VALUES, keys=st.lists(FAN_KEYS, max_size=3), reader=READER)
+    def set_then_multi_get(self, key: str, value: bytes, keys: list[str], reader: int) -> None:
+        self.oracle.set(key, value)
+        if all(self.present(k) for k in keys):
+            got = self.readers[reader].set_then_multi_get(key, value, keys)
+            assert got == self.oracle.multi_get(keys)
+        else:
+            self.readers[reader].set(key, value)
+
+
+FannedStoreVsHashStore.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestFannedStoreVsHashStore = FannedStoreVsHashStore.TestCase
 
 
 # ---- pg: torch's key for the world communicator's id ----------------------------------------

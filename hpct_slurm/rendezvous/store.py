@@ -7,6 +7,10 @@ listen backlog already stalls connects for seconds (torch-distributed.md). Here 
 shards, other keys by a stable hash), so a rendezvous spreads its connections and requests
 evenly over all nodes.
 
+A key read by every member of a group (an NCCL communicator's unique id) would still be one
+shard's O(world) hot spot: a prefix declared with `RootlessStore.fan_out` has its keys written
+once more to every reader host's shard and read there (fanout.py).
+
 Wire protocol (TCP, one request in flight per connection):
   on accept, the server sends a 16-byte random nonce;
   each frame is `u32 length | body`;
@@ -965,7 +969,7 @@ class RootlessStore(dist.Store):
         deadline = self._deadline(timeout)
         groups = self._by_shard(keys)
         # The set (and a fanned-out key's copies) go first on their shards' connections.
-        requests = {} if key is None else self._by_key_shard(
+        requests: dict[int, list[bytes]] = {} if key is None else self._by_key_shard(
             self._fanout.write_keys(key), OP_SET, [_as_bytes(value)])
         sets = {i: len(payloads) for i, payloads in requests.items()}
         for i, group in groups.items():

@@ -152,8 +152,8 @@ def test_bench_store_scale_counts_requests_on_real_shard_servers(tmp_path):
     assert summary["servers_match_model"] is True and summary["goal_met"] is True
     record = json.loads((tmp_path / "store_scale.json").read_text())
     assert "shard servers" in record["source"]
-    assert set(record["results"]) == {f"{p}/{lay}/288" for p in ("gloo", "nccl")
-                                      for lay in ("plain", "fanout")}
+    assert set(record["results"]) == {"gloo/plain/288", "gloo/fanout/288", "nccl/plain/288",
+                                      "nccl/fanout/288", "nccl/fanout_spanning/288"}
     fanned = record["results"]["nccl/fanout/288"]
     assert fanned["shards"] == 288 and fanned["requests"] > record["results"][
         "nccl/plain/288"]["requests"]  # the writers' copies, counted where they landed

@@ -332,8 +332,7 @@ def test_pg_init_declares_the_world_id_for_nccl(monkeypatch):
 
 
 # ---- bench store_scale -----------------------------------------------------------------------
-@pytest.mark.parametrize("pattern", store_scale.PATTERNS)
-@pytest.mark.parametrize("layout", store_scale.LAYOUTS)
+@pytest.mark.parametrize("pattern,layout", store_scale.RUNS)
 def test_the_servers_count_what_the_placement_says(pattern, layout):
     counts, _ = store_scale.measure(pattern, 12, layout, gloo_readers=5)
     assert counts == store_scale.expected(pattern, 12, layout, gloo_readers=5)
@@ -347,3 +346,8 @@ def test_fanout_removes_the_nccl_hot_spot_at_2048_hosts():
     assert fanned["busiest_over_average"] <= 2.0
     # The writer's copies cost requests, but fewer than the hot spot saved from one shard.
     assert fanned["requests"] < 2 * plain["requests"]
+    # Node-local groups left at home: even, but less so (fanout.py's reason to fan them out).
+    spanning = store_scale.summary(store_scale.expected("nccl", 2048, "fanout_spanning"))
+    assert fanned["busiest_over_average"] < spanning["busiest_over_average"] <= 2.0
+    with pytest.raises(ValueError, match="unknown layout"):
+        list(store_scale.declarations("nccl", 4, "fanout-everything"))

@@ -351,3 +351,9 @@ def test_fanout_removes_the_nccl_hot_spot_at_2048_hosts():
     assert fanned["busiest_over_average"] < spanning["busiest_over_average"] <= 2.0
     with pytest.raises(ValueError, match="unknown layout"):
         list(store_scale.declarations("nccl", 4, "fanout-everything"))
+
+
+def test_too_few_descriptors_for_the_servers_is_said_before_any_starts(monkeypatch):
+    monkeypatch.setattr(store_scale, "raise_fd_limit", lambda: 1024)
+    with pytest.raises(HpctError, match="2048 shard servers and 2 clients need ~16640"):
+        store_scale.measure("nccl", 2048, "plain")

@@ -44,18 +44,21 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import HpctError
 from ..events import EventLog
 from ..rendezvous.fanout import FanoutTable
 from .common import plot_bars, write_result
+from .scale_sim import raise_fd_limit
 
 TPN = 8
 HOSTS = [288, 2048]
 GLOO_READERS = 64
 # Each worker holds a connection to every shard it talks to (gloo's readers: all of them), and
 # both ends live in this process next to 4 descriptors per server: 2 workers at 2,048 shards
-# need ~16,400 descriptors, under the usual 20,000 limit; more workers would not be faster
-# anyway (one interpreter runs clients and servers).
+# need ~16,400 descriptors; more workers would not be faster anyway (one interpreter runs
+# clients and servers).
 WORKERS = 2
+FDS_PER_SERVER = 4  # listener, selector, wake-up socket pair
 GLOO_HEAD = "hpct/gen0/0//cpu//0/"
 ID_BYTES = 128  # an ncclUniqueId
 LAYOUTS = ("plain", "fanout", "fanout_spanning")
@@ -134,6 +137,11 @@ def measure(pattern: str, hosts: int, layout: str, tpn: int = TPN,
     """Requests per shard as the shard servers counted them, and the run's wall seconds."""
     from ..rendezvous.store import RootlessStore, ShardServer
 
+    need = hosts * (FDS_PER_SERVER + 2 * workers) + 256
+    limit = raise_fd_limit()
+    if limit < need:
+        raise HpctError(f"{hosts} shard servers and {workers} clients need ~{need} open files; "
+                        f"this process may open {limit} (ulimit -Hn): raise the hard limit")
     secret = secrets.token_bytes(32)
     quiet = EventLog()  # no path, no stream: 2,048 servers' start/stop events go nowhere
     servers: list[ShardServer] = []

@@ -87,6 +87,8 @@ class FanoutTable:
 
     def readers(self, key: str) -> tuple[int, ...] | None:
         """The reader shards of a declared key; None for any other key."""
+        if not self._readers:  # gloo's 16,384-key gathers, with nothing declared
+            return None
         head, sep, tail = key.rpartition("/")
         if not (sep and tail.isdigit() and len(tail) <= _MAX_COUNTER_DIGITS):
             return None

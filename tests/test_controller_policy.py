@@ -1,6 +1,8 @@
 """The controller's pure decisions: allocation split, replacement, restore step, shrink."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -219,6 +221,28 @@ def _report(node, rank, own=(4, 5), rank_own=(), replicas=None, **kw) -> Survivo
 
 def _survivors(world, lost, **kw):
     return [_report(n, i, **kw) for i, n in enumerate(world.members) if n not in lost]
+
+
+def test_a_planned_move_counts_what_the_leaving_rank_itself_holds():
+    """Issue 17: n2 leaves alive. It finished step 5 and pushed its position for 5 to its ring
+    holder n3 (rank 2) after n3 had already sent its Holdings (they listed 4): counting only the
+    holder would restore 4 and lose a step. The leaving rank serves its own copy: 5."""
+    w = _world()
+    reports = [_report("n1", 0, rank_own=(4, 5), rank_state=True),
+               _report("n2", 1, rank_own=(4, 5), rank_state=True),
+               _report("n3", 2, rank_own=(4, 5), replicas={1: (3, 4)}, rank_state=True)]
+    moved = decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), reports,
+                            leaving={"n2"})
+    assert moved.restore_step == 5 and moved.plan.sources[1] == "peer"
+    # a fault (nobody leaving alive): a lost rank's copies are not counted, whatever its report
+    lost = decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), reports)
+    assert lost.restore_step == 4
+    # replicated mode: the leaving rank's whole state, not only its position
+    rep = [dataclasses.replace(r, mode="replicated") for r in reports]
+    assert decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), rep,
+                           leaving={"n2"}).restore_step == 5
+    assert decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members),
+                           rep).restore_step == 4
 
 
 def test_a_lost_member_is_replaced_by_the_first_ready_spare():

@@ -210,3 +210,23 @@ def test_fetch_of_a_missing_step_or_rank_names_what_the_server_has(events):
         with pytest.raises(HpctError, match="has no snapshot of rank 5"):
             fetch_state([srv.address], 5, SECRET, JOB, step=LATEST)
         assert fetch_state([srv.address], 0, SECRET, JOB).step == 1
+
+
+def test_a_rank_serves_its_own_per_rank_state_only_when_asked_for_it(events):
+    """A rank leaving in a planned move serves its per-rank state (slot "rank") to the rank
+    taking its place; "own" and "any" still give the shared snapshot."""
+    _, state, _ = trained_state()
+    state.extras["position"] = [7, 8]
+    shared, mine = SnapshotStore(state, scopes=("shared",)), SnapshotStore(state, scopes=("rank",))
+    shared.commit(3)
+    mine.commit(3)
+    with TransferServer(SECRET, JOB, 2, own=shared, rank_own=mine) as srv:
+        got = fetch_state([srv.address], 2, SECRET, JOB, step=3, slot="rank")
+        assert got.layout == mine.latest().layout
+        assert bytes(got.data[:got.layout.nbytes]) == bytes(mine.latest().data[:got.layout.nbytes])
+        assert fetch_state([srv.address], 2, SECRET, JOB, step=3).layout == shared.latest().layout
+        with pytest.raises(HpctError, match="has no snapshot of rank 1"):
+            fetch_state([srv.address], 1, SECRET, JOB, step=3, slot="rank")
+    with TransferServer(SECRET, JOB, 2, own=shared) as srv:  # no per-rank state: refused
+        with pytest.raises(HpctError, match="has no snapshot of rank 2"):
+            fetch_state([srv.address], 2, SECRET, JOB, step=3, slot="rank")

@@ -765,9 +765,11 @@ class Controller:
         self._maybe_borrow()
 
     async def _decide(self, lost_active: list[str], survivors: list[Conn],
-                      lost_spares: list[str]) -> RecoveryDecision:
+                      lost_spares: list[str], leaving: tuple[str, ...] = ()
+                      ) -> RecoveryDecision:
         """What the round does (policy.decide_recovery), from what the controller knows now:
-        the ready spares, the survivors' Holdings reports and the steps on disk."""
+        the ready spares, the survivors' Holdings reports and the steps on disk. `leaving`:
+        lost nodes whose ranks live on and serve their state (a planned move)."""
         reports = [SurvivorReport(c.node, c.local_rank, c.held, c.held_rank, c.mode,
                                   c.rank_state, tuple(c.shard_keys), c.error, not c.gone)
                    for c in survivors if c.held is not None]
@@ -779,7 +781,7 @@ class Controller:
             previous_restore=self.recovery.restore_step if self.recovery else None,
             stalled_restarts=self.stalled_restarts,
             max_stalled_restarts=self.o.max_stalled_restarts,
-            unusable=self.dead_nodes | set(lost_spares))
+            unusable=self.dead_nodes | set(lost_spares), leaving=frozenset(leaving))
 
     async def _wait_ready(self, survivors: list[Conn]) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s

@@ -280,7 +280,7 @@ class Lifecycle:
         everyone = await self._stop_all(rec, f"planned move off {node}: {why}")
         if everyone is None:
             return
-        d = await c._decide([node], everyone, [])
+        d = await c._decide([node], everyone, [], leaving=(node,))
         if d.action != Action.REPLACE or not d.taken:
             # the spare went away meanwhile: everyone goes on where it stopped
             c.events.emit(Ev.MOVE_FAILED, node=node, error=d.reason)

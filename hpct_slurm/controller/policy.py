@@ -145,7 +145,8 @@ class RestorePlan:
 def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, rank_state: bool,
                  disk_shared: set[int] | frozenset[int] | dict[int, set[int]] = frozenset(),
                  disk_rank: dict[int, set[int]] | None = None,
-                 shard_keys: list[int] | None = None) -> RestorePlan:
+                 shard_keys: list[int] | None = None,
+                 leaving: dict[int, Held] | None = None) -> RestorePlan:
     """The newest step every rank of the next generation can reach, and from where.
 
     `needs`: new rank -> the rank whose state it must take (its own for a survivor: positions
@@ -155,7 +156,10 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     plain set is shard key 0's) and for each rank's own. `shard_keys`: rank -> shard key of a
     sharded job (sharding.MeshSpec; empty or None: plain data parallelism, one key). The
     "shared" state is then shared only among the ranks of one shard key: a lost rank takes it
-    from a survivor with its key, else from that key's file on disk.
+    from a survivor with its key, else from that key's file on disk. `leaving`: rank -> what
+    the live process leaving that position in a planned move holds; it serves its own copies
+    to its successor like a ring holder (a holder's Holdings may predate the leaving rank's
+    last push: counting only the holder would lose that step).
 
     A rank reaches step s from its own snapshot, from a peer (any process's own snapshot for
     the shared state in jit mode; a ring replica of its rank otherwise), or from disk (jit mode:
@@ -178,6 +182,8 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     for h in held.values():
         for r, steps in h.replicas.items():
             replicas.setdefault(r, set()).update(steps)
+    for r, h in (leaving or {}).items():
+        replicas.setdefault(r, set()).update(h.own if mode == "replicated" else h.rank_own)
 
     def source(rank: int, step: int) -> str | None:
         old = needs[rank]
@@ -329,7 +335,8 @@ def decide_recovery(world: World, lost: list[str], ready_spares: list[str],
                     disk_rank: dict[int, set[int]] | None = None,
                     previous_restore: int | None = None, stalled_restarts: int = 0,
                     max_stalled_restarts: int = 3,
-                    unusable: set[str] | frozenset[str] = frozenset()) -> RecoveryDecision:
+                    unusable: set[str] | frozenset[str] = frozenset(),
+                    leaving: set[str] | frozenset[str] = frozenset()) -> RecoveryDecision:
     """Who replaces whom, from which step, or why the job must escalate: one round's decision.
 
     `world`: the current generation (its spares as they stand now, a node fenced alive and
@@ -338,7 +345,8 @@ def decide_recovery(world: World, lost: list[str], ready_spares: list[str],
     survivors hold (after the STOP). `disk_shared` / `disk_rank`: the persisted steps
     (plan_restore). `previous_restore`: the restore step of the recovery still in progress
     (None: none is), for counting restarts in place that make no progress. `unusable`: nodes
-    never to be kept as spares (fenced dead, or spares lost in this round).
+    never to be kept as spares (fenced dead, or spares lost in this round). `leaving`: lost
+    nodes whose processes live on and serve their own state (a planned move).
 
     The rules: a lost position goes to a ready spare; with too few, --on-no-spare shrink
     spreads the lost nodes' data shards over the survivors, anything else escalates. The
@@ -367,8 +375,11 @@ def decide_recovery(world: World, lost: list[str], ready_spares: list[str],
     try:
         needs, held, mode, rank_state, keys = restore_inputs(rep.members, world.tasks_per_node,
                                                              reports)
+        moving = {r.held_rank: r.held for r in reports
+                  if r.node in leaving and r.live and r.held_rank >= 0}
         plan = plan_restore(needs, held, mode=mode, rank_state=rank_state,
-                            disk_shared=disk_shared, disk_rank=disk_rank, shard_keys=keys)
+                            disk_shared=disk_shared, disk_rank=disk_rank, shard_keys=keys,
+                            leaving=moving)
     except HpctError as exc:
         return escalation(exc.message, replacement=rep, shards=new_shards, shrunk=shrinking)
     stalled = stalled_restarts + 1 if not lost and previous_restore == plan.step else 0

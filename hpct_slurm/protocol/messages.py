@@ -109,7 +109,8 @@ class Goodbye:
 
 @dataclass(frozen=True)
 class FetchState:
-    """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own|replica).
+    """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own, replica,
+    or rank: the server's own per-rank state, which a rank leaving in a planned move serves).
     `part`: "all" the whole snapshot; "manifest" its layout and the leaf digests sealed with it;
     "range" the `length` data bytes from `offset` (leaf-aligned), for a pull striped over
     several sources (recovery/striped.py); `digest`, the range's digest from the manifest,
@@ -118,7 +119,7 @@ class FetchState:
     TYPE: ClassVar[str] = "fetch_state"
     rank: int
     step: int
-    slot: Literal["own", "replica", "any"] = "any"
+    slot: Literal["own", "replica", "rank", "any"] = "any"
     part: Literal["all", "manifest", "range"] = "all"
     offset: int = 0
     length: int = 0

@@ -27,6 +27,7 @@ from a fault is bit-identical to one that never saw it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -273,7 +274,8 @@ class Job:
         self.host_addr = rdv.resolve_host(self.node)
         self.transfer = self._make_transfer(self.secret, self.job_id, rank=-1,
                                             own=self.snapshots, replicas=self.replicas,
-                                            host=self.host_addr, events=self.events)
+                                            rank_own=self.rank_snaps, host=self.host_addr,
+                                            events=self.events)
         self.client = self._make_client(self._controller_addr, self.secret, self.job_id,
                                         self.events)
         self.client.register(self.node, self.slurm.localid or 0, self.role, self.host_addr,
@@ -811,6 +813,14 @@ class Job:
         self.pusher = ReplicaPusher(self._pushed, self.rank, self._peers[peer], self.secret,
                                     self.job_id, self.events, timeout=self.collective_timeout_s)
 
+    @staticmethod
+    def _leaving(a: P.Assign) -> list[tuple[str, int]]:
+        """The live process that held this rank's position before a planned move (the
+        controller lists it as the source of that rank; a fault's sources are survivors
+        only, none of them at a newcomer's position)."""
+        return [(str(h), int(p)) for r, addrs in a.sources.items() if int(r) == a.rank
+                for h, p in addrs[:1]]
+
     def _holder(self, a: P.Assign) -> list[tuple[str, int]]:
         """Where this rank's ring replica lives: the neighbour in the (unchanged) ring."""
         if len(a.member_nodes()) < 2:
@@ -857,8 +867,8 @@ class Job:
         if self.mode == "replicated":
             # exactly this rank's state, from the ring neighbour that holds its replica
             try:
-                got = fetch_state(self._holder(a), a.rank, self.secret, self.job_id, step=step,
-                                  events=self.events)
+                got = fetch_state(self._leaving(a) + self._holder(a), a.rank, self.secret,
+                                  self.job_id, step=step, events=self.events)
             except HpctError as exc:
                 self.events.emit(Ev.RESTORE_REPLICA_MISSING, rank=a.rank, step=step,
                                  error=exc.message)
@@ -900,9 +910,17 @@ class Job:
                 if snap is not None and snap.verify():
                     self.state.restore_from(snap.layout, snap.data, scopes=("rank",))
                     return
-        got = fetch_state([] if disk else self._holder(a), a.rank, self.secret, self.job_id,
-                          step=step, disk_dir=str(self.run_dir / "persist-rank"),
-                          events=self.events)
+        got = None
+        if not disk and (leaving := self._leaving(a)):
+            # a planned move: the process leaving this position serves its own state first
+            # (the ring holder may lack its last step: policy.plan_restore's `leaving`)
+            with contextlib.suppress(HpctError):
+                got = fetch_state(leaving, a.rank, self.secret, self.job_id, step=step,
+                                  events=self.events, slot="rank")
+        if got is None:
+            got = fetch_state([] if disk else self._holder(a), a.rank, self.secret,
+                              self.job_id, step=step, disk_dir=str(self.run_dir / "persist-rank"),
+                              events=self.events)
         if got.step != step:
             raise HpctError(f"rank {a.rank}'s own state (sampler, extras) exists at step "
                             f"{got.step} at best, the group restores step {step}")

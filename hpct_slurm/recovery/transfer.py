@@ -122,11 +122,12 @@ class TransferServer:
 
     def __init__(self, secret: bytes, job_id: str, rank: int, own: SnapshotStore | None = None,
                  replicas: ReplicaStore | None = None, host: str = "127.0.0.1", port: int = 0,
+                 rank_own: SnapshotStore | None = None,
                  events: EventLog | None = None, verify_on_serve: bool = False,
                  max_replica_bytes: int | None = None, io_timeout: float = 60.0,
                  auth_timeout: float = AUTH_TIMEOUT, max_connections: int = MAX_CONNECTIONS):
         self.secret, self.job_id, self.rank = secret, job_id, rank
-        self.own, self.replicas = own, replicas
+        self.own, self.replicas, self.rank_own = own, replicas, rank_own
         self.events = events
         self.verify_on_serve = verify_on_serve
         # Fault injection for tests (HPCT_FAULT_CORRUPT_SERVE): rot one byte of each snapshot
@@ -288,6 +289,8 @@ class TransferServer:
         step = None if msg.step == LATEST else msg.step
         if msg.rank == self.rank and self.own is not None and msg.slot in ("own", "any"):
             return (lambda: self.own.lease(step)), "own"  # type: ignore[union-attr]
+        if msg.rank == self.rank and self.rank_own is not None and msg.slot == "rank":
+            return (lambda: self.rank_own.lease(step)), "rank"  # type: ignore[union-attr]
         if self.replicas is not None and msg.slot in ("replica", "any"):
             return (lambda: self.replicas.lease(msg.rank, step)), "replica"  # type: ignore[union-attr]
         return None
@@ -393,7 +396,7 @@ def _check_blob_parts(msg: P.StateBlob, sizes: Any) -> None:
 
 
 def _fetch_one(addr: Address, rank: int, secret: bytes, job_id: str, step: int,
-               into: Any, timeout: float) -> FetchResult:
+               into: Any, timeout: float, slot: str = "any") -> FetchResult:
     holder: dict[str, Any] = {}
 
     def sink(msg: Any, sizes: Any) -> list[memoryview]:
@@ -412,7 +415,7 @@ def _fetch_one(addr: Address, rank: int, secret: bytes, job_id: str, step: int,
 
     with _connect(addr, timeout) as sock:
         chan = P.client_hello(sock, secret, job_id, timeout)
-        chan.send(sock, P.FetchState(rank, step, "any"), timeout=timeout)
+        chan.send(sock, P.FetchState(rank, step, slot), timeout=timeout)  # type: ignore[arg-type]
         try:
             env = chan.recv(sock, timeout=timeout, max_body=physical_memory() + LAYOUT_MAX,
                             body_sink=sink)
@@ -435,20 +438,22 @@ def _fetch_one(addr: Address, rank: int, secret: bytes, job_id: str, step: int,
 
 def fetch_state(sources: list[Address], rank: int, secret: bytes, job_id: str,
                 step: int = LATEST, into: Any = None, timeout: float = 60.0,
-                disk_dir: str | None = None, events: EventLog | None = None) -> FetchResult:
+                disk_dir: str | None = None, events: EventLog | None = None,
+                slot: str = "any") -> FetchResult:
     """`rank`'s snapshot at exactly `step` (LATEST: newest) from the first source with a good copy.
 
     `into` (a flat uint8 tensor, bytearray or numpy array) receives the data when it is big
     enough. Each failing source emits `transfer.source_failed` with the reason; when all fail and
     `disk_dir` is given, the newest intact disk snapshot at or before `step` is loaded and
     `transfer.fallback_disk` emitted — its step may be older, so the caller must check
-    `result.step`. With nothing left, raises HpctError naming every failure.
+    `result.step`. With nothing left, raises HpctError naming every failure. `slot`: which of
+    a source's copies is asked for (FetchState.slot).
     """
     failures = []
     for addr in sources:
         addr = (str(addr[0]), int(addr[1]))
         try:
-            result = _fetch_one(addr, rank, secret, job_id, step, into, timeout)
+            result = _fetch_one(addr, rank, secret, job_id, step, into, timeout, slot)
         except (HpctError, OSError) as exc:
             reason = exc.message if isinstance(exc, HpctError) else f"{type(exc).__name__}: {exc}"
             failures.append(f"{addr[0]}:{addr[1]} ({reason})")

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
-                                          crash_at, rolled_back_steps, submit, wait_job,
-                                          wait_step)
+                                          crash_at, rank_events, rolled_back_steps, submit,
+                                          wait_job, wait_step)
 
 pytestmark = pytest.mark.cluster
 
@@ -58,6 +58,10 @@ def test_a_fault_then_a_drain_moves_the_ranks_bit_identical_and_slurm_records_bo
     assert (got[1]["node"], got[2]["node"]) == ("n5", "n2")
     [done] = events(run, "move.done")
     assert done["taken"] == {"n3": "n2"} and done["lost_steps"] == 0
+    # n3 left alive and served its own position to n2 (not only its ring holder's copy)
+    [n3] = [e["transfer"] for e in events(run, "rank.register") if e["node"] == "n3"]
+    assert [e for e in rank_events(run) if e["event"] == "transfer.fetched"
+            and e["rank"] == 2 and e["step"] == done["restore_step"] and e["source"] == n3]
     # nothing recomputed since the fault's own round (at most the one step a killed rank
     # leaves without a copy of its data position)
     assert all(s <= fault_done["restore_step"] + 1 for s in rolled_back_steps(run))

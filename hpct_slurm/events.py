@@ -67,6 +67,7 @@ class Ev(_Name):
     POOL_BORROW_FAILED = "pool.borrow_failed"
     POOL_SPARE_JOINED = "pool.spare_joined"
     PROTOCOL_REJECTED = "protocol.rejected"
+    RELAY_REGISTER = "relay.register"
     PROTOCOL_UNEXPECTED = "protocol.unexpected"
     SLURM_ERROR = "slurm.error"
     # the node lifecycle (controller/lifecycle.py): planned moves, growing back, the record
@@ -97,6 +98,10 @@ class Ev(_Name):
     RANK_SEVERED = "rank.severed"
     RANK_SEVER_FAILED = "rank.sever_failed"
     RANK_UNEXPECTED_MESSAGE = "rank.unexpected_message"
+    # a node relay, in its first local rank's process (recovery/relay.py)
+    RELAY_START = "relay.start"
+    RELAY_REJECTED = "relay.rejected"
+    RELAY_CONTROLLER_LOST = "relay.controller_lost"
     RENDEZVOUS_FORMED = "rendezvous.formed"
     SNAPSHOT_CAPTURED_AT_FAULT = "snapshot.captured_at_fault"
     SNAPSHOT_COPY_FAILED = "snapshot.copy_failed"

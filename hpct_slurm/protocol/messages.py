@@ -163,8 +163,53 @@ class Holdings:
     shard_keys: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RelayHello:
+    """The first frame of a node relay's connection (recovery/relay.py): from here on this
+    one connection carries every local rank of `node`, in `Batch` frames both ways."""
+    TYPE: ClassVar[str] = "relay_hello"
+    job_id: str
+    node: str
+    role: Literal["active", "spare"]
+    pid: int
+
+
+@dataclass(frozen=True)
+class Left:
+    """Inside a relay's Batch: this local rank's connection to the relay ended (what an EOF
+    on its own connection tells the controller on the per-rank path)."""
+    TYPE: ClassVar[str] = "left"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Several local ranks' messages in one frame of a node relay's connection: `items` are
+    [local rank, message type, message fields]. The frame's MAC (the relay connection's
+    Channel) covers all of them; each rank's own frames were authenticated on its own
+    connection to the relay. Build one with `Batch.of`, read one with `messages()`."""
+    TYPE: ClassVar[str] = "batch"
+    items: list[tuple[int, str, dict[str, Any]]]
+
+    @classmethod
+    def of(cls, pairs: "list[tuple[int, Any]]") -> "Batch":
+        return cls([(lr, msg.TYPE, _fields_json(msg)) for lr, msg in pairs])
+
+    def messages(self) -> "list[tuple[int, Any]]":
+        """(local rank, message) pairs, each checked like a frame's own message; a relay's
+        own messages (a Batch, a RelayHello) never nest."""
+        out = []
+        for i, (lr, type_name, fields) in enumerate(self.items):
+            if type_name in (Batch.TYPE, RelayHello.TYPE):
+                raise ProtocolError(f"batch.items[{i}]: a {type_name} cannot be batched")
+            if lr < 0:
+                raise ProtocolError(f"batch.items[{i}]: local rank {lr} is negative")
+            out.append((lr, _build(type_name, fields)))
+        return out
+
+
 Message = Union[Register, Heartbeat, Stop, Assign, Resume, StepDone, Ack, Goodbye,
-                FetchState, StateBlob, Holdings]
+                FetchState, StateBlob, Holdings, RelayHello, Left, Batch]
 MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
 # each message type's fields by name, looked up once (every incoming frame is built from them)
@@ -188,6 +233,8 @@ class Envelope:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
+    if tp is Any:  # a nested message's fields: checked when that message is built
+        return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProtocolError(f"field {where} must be an int, got {value!r:.80}")

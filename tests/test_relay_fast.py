@@ -142,12 +142,12 @@ class ClientRank:
                 if not self.crashed:
                     self.step_proc.left()
                 return
-            self.assigns.append(msg)
             c.rank, c.generation, c.step = msg.rank, msg.generation, msg.restore_step
             self.own = [msg.restore_step] if msg.restore_step >= 0 else []
             if c.stop_generation < msg.generation:
                 c.stop_event.clear()
             c.state = "running"
+            self.assigns.append(msg)  # last: a test that sees it trains this generation
             while not c.stop_event.wait(0.02):
                 if not c.assignments.empty() or c.closed.is_set():
                     break
@@ -255,8 +255,10 @@ class RelayCluster(FakeCluster):
             await self.until(lambda: all((n, lr) in self.ctl.conns for lr in range(tpn)),
                              f"spare {n}'s ranks registered")
 
-    async def train_all(self, nodes: list[str], upto: int) -> None:
+    async def train_all(self, nodes: list[str], upto: int, generation: int = 0) -> None:
+        """Every rank of `nodes`, once it adopted `generation`, trains up to `upto`."""
         for n in nodes:
+            await self.assigned_all(n, generation)
             for r in self.node_ranks(n):
                 await asyncio.to_thread(r.train, upto)
 
@@ -296,7 +298,7 @@ def test_a_round_goes_through_the_node_relays(tmp_path):
             assert fault["node"] == "a1"  # its relay's connection, or its step's exit
             assert c.events("protocol.rejected") == []
 
-            await c.train_all(["localhost", "s1"], 5)
+            await c.train_all(["localhost", "s1"], 5, generation=1)
             [done] = await c.until(lambda: c.events("recovery.done"), "recovery.done")
             assert (done["generation"], done["lost"]) == (1, ["a1"])
             assert await c.finish_all() == 0
@@ -322,7 +324,7 @@ def test_a_relay_lost_in_the_middle_of_a_round_is_folded_into_it(tmp_path):
             assert second["nodes"] == ["a2"]
             [ev] = c.events("recovery.assign")  # one round, one new generation
             assert ev["generation"] == 1 and ev["taken"] == {"a1": "s1", "a2": "s2"}
-            await c.train_all(["localhost", "s1", "s2"], 4)
+            await c.train_all(["localhost", "s1", "s2"], 4, generation=1)
             await c.until(lambda: c.events("recovery.done"), "recovery.done")
             assert await c.finish_all() == 0
     run(scenario)
@@ -344,7 +346,7 @@ def test_a_rank_lost_while_its_relay_lives_loses_its_node(tmp_path):
             assert (fenced["node"], fenced["how"]) == ("a1", "step cancelled")
             assert not any(argv[:3] == ["scontrol", "update", "NodeName=a1"]
                            for argv in c.runner.argvs)
-            await c.train_all(["localhost", "s1"], 3)
+            await c.train_all(["localhost", "s1"], 3, generation=1)
             await c.until(lambda: c.events("recovery.done"), "recovery.done")
             await c.until(lambda: all((("a1", lr) in c.ctl.conns
                                        and not c.ctl.conns[("a1", lr)].gone)

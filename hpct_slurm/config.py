@@ -175,7 +175,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s(RELAY, "flag", False, CONTROLLER, _RANK,
        "1: a node's ranks reach the controller through one relay in its first local rank "
        "(one connection per node; the controller sets it when a node runs several ranks, "
-       "recovery/relay.py)", choices=("1", "0"), scope="job"),
+       "relay/node.py)", choices=("1", "0"), scope="job"),
     _s(WORLD_SIZE, "int", None, CONTROLLER, "recovery.DistributedSampler",
        "the job's data-parallel world size, known before job.run", lo=1, hi=UINT32_MAX,
        scope="job"),
@@ -418,7 +418,7 @@ class JobSettings:
     persist_every: int = 0
     corrupt_serve: frozenset[int] = field(default_factory=frozenset)
     served_job_id: int | None = None  # a pool spare: the main job it serves
-    relay: bool = False  # reach the controller through the node's relay (recovery/relay.py)
+    relay: bool = False  # reach the controller through the node's relay (relay/node.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "JobSettings":

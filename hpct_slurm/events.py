@@ -98,7 +98,7 @@ class Ev(_Name):
     RANK_SEVERED = "rank.severed"
     RANK_SEVER_FAILED = "rank.sever_failed"
     RANK_UNEXPECTED_MESSAGE = "rank.unexpected_message"
-    # a node relay, in its first local rank's process (recovery/relay.py)
+    # a node relay, in its first local rank's process (relay/node.py)
     RELAY_START = "relay.start"
     RELAY_REJECTED = "relay.rejected"
     RELAY_CONTROLLER_LOST = "relay.controller_lost"

@@ -141,7 +141,7 @@ def test_a_relayed_nodes_first_rank_runs_its_relay_and_the_others_find_it(settin
     publishes its port in the run dir; every local rank's client connects there; the relay's
     controller link is kept from a STOP's cut, and closes after its rank's goodbye."""
     from hpct_slurm.recovery.client import ControllerAddress
-    from hpct_slurm.recovery.relay import relay_file
+    from hpct_slurm.relay.node import relay_file
 
     relays: list[FakeRelay] = []
 

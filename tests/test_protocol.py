@@ -456,7 +456,7 @@ def test_assign_carries_the_peers_transfer_addresses():
     assert P.decode(P.encode(a, SECRET, 1, JOB), SECRET, JOB) == a
 
 
-# ---- a node relay's Batch (recovery/relay.py) ----------------------------------------------
+# ---- a node relay's Batch (relay/node.py) ----------------------------------------------
 def test_a_batch_carries_checked_messages_and_never_nests():
     pairs = [(0, P.Heartbeat(3, 1, 7, "ready")), (2, P.Holdings(5, 1, "jit", False, [6, 7], [],
                                                               {4: [7]}))]

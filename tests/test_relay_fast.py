@@ -1,4 +1,4 @@
-"""Issue 16 part 2, fast tier: a node's ranks behind one relay (recovery/relay.py).
+"""Issue 16 part 2, fast tier: a node's ranks behind one relay (relay/node.py).
 
 The pure part (coalesce.Coalescer: what a relay forwards, and when) with times passed in; then
 the real Controller (test_controller_fast's FakeCluster: stand-ins only at its Slurm and step
@@ -22,8 +22,8 @@ from hpct_slurm.controller.pacing import relayed
 from hpct_slurm.errors import HpctError
 from hpct_slurm.events import EventLog
 from hpct_slurm.recovery.client import ControllerAddress, CoordinationClient
-from hpct_slurm.recovery.coalesce import WINDOW_S, Coalescer
-from hpct_slurm.recovery.relay import NodeRelay, publish, published, relay_file
+from hpct_slurm.relay.coalesce import WINDOW_S, Coalescer
+from hpct_slurm.relay.node import NodeRelay, publish, published, relay_file
 from test_controller_fast import JOB, FakeCluster, FakeStep, run
 
 TICK_S = 1.0

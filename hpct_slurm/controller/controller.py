@@ -139,7 +139,7 @@ class Conn:
 
 
 class Link:
-    """A node relay's connection (recovery/relay.py): every local rank of `node` behind one
+    """A node relay's connection (relay/node.py): every local rank of `node` behind one
     authenticated connection. What the controller sends to those ranks during one pass of
     the event loop (a STOP to every survivor, a generation's Assigns) leaves as one Batch
     frame per node, flushed once the loop is idle."""
@@ -210,7 +210,7 @@ class Controller:
         # heartbeat and step-report intervals that keep the message rate bounded (pacing.py)
         self.pacing = pace((len(active) + len(spares)) * opts.tasks_per_node,
                            opts.heartbeat_timeout_s)
-        # a node's ranks behind one relay (recovery/relay.py): a round costs O(nodes) frames
+        # a node's ranks behind one relay (relay/node.py): a round costs O(nodes) frames
         self.relayed = relayed(opts.tasks_per_node)
         # A burst of the job's own connections may sit unregistered at once (bench scale: a
         # 256 cap aborted ranks whose Register was already buffered); strangers still need

@@ -79,7 +79,7 @@ def pace(ranks: int, heartbeat_timeout_s: float,
 
 
 def relayed(tasks_per_node: int) -> bool:
-    """Whether a node's ranks reach the controller through one relay (recovery/relay.py):
+    """Whether a node's ranks reach the controller through one relay (relay/node.py):
     whenever a node runs several ranks, so that a recovery round costs O(nodes) frames, not
     O(ranks). One rank per node keeps its own connection: there is nothing to aggregate."""
     return tasks_per_node > 1

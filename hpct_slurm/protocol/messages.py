@@ -165,7 +165,7 @@ class Holdings:
 
 @dataclass(frozen=True)
 class RelayHello:
-    """The first frame of a node relay's connection (recovery/relay.py): from here on this
+    """The first frame of a node relay's connection (relay/node.py): from here on this
     one connection carries every local rank of `node`, in `Batch` frames both ways."""
     TYPE: ClassVar[str] = "relay_hello"
     job_id: str

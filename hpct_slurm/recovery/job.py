@@ -59,7 +59,7 @@ from .gradients import average_gradients, parameter_gradients
 from .health import health_check
 from .loop import StepLoop
 from .persist import DiskPersister
-from .relay import NodeRelay, publish, published, relay_file
+from ..relay.node import NodeRelay, publish, published, relay_file
 from .sharding import MeshSpec, infer_replicate
 from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
                        choose_mode, replica_peer_rank)

@@ -41,7 +41,7 @@ from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from ..rundir import private_dir, write_private
-from .client import HEARTBEAT_S, ControllerAddress, CoordinationClient
+from ..recovery.client import HEARTBEAT_S, ControllerAddress, CoordinationClient
 from .coalesce import WINDOW_S, Coalescer
 
 # A local rank that connected must register within this long (it is on the same node).

@@ -196,8 +196,9 @@ class RelayStep(FakeStep):
     def start(self) -> None:
         """Blocking (connections and hellos both ways): run off the controller's loop."""
         host, _, port = self.env["HPCT_CONTROLLER"].rpartition(":")
+        self.events = self.cluster.options.run_dir / "events" / f"{self.node}-{self.number}.jsonl"
         self.relay = NodeRelay(ControllerAddress(host, int(port)), self.secret, str(JOB),
-                               self.node, self.role, 0, EventLog(), tick_s=0.2)
+                               self.node, self.role, 0, EventLog(self.events), tick_s=0.2)
         self.ranks = [ClientRank(self, lr) for lr in range(self.tpn)]
 
     def left(self) -> None:
@@ -372,6 +373,39 @@ def test_an_item_of_a_rank_the_relay_never_registered_is_refused_alone(tmp_path)
             assert c.ctl.conns[("a1", 1)].step == 1  # the rest of the frame counted
             with pytest.raises(P.ProtocolError, match="a node relay sends batches"):
                 c.ctl._on_batch(link, P.Heartbeat(3, 0, 1, "running"))
+            await c.train_all(["localhost", "a1"], 1)
+            assert await c.finish_all() == 0
+    run(scenario)
+
+
+def test_a_relay_lets_in_only_its_own_nodes_authentic_ranks(tmp_path):
+    """Every hop is authenticated: a connection to a relay without the job's secret, or an
+    authentic one speaking for another node, is refused there and never reaches the
+    controller; the node's real ranks go on."""
+    import json
+    import socket
+
+    async def scenario():
+        async with RelayCluster(tmp_path, ["localhost", "a1"], spares=0,
+                                tasks_per_node=2) as c:
+            await c.started()
+            step = [s for s in c.steps if s.node == "a1"][-1]
+
+            def intrude(secret: bytes, node: str) -> None:
+                with socket.create_connection(step.relay.address, timeout=5) as sock:
+                    chan = P.client_hello(sock, secret, str(JOB), 5)
+                    chan.send(sock, P.Register(str(JOB), node, 5, "active", 1, "10.0.0.9", 1))
+                    with pytest.raises(P.ProtocolError):
+                        chan.recv(sock, timeout=5)  # the relay hangs up
+
+            await asyncio.to_thread(intrude, b"x" * 32, "a1")
+            await asyncio.to_thread(intrude, step.secret, "localhost")
+            errors = [json.loads(line)["error"] for line in step.events.read_text().splitlines()
+                      if json.loads(line)["event"] == "relay.rejected"]
+            assert len(errors) == 2 and "bad MAC" in errors[0]
+            assert "must be a Register of that node" in errors[1]
+            assert c.events("protocol.rejected") == [] and c.events("fault.detected") == []
+            assert len(c.events("rank.register")) == 4
             await c.train_all(["localhost", "a1"], 1)
             assert await c.finish_all() == 0
     run(scenario)

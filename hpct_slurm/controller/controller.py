@@ -142,7 +142,7 @@ class Link:
     """A node relay's connection (relay/node.py): every local rank of `node` behind one
     authenticated connection. What the controller sends to those ranks during one pass of
     the event loop (a STOP to every survivor, a generation's Assigns) leaves as one Batch
-    frame per node, flushed once the loop is idle."""
+    frame per node, written at the loop's next turn."""
 
     def __init__(self, node: str, writer: asyncio.StreamWriter, chan: P.Channel):
         self.node, self.writer, self.chan = node, writer, chan
@@ -669,8 +669,9 @@ class Controller:
         self.events.emit(Ev.GENERATION_START, generation=g, members=self.world.members,
                          restore_step=restore)
         members = [c for node in self.world.members for c in self._live(node)]
+        first = self.world.first_ranks()
         for c in members:
-            c.rank = self.world.rank_of(c.node, c.local_rank)
+            c.rank = first[c.node] + c.local_rank
         peers = {c.rank: (c.host_addr, c.transfer_port) for c in members}
         # beyond pacing.FULL_VIEW_MAX ranks each rank gets only the peers and sources it uses
         # (a sharded job's ranks need every peer's address: they keep the full view)
@@ -842,7 +843,8 @@ class Controller:
         # restore step, nearest first, so a corrupted or vanished source costs one retry, not
         # the recovery (a spare that took a position in a round cut short holds nothing yet:
         # asking it would cost a refused request)
-        sources = {self.world.rank_of(c.node, c.local_rank): [(c.host_addr, c.transfer_port)]
+        first = self.world.first_ranks()
+        sources = {first[c.node] + c.local_rank: [(c.host_addr, c.transfer_port)]
                    for c in survivors if c.held is not None and restore in c.held.own}
         rec.generation, rec.restore_step = rep.generation, restore
         rec.lost, rec.taken = lost_active, rep.taken

@@ -488,3 +488,12 @@ def test_a_batch_too_large_for_one_frame_is_split_in_order():
     with pytest.raises(P.HeaderTooLarge):  # one message that fits no frame is not split
         P.Channel(SECRET, JOB, nonce, "server").encode_batch([(0, P.Assign(1, 0, 1, [], 1, 0,
                                                                             peers=huge))])
+
+
+def test_a_batch_item_of_the_wrong_shape_is_named():
+    for item in ([0, "goodbye"], [0, "goodbye", {"reason": "x"}, 1], ["0", "goodbye", {}],
+                 [True, "goodbye", {}], {"0": 1}):
+        batch = P.decode(P.encode(P.Batch([item]), SECRET, 1, JOB), SECRET, JOB)
+        with pytest.raises(P.ProtocolError, match=r"batch.items\[0\] must be \[local rank, "
+                                                  r"type, fields\]"):
+            batch.messages()

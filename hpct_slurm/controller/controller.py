@@ -883,10 +883,15 @@ class Controller:
 
     async def _wait_ready(self, survivors: list[Conn]) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s
+        waiting = survivors
         while time.monotonic() < deadline:
-            # ready counts once its Holdings report is in (it is sent just before)
-            if all(c.gone or c.state == RankState.UNHEALTHY
-                   or (c.state == RankState.READY and c.held is not None) for c in survivors):
+            # ready counts once its Holdings report is in (it is sent just before); an answer
+            # stays given until the next assignment, so each poll looks only at those still
+            # waited for (every survivor every 20 ms made the wait O(world) per poll)
+            waiting = [c for c in waiting if not (
+                c.gone or c.state == RankState.UNHEALTHY
+                or (c.state == RankState.READY and c.held is not None))]
+            if not waiting:
                 break
             if self.pending_faults:
                 await asyncio.sleep(0.05)  # a second fault: keep waiting for the rest

@@ -790,10 +790,10 @@ class Controller:
         g = self.world.generation
         survivors = [c for n in self.world.members if n not in lost for c in self._live(n)]
         lost_addrs = sorted({c.host_addr for (n, _), c in self.conns.items() if n in lost_active})
+        stop = P.Stop(g, f"{', '.join(lost_active)}: {'; '.join(lost[n] for n in lost_active)}",
+                      lost_addrs)  # the same (immutable) message for every survivor
         for c in survivors:
-            await self._send(c, P.Stop(g, f"{', '.join(lost_active)}: "
-                                          f"{'; '.join(lost[n] for n in lost_active)}",
-                                       lost_addrs))
+            await self._send(c, stop)
         rec.t_stop = time.time()
         self.events.emit(Ev.FAULT_STOP_SENT, generation=g, survivors=len(survivors))
         for node in lost_active:

@@ -48,6 +48,7 @@ class Ev(_Name):
     STEP_LAUNCH = "step.launch"
     STEP_EXIT = "step.exit"
     RANK_REGISTER = "rank.register"
+    RELAY_REGISTER = "relay.register"
     GENERATION_START = "generation.start"
     FAULT_DETECTED = "fault.detected"
     FAULT_IN_PROCESS = "fault.in_process"
@@ -67,7 +68,6 @@ class Ev(_Name):
     POOL_BORROW_FAILED = "pool.borrow_failed"
     POOL_SPARE_JOINED = "pool.spare_joined"
     PROTOCOL_REJECTED = "protocol.rejected"
-    RELAY_REGISTER = "relay.register"
     PROTOCOL_UNEXPECTED = "protocol.unexpected"
     SLURM_ERROR = "slurm.error"
     # the node lifecycle (controller/lifecycle.py): planned moves, growing back, the record

@@ -14,7 +14,7 @@ the frames that carried them), then injects two node losses, one at a time:
 For each it reports, from the controller's own event log and the ranks' receipt times (one
 machine, one clock): fault -> detected, detected -> STOP sent to every survivor, detected ->
 assignment (`detect_to_assign_s`), assignment -> every rank of the new generation has received
-its Assign (`assign_to_all_acked_s`; each answers it at once), assignment -> first step done.
+its Assign (`assign_to_all_acked_s`, from the receipt times), assignment -> first step done.
 
 Results accumulate in <out>/scale.json (one entry per N, so `--ranks 2304` and `--ranks 16384`
 runs add up) with scale.png (latency and CPU against N); the last line printed is the JSON of

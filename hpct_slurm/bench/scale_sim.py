@@ -8,8 +8,8 @@ messages going up in Batch frames as the relay's own Coalescer (relay/coalesce.p
 decides, and the controller's Batch fanned out to the ranks. What a rank does is what
 recovery/job.py does, minus training: register, heartbeat, one step every `step_s`
 (StepDone paced like recovery/client.py), answer a STOP with Holdings and a `ready`
-heartbeat, answer an Assign with an immediate heartbeat (its acknowledgement), leave on
-Goodbye. Faults, on command: `drop` aborts a node's connection (the controller sees a reset: a
+heartbeat, answer an Assign with a heartbeat (its acknowledgement: a routine one, which goes up
+with the node's next flush), leave on Goodbye. Faults, on command: `drop` aborts a node's connection (the controller sees a reset: a
 crashed node), `silent` makes a node stop sending and stop answering while its connection
 stays open (a hung or partitioned node, no EOF).
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -688,6 +689,14 @@ class Controller:
                 self.o.tasks_per_node, restore, src,
                 data_ranks(self.shards[c.node], c.local_rank, self.o.tasks_per_node),
                 self.data_world, prs, hostlist))
+        if g == 0:
+            # The job's connections and their state now live as long as the job: out of the
+            # collector's sight, a full collection during a later round scans only what the
+            # rounds made (bench scale: ~110 ms per full collection at 8,192 ranks, landing in
+            # the rounds). The cost: a cycle among them that becomes garbage later (a lost
+            # node's connections) is never collected, a few KB per lost node.
+            gc.collect()
+            gc.freeze()
 
     # ---- detection -----------------------------------------------------------------------
     def _fault(self, node: str, reason: str) -> None:

@@ -694,7 +694,7 @@ class Controller:
             # collector's sight, a full collection during a later round scans only what the
             # rounds made (bench scale: ~110 ms per full collection at 8,192 ranks, landing in
             # the rounds). The cost: a cycle among them that becomes garbage later (a lost
-            # node's connections) is never collected, a few KB per lost node.
+            # node's connection objects) is never collected.
             gc.collect()
             gc.freeze()
 

@@ -159,9 +159,10 @@ class NodeRelay:
         except P.ConnectionClosed:
             pass
         except (HpctError, OSError) as exc:
-            if not self.closed.is_set():
-                self.events.emit(Ev.RELAY_REJECTED, node=self.node, local_rank=lr,
-                                 error=str(exc))
+            # A registered rank's connection failing is its loss, which goes up as Left; a
+            # connection refused before it registered is the relay's to record.
+            if lr is None and not self.closed.is_set():
+                self.events.emit(Ev.RELAY_REJECTED, node=self.node, error=str(exc))
         finally:
             sock.close()
             if lr is not None:

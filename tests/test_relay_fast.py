@@ -160,6 +160,14 @@ class ClientRank:
                 c.state = "ready"
                 c.heartbeat_now()
 
+    def fail_in_place(self) -> None:
+        """Its step raised (a collective error): ready with its holdings, nobody stopped it."""
+        c = self.client
+        c.report_holdings(P.Holdings(c.rank, c.generation, "jit", False, self.own, [], {},
+                                     error="RuntimeError: gloo"))
+        c.state = "ready"
+        c.heartbeat_now()
+
     def train(self, upto: int) -> None:
         for s in range(self.client.step + 1, upto + 1):
             self.own = [x for x in (s - 1, s) if x >= 0]
@@ -353,6 +361,31 @@ def test_a_rank_lost_while_its_relay_lives_loses_its_node(tmp_path):
                                        and not c.ctl.conns[("a1", lr)].gone)
                                       for lr in range(3)), "a1 back as a spare, relayed")
             assert c.ctl.world.spares == ["a1"]
+            assert await c.finish_all() == 0
+    run(scenario)
+
+
+def test_ranks_that_report_their_own_fault_through_the_relay_restart_in_place(tmp_path):
+    """A fault report that nobody asked for (the rank's step raised) is urgent for the relay:
+    it goes up within the coalescing window, and the node restarts in place."""
+    from hpct_slurm.controller import controller as CTL
+
+    async def scenario():
+        async with RelayCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
+                                tasks_per_node=2) as c:
+            await c.started()
+            await c.train_all(["localhost", "a1"], 3)
+            for r in c.node_ranks("a1"):
+                await asyncio.to_thread(r.fail_in_place)
+            a1 = await c.assigned_all("a1", 1)
+            assert [(a.rank, a.restore_step) for a in a1] == [(2, 3), (3, 3)]
+            [fault] = c.events("fault.detected")
+            assert (fault["node"], fault["reason"]) == ("a1", CTL.IN_PROCESS)
+            [inp] = c.events("fault.in_process")
+            assert inp["nodes"] == ["a1"]
+            assert c.events("fault.fenced") == [] and c.node_ranks("s1")[0].assigns == []
+            await c.train_all(["localhost", "a1"], 4, generation=1)
+            await c.until(lambda: c.events("recovery.done"), "recovery.done")
             assert await c.finish_all() == 0
     run(scenario)
 

@@ -277,10 +277,21 @@ class RelayCluster(FakeCluster):
         return await asyncio.wait_for(asyncio.shield(self.job), 5)
 
 
-def test_a_round_goes_through_the_node_relays(tmp_path):
+def test_a_round_goes_through_the_node_relays(tmp_path, monkeypatch):
+    from hpct_slurm.controller import controller as CTL
+
+    flushed: list[tuple[str, list[str]]] = []  # (node, message types), one per Batch written
+    flush = CTL.Link.flush
+
+    def recording_flush(link):
+        flushed.append((link.node, [m.TYPE for _, m in link.outbox]))
+        flush(link)
+    monkeypatch.setattr(CTL.Link, "flush", recording_flush)
+
     async def scenario():
         async with RelayCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
             await c.started()
+            flushed.clear()
             # one connection per node: every rank registered through its node's relay
             assert sorted(e["node"] for e in c.events("relay.register")) == \
                 ["a1", "localhost", "s1"]
@@ -304,6 +315,10 @@ def test_a_round_goes_through_the_node_relays(tmp_path):
             assert ev["taken"] == {"a1": "s1"} and ev["restore_step"] == 4
             [fault] = c.events("fault.detected")
             assert fault["node"] == "a1"  # its relay's connection, or its step's exit
+            # downwards the round is one frame per node and message kind: the survivor's
+            # relay got its 3 STOPs together, each member's relay its 3 Assigns together
+            assert sorted(flushed) == [("localhost", ["assign"] * 3),
+                                       ("localhost", ["stop"] * 3), ("s1", ["assign"] * 3)]
             assert c.events("protocol.rejected") == []
 
             await c.train_all(["localhost", "s1"], 5, generation=1)

@@ -102,6 +102,7 @@ INIT_TIMEOUT_S = "HPCT_INIT_TIMEOUT_S"
 PERSIST_EVERY = "HPCT_PERSIST_EVERY"
 HEARTBEAT_S = "HPCT_HEARTBEAT_S"
 STEP_REPORT_S = "HPCT_STEP_REPORT_S"
+RELAY = "HPCT_RELAY"
 WORLD_SIZE = "HPCT_WORLD_SIZE"
 JOB_ID = "HPCT_JOB_ID"
 RECOVERY_MODE = "HPCT_RECOVERY_MODE"
@@ -171,6 +172,10 @@ SETTINGS: tuple[Setting, ...] = (
        "at most one StepDone per this many seconds after a generation's first step (unset: "
        "every step; set by the controller beyond 1,000 ranks, controller/pacing.py)",
        scope="job"),
+    _s(RELAY, "flag", False, CONTROLLER, _RANK,
+       "1: a node's ranks reach the controller through one relay in its first local rank "
+       "(one connection per node; the controller sets it when a node runs several ranks, "
+       "relay/node.py)", choices=("1", "0"), scope="job"),
     _s(WORLD_SIZE, "int", None, CONTROLLER, "recovery.DistributedSampler",
        "the job's data-parallel world size, known before job.run", lo=1, hi=UINT32_MAX,
        scope="job"),
@@ -413,6 +418,7 @@ class JobSettings:
     persist_every: int = 0
     corrupt_serve: frozenset[int] = field(default_factory=frozenset)
     served_job_id: int | None = None  # a pool spare: the main job it serves
+    relay: bool = False  # reach the controller through the node's relay (relay/node.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "JobSettings":
@@ -429,7 +435,8 @@ class JobSettings:
                    snapshot_lazy=read(env, SNAPSHOT_LAZY),
                    persist_every=read(env, PERSIST_EVERY),
                    corrupt_serve=read(env, FAULT_CORRUPT_SERVE),
-                   served_job_id=read(env, JOB_ID))
+                   served_job_id=read(env, JOB_ID),
+                   relay=read(env, RELAY))
 
 
 # ---- the docs table and `hpct-slurm settings` --------------------------------------------

@@ -48,6 +48,7 @@ class Ev(_Name):
     STEP_LAUNCH = "step.launch"
     STEP_EXIT = "step.exit"
     RANK_REGISTER = "rank.register"
+    RELAY_REGISTER = "relay.register"
     GENERATION_START = "generation.start"
     FAULT_DETECTED = "fault.detected"
     FAULT_IN_PROCESS = "fault.in_process"
@@ -97,6 +98,10 @@ class Ev(_Name):
     RANK_SEVERED = "rank.severed"
     RANK_SEVER_FAILED = "rank.sever_failed"
     RANK_UNEXPECTED_MESSAGE = "rank.unexpected_message"
+    # a node relay, in its first local rank's process (relay/node.py)
+    RELAY_START = "relay.start"
+    RELAY_REJECTED = "relay.rejected"
+    RELAY_CONTROLLER_LOST = "relay.controller_lost"
     RENDEZVOUS_FORMED = "rendezvous.formed"
     SNAPSHOT_CAPTURED_AT_FAULT = "snapshot.captured_at_fault"
     SNAPSHOT_COPY_FAILED = "snapshot.copy_failed"

@@ -37,6 +37,7 @@ class FakeClient:
         self.registered: tuple | None = None
         self.closed: str | None = None
         self.inbox = [P.Goodbye(reason="done")]
+        self.keep_fds: set[int] = set()
 
     def register(self, *args) -> None:
         self.registered = args
@@ -124,6 +125,58 @@ def test_job_settings_come_from_the_controllers_environment(settings, tmp_path):
         JobSettings.from_environ({k: v for k, v in env.items() if k != C.CONTROLLER_ADDR})
     with pytest.raises(HpctError, match="HPCT_SNAPSHOT_LAZY 'yes' is not one of 1, 0"):
         JobSettings.from_environ({**env, C.SNAPSHOT_LAZY: "yes"})
+
+
+class FakeRelay:
+    def __init__(self, controller, secret, job_id, node, role, local_rank, events):
+        self.args = (controller.port, job_id, node, role, local_rank)
+        self.address, self.upstream_fd, self.closed = ("127.0.0.1", 4343), 99, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_relayed_nodes_first_rank_runs_its_relay_and_the_others_find_it(settings):
+    """HPCT_RELAY (a node of several ranks): local rank 0 starts the node's relay and
+    publishes its port in the run dir; every local rank's client connects there; the relay's
+    controller link is kept from a STOP's cut, and closes after its rank's goodbye."""
+    from hpct_slurm.recovery.client import ControllerAddress
+    from hpct_slurm.relay.node import relay_file
+
+    relays: list[FakeRelay] = []
+
+    def relay(*a, **k):
+        relays.append(FakeRelay(*a, **k))
+        return relays[-1]
+
+    relayed = replace(settings, relay=True)
+    job, made = _job(relayed, relay=relay)
+    job.run(lambda step: 0.0, 3)
+    [r] = relays
+    assert r.args == (9, "31", "localhost", "active", 0)  # to the controller, as this node
+    assert made["client"].address == ControllerAddress("127.0.0.1", 4343)
+    assert made["client"].keep_fds == {99} and r.closed
+    path = relay_file(settings.run_dir, "31", 0, None, "localhost")
+    assert path.read_text() == "127.0.0.1:4343"
+
+    def no_relay(*a, **k):
+        raise AssertionError("only the first local rank runs the relay")
+
+    other = Job(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(),
+                                                          lr=0.1),
+                settings=relayed, slurm=SlurmEnv.from_environ({**TASK, "SLURM_LOCALID": "1",
+                                                               "SLURM_PROCID": "1",
+                                                               "SLURM_NTASKS": "2",
+                                                               "SLURM_TASKS_PER_NODE": "2"}),
+                transfer=FakeTransfer, client=lambda *a, **k: made.setdefault(
+                    "other", FakeClient(*a, **k)), relay=no_relay)
+    other.run(lambda step: 0.0, 3)
+    assert made["other"].address == ControllerAddress("127.0.0.1", 4343)
+    assert made["other"].keep_fds == set() and other.relay is None
+    # without HPCT_RELAY nothing changes: the controller's own address
+    job, made = _job(settings, relay=no_relay)
+    job.run(lambda step: 0.0, 3)
+    assert made["client"].address.port == 9
 
 
 class RecoveringClient(FakeClient):

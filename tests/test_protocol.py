@@ -44,6 +44,15 @@ MESSAGES = st.one_of(
               rank_state=st.booleans(), own=st.lists(ints, max_size=3),
               rank_own=st.lists(ints, max_size=3),
               replicas=st.dictionaries(nat, st.lists(ints, max_size=3), max_size=3), error=text),
+    st.builds(P.RelayHello, job_id=text, node=text, role=st.sampled_from(["active", "spare"]),
+              pid=nat),
+    st.builds(P.Left, reason=text),
+    # a node relay's frame: messages whose fields are JSON values already (a tuple inside an
+    # item would come back a list, like any message's nested tuples)
+    st.builds(P.Batch.of, st.lists(st.tuples(nat, st.one_of(
+        st.builds(P.Heartbeat, rank=nat, generation=nat, step=ints, state=text),
+        st.builds(P.StepDone, rank=nat, generation=nat, step=ints),
+        st.builds(P.Goodbye, reason=text))), max_size=4)),
 )
 
 
@@ -51,7 +60,7 @@ def test_every_message_type_is_covered_by_the_strategy():
     seen = set()
 
     @given(MESSAGES)
-    @settings(max_examples=1000, derandomize=True)  # 12 types: 200 draws missed one
+    @settings(max_examples=1500, derandomize=True)  # 15 types: 200 draws missed one
     def collect(msg):
         seen.add(msg.TYPE)
 
@@ -445,3 +454,46 @@ def test_assign_carries_the_peers_transfer_addresses():
     a = P.Assign(1, 2, 4, ["n1", "n2", "n3", "n4"], 1, 12, {0: [("10.0.0.1", 5)]}, [2], 4,
                  {0: ("10.0.0.1", 5), 3: ("10.0.0.4", 7)})
     assert P.decode(P.encode(a, SECRET, 1, JOB), SECRET, JOB) == a
+
+
+# ---- a node relay's Batch (relay/node.py) ----------------------------------------------
+def test_a_batch_carries_checked_messages_and_never_nests():
+    pairs = [(0, P.Heartbeat(3, 1, 7, "ready")), (2, P.Holdings(5, 1, "jit", False, [6, 7], [],
+                                                              {4: [7]}))]
+    got = P.decode(P.encode(P.Batch.of(pairs), SECRET, 1, JOB), SECRET, JOB)
+    assert got.messages() == pairs  # int keys and all, as if each came in a frame of its own
+    for items, reason in (([[0, "batch", {"items": []}]], "a batch cannot be batched"),
+                          ([[0, "relay_hello", {"job_id": JOB, "node": "n", "role": "active",
+                                                "pid": 1}]], "a relay_hello cannot be batched"),
+                          ([[-1, "goodbye", {"reason": "x"}]], "local rank -1 is negative"),
+                          ([[0, "nope", {}]], "unknown message type 'nope'"),
+                          ([[0, "heartbeat", {"rank": "x", "generation": 0, "step": 0,
+                                              "state": "ready"}]], "heartbeat.rank must be an int")):
+        with pytest.raises(P.ProtocolError, match=reason):
+            P.decode(P.encode(P.Batch(items), SECRET, 1, JOB), SECRET, JOB).messages()
+
+
+def test_a_batch_too_large_for_one_frame_is_split_in_order():
+    nonce = bytes(P.NONCE_BYTES)
+    peers = {r: (f"10.0.{r // 256}.{r % 256}", 40000 + r) for r in range(512)}
+    pairs = [(lr, P.Assign(1, lr, 512, [], 8, 3, peers=peers)) for lr in range(8)]
+    frames = P.Channel(SECRET, JOB, nonce, "server").encode_batch(pairs)
+    assert len(frames) > 1  # 8 full-view Assigns of a 512-rank world do not fit one header
+    rx = P.Channel(SECRET, JOB, nonce, "client")
+    got = [p for f in frames for p in rx.decode(f).msg.messages()]
+    assert [(lr, m.rank, m.peers == peers) for lr, m in got] == [(lr, lr, True) for lr in range(8)]
+    small = P.Channel(SECRET, JOB, nonce, "server").encode_batch(pairs[:1])
+    assert len(small) == 1
+    huge = {r: (f"host-{r:06d}.example", r) for r in range(4000)}
+    with pytest.raises(P.HeaderTooLarge):  # one message that fits no frame is not split
+        P.Channel(SECRET, JOB, nonce, "server").encode_batch([(0, P.Assign(1, 0, 1, [], 1, 0,
+                                                                            peers=huge))])
+
+
+def test_a_batch_item_of_the_wrong_shape_is_named():
+    for item in ([0, "goodbye"], [0, "goodbye", {"reason": "x"}, 1], ["0", "goodbye", {}],
+                 [True, "goodbye", {}], {"0": 1}):
+        batch = P.decode(P.encode(P.Batch([item]), SECRET, 1, JOB), SECRET, JOB)
+        with pytest.raises(P.ProtocolError, match=r"batch.items\[0\] must be \[local rank, "
+                                                  r"type, fields\]"):
+            batch.messages()

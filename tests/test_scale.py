@@ -132,9 +132,13 @@ def test_bench_scale_end_to_end_small(tmp_path):
     (r,) = m["rounds"]
     assert r["reason"] == "connection lost" and r["acked"] == r["world"] == 64
     assert 0 < r["detect_to_assign_s"] < 10 and 0 < r["assign_to_all_acked_s"] < 10
-    assert m["steady"]["messages_per_s"]["heartbeat"] > 64  # every rank beats at 0.5 s
+    sent = m["steady"]["messages_per_s"]
+    assert sent["heartbeat"] > 64  # every rank beats at 0.5 s
+    # nodes of 8 are relayed: their heartbeats go up together, a few frames per node a second
+    assert sent["frame"] * 4 < sent["heartbeat"] + sent.get("step_done", 0)
     h = headline(m)
-    assert h["ranks"] == 64 and 0 < h["controller_cpu_pct"] < 100 and h["controller_rss_mb"] > 0
+    # (0 is a real reading: 8 relayed nodes cost the controller about a clock tick a second)
+    assert h["ranks"] == 64 and 0 <= h["controller_cpu_pct"] < 100 and h["controller_rss_mb"] > 0
 
 
 # ---- goodput ----------------------------------------------------------------------------------

@@ -3,17 +3,18 @@
 The controller runs as its own process (bench/scale_ctl.py: the real Controller, its seams
 given stand-ins that start nothing), the ranks as light asyncio clients in a few processes
 (bench/scale_sim.py: the real protocol and secret, the controller's pacing), grouped into nodes
-of 8. After generation 0 is assigned and heartbeats have spread out, the bench measures the
-controller's steady state (its own CPU seconds per wall second from /proc, its RSS, the
-messages the ranks sent), then injects two node losses, one at a time:
+of 8, each node one relayed connection as relay/node.py makes it. After generation 0 is
+assigned and heartbeats have spread out, the bench measures the controller's steady state (its
+own CPU seconds per wall second from /proc, its RSS, the messages the ranks sent, by type, and
+the frames that carried them), then injects two node losses, one at a time:
 
-* `drop`: every connection of one node reset (a crashed node);
-* `silent`: one node's ranks stop sending and answering, connections open (a hung node).
+* `drop`: one node's connection reset (a crashed node);
+* `silent`: one node stops sending and answering, its connection open (a hung node).
 
 For each it reports, from the controller's own event log and the ranks' receipt times (one
 machine, one clock): fault -> detected, detected -> STOP sent to every survivor, detected ->
-assignment (`detect_to_assign_s`), assignment -> every rank of the new generation has its
-Assign and has answered it (`assign_to_all_acked_s`), assignment -> first step done.
+assignment (`detect_to_assign_s`), assignment -> every rank of the new generation has received
+its Assign (`assign_to_all_acked_s`, from the receipt times), assignment -> first step done.
 
 Results accumulate in <out>/scale.json (one entry per N, so `--ranks 2304` and `--ranks 16384`
 runs add up) with scale.png (latency and CPU against N); the last line printed is the JSON of

@@ -57,7 +57,7 @@ def main() -> int:
     cfg = json.loads(sys.argv[1])
     run_dir = Path(cfg["run_dir"])
     env_file = run_dir / "sim-env.json"
-    wanted = (C.CONTROLLER_ADDR, C.SECRET_FILE, C.HEARTBEAT_S, C.STEP_REPORT_S)
+    wanted = (C.CONTROLLER_ADDR, C.SECRET_FILE, C.HEARTBEAT_S, C.STEP_REPORT_S, C.RELAY)
 
     async def spawn(node, role, argv, env, log):
         if not env_file.exists():

@@ -1,13 +1,17 @@
-"""Simulated ranks for `hpct-slurm bench scale`: many light asyncio clients in one process,
+"""Simulated nodes for `hpct-slurm bench scale`: many light asyncio clients in one process,
 each speaking the real protocol (protocol.Channel, the job's secret) to the real controller,
 with the heartbeat and step-report intervals the controller put in its step environment.
 
-What a rank does is what recovery/job.py does, minus training: register, heartbeat, one step
-every `step_s` (StepDone paced like recovery/client.py), answer a STOP with Holdings and a
-`ready` heartbeat, answer an Assign with an immediate heartbeat (its acknowledgement), leave
-on Goodbye. Faults, on command: `drop` aborts every connection of a node (the controller sees
-resets: a crashed node), `silent` makes a node's ranks stop sending and stop answering while
-their connections stay open (a hung or partitioned node, no EOF).
+Nodes of 8 ranks: the controller sets HPCT_RELAY for them, so each simulated node is what
+relay/node.py makes of a real one: one connection opened with a RelayHello, its ranks'
+messages going up in Batch frames as the relay's own Coalescer (relay/coalesce.py)
+decides, and the controller's Batch fanned out to the ranks. What a rank does is what
+recovery/job.py does, minus training: register, heartbeat, one step every `step_s`
+(StepDone paced like recovery/client.py), answer a STOP with Holdings and a `ready`
+heartbeat, answer an Assign with a heartbeat (its acknowledgement: a routine one, which goes up
+with the node's next flush), leave on Goodbye. Faults, on command: `drop` aborts a node's connection (the controller sees a reset: a
+crashed node), `silent` makes a node stop sending and stop answering while its connection
+stays open (a hung or partitioned node, no EOF).
 
 Driven over stdin/stdout, one JSON object a line (bench/scale.py is the driver):
   in:  {"cmd": "drop"|"silent", "node": N} | {"cmd": "status"} | {"cmd": "count", "on": bool}
@@ -27,6 +31,7 @@ from collections import Counter
 from .. import config as C
 from .. import protocol as P
 from ..controller.pacing import should_report
+from ..relay.coalesce import Coalescer
 
 # Connections being opened at once by one process: the controller drops the oldest
 # unregistered connection beyond 256 (controller.MAX_UNREGISTERED).
@@ -45,6 +50,8 @@ class Sim:
     def __init__(self, cfg: dict):
         self.job = str(cfg["job_id"])
         env = cfg["env"]  # the controller's step environment (the real ranks' contract)
+        if not C.read(env, C.RELAY):
+            raise SystemExit("the controller did not relay these nodes (HPCT_RELAY unset)")
         host, _, port = C.require(env, C.CONTROLLER_ADDR).rpartition(":")
         self.address = (host, int(port))
         self.secret = P.load_secret(C.require(env, C.SECRET_FILE))
@@ -52,34 +59,34 @@ class Sim:
         self.report_s = C.read(env, C.STEP_REPORT_S) or 0.0
         self.step_s = float(cfg["step_s"])
         self.tpn = int(cfg["tasks_per_node"])
-        self.nodes: list[tuple[str, str]] = [tuple(x) for x in cfg["nodes"]]  # (name, role)
-        self.ranks: list[Rank] = []
+        self.nodes: list[Node] = []
+        self.specs: list[tuple[str, str]] = [tuple(x) for x in cfg["nodes"]]  # (name, role)
         self.sent: Counter = Counter()
         self.counting = False
         # all simulators together stay under the controller's cap on unregistered connections
         self.connect_gate = asyncio.Semaphore(max(1, CONNECTING // int(cfg.get("sims", 1))))
 
-    def note(self, kind: str) -> None:
+    def note(self, pairs: list) -> None:
         if self.counting:
-            self.sent[kind] += 1
+            self.sent["frame"] += 1
+            self.sent.update(m.TYPE for _, m in pairs)
 
     async def main(self) -> None:
         port = 20000
-        for node, role in self.nodes:
-            for lr in range(self.tpn):
-                self.ranks.append(Rank(self, node, lr, role, port))
-                port += 1
-        await asyncio.gather(*(r.start() for r in self.ranks))
-        out({"ready": True, "ranks": len(self.ranks)})
+        for node, role in self.specs:
+            self.nodes.append(Node(self, node, role, port))
+            port += self.tpn
+        await asyncio.gather(*(n.start() for n in self.nodes))
+        out({"ready": True, "ranks": len(self.nodes) * self.tpn})
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():
             cmd = json.loads(line)
             if cmd["cmd"] in ("drop", "silent"):
-                for r in self.ranks:
-                    if r.node == cmd["node"]:
-                        r.fail(cmd["cmd"])
+                for n in self.nodes:
+                    if n.name == cmd["node"]:
+                        n.fail(cmd["cmd"])
             elif cmd["cmd"] == "count":
                 self.counting = bool(cmd["on"])
                 if self.counting:
@@ -90,28 +97,43 @@ class Sim:
     def status(self) -> dict:
         gens: dict[int, list[float]] = {}
         stops: dict[int, list[float]] = {}
-        for r in self.ranks:
-            for g, t in r.assigned.items():
-                gens.setdefault(g, []).append(t)
-            for g, t in r.stopped.items():
-                stops.setdefault(g, []).append(t)
-        return {"registered": sum(r.registered for r in self.ranks),
+        for n in self.nodes:
+            for r in n.ranks:
+                for g, t in r.assigned.items():
+                    gens.setdefault(g, []).append(t)
+                for g, t in r.stopped.items():
+                    stops.setdefault(g, []).append(t)
+        return {"registered": sum(n.registered for n in self.nodes) * self.tpn,
                 "assigned": {g: [len(ts), max(ts)] for g, ts in gens.items()},
                 "stopped": {g: [len(ts), max(ts)] for g, ts in stops.items()},
                 "sent": dict(self.sent)}
 
 
 class Rank:
-    def __init__(self, sim: Sim, node: str, local_rank: int, role: str, port: int):
-        self.sim, self.node, self.local_rank, self.role, self.port = (
-            sim, node, local_rank, role, port)
+    """One simulated rank's state (its node does the talking)."""
+
+    def __init__(self, local_rank: int):
+        self.local_rank = local_rank
         self.rank = self.generation = self.step = -1
         self.state = "registering"
-        self.registered = False
-        self.mute = False
         self.assigned: dict[int, float] = {}  # generation -> when its Assign arrived
         self.stopped: dict[int, float] = {}   # generation -> when its Stop arrived
         self.last_report: tuple[int, float] | None = None
+
+    def heartbeat(self) -> P.Heartbeat:
+        return P.Heartbeat(self.rank, self.generation, self.step, self.state)
+
+
+class Node:
+    """One simulated node: its relay's connection and its ranks."""
+
+    def __init__(self, sim: Sim, name: str, role: str, port: int):
+        self.sim, self.name, self.role, self.port = sim, name, role, port
+        self.ranks = [Rank(lr) for lr in range(sim.tpn)]
+        self.co = Coalescer(sim.heartbeat_s)
+        self.registered = False
+        self.mute = False
+        self.flush_at: asyncio.TimerHandle | None = None
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -126,70 +148,93 @@ class Rank:
                 except (OSError, P.ProtocolError, asyncio.IncompleteReadError):
                     await asyncio.sleep(0.1 + random.random() * 0.2)
             else:
-                raise SystemExit(f"{self.node}/{self.local_rank}: cannot reach the controller")
-            await self.send(P.Register(s.job, self.node, self.local_rank, self.role,
-                                       os.getpid(), "127.0.0.1", self.port), "register")
+                raise SystemExit(f"{self.name}: cannot reach the controller")
+            self.writer.write(self.chan.encode(P.RelayHello(s.job, self.name, self.role,
+                                                            os.getpid())))
+            for r in self.ranks:
+                self.add(r, P.Register(s.job, self.name, r.local_rank, self.role,
+                                       os.getpid(), "127.0.0.1", self.port + r.local_rank))
+            await self.writer.drain()
             self.registered = True
         self.tasks = [asyncio.create_task(self.read()), asyncio.create_task(self.beat()),
                       asyncio.create_task(self.train())]
 
-    async def send(self, msg, kind: str) -> None:
+    def add(self, rank: Rank, msg) -> None:
+        """A rank's message, to the node's relay (what its connection to it would carry)."""
         if self.mute:
             return
+        now = time.monotonic()
+        self.co.add(rank.local_rank, msg, now)
+        wait = self.co.wait_s(now)
+        if wait == 0.0:
+            self.flush()
+        elif wait is not None and self.flush_at is None:
+            self.flush_at = asyncio.get_running_loop().call_later(wait, self.flush)
+
+    def flush(self) -> None:
+        if self.flush_at is not None:
+            self.flush_at.cancel()
+            self.flush_at = None
+        if self.mute:
+            return
+        now = time.monotonic()
+        if not self.co.due(now):
+            wait = self.co.wait_s(now)
+            if wait is not None:
+                self.flush_at = asyncio.get_running_loop().call_later(wait, self.flush)
+            return
+        pairs = self.co.take(now)
         try:
-            await self.chan.write(self.writer, msg)
-            self.sim.note(kind)
+            self.writer.write(b"".join(self.chan.encode_batch(pairs)))
+            self.sim.note(pairs)
         except (OSError, ConnectionError):
             self.mute = True
 
-    async def heartbeat(self) -> None:
-        await self.send(P.Heartbeat(self.rank, self.generation, self.step, self.state),
-                        "heartbeat")
-
     async def beat(self) -> None:
-        # a random phase: real ranks start at different moments
+        # a random phase: real nodes start at different moments
         await asyncio.sleep(random.random() * self.sim.heartbeat_s)
         while not self.mute:
-            await self.heartbeat()
+            for r in self.ranks:
+                self.add(r, r.heartbeat())
             await asyncio.sleep(self.sim.heartbeat_s)
 
     async def train(self) -> None:
         while not self.mute:
             await asyncio.sleep(self.sim.step_s)
-            if self.state != "running":
-                continue
-            self.step += 1
             now = time.monotonic()
-            if should_report(self.step, self.generation, self.last_report, now,
-                             self.sim.report_s):
-                self.last_report = (self.generation, now)
-                await self.send(P.StepDone(self.rank, self.generation, self.step), "step_done")
+            for r in self.ranks:
+                if r.state != "running":
+                    continue
+                r.step += 1
+                if should_report(r.step, r.generation, r.last_report, now, self.sim.report_s):
+                    r.last_report = (r.generation, now)
+                    self.add(r, P.StepDone(r.rank, r.generation, r.step))
 
     async def read(self) -> None:
         try:
             while True:
-                msg = (await self.chan.read(self.reader)).msg
+                batch = (await self.chan.read(self.reader)).msg
                 if self.mute:
                     continue  # silent: reads (the kernel would buffer anyway), never answers
-                if isinstance(msg, P.Assign):
-                    self.assigned[msg.generation] = time.time()
-                    self.rank, self.generation = msg.rank, msg.generation
-                    self.step, self.state = msg.restore_step, "running"
-                    await self.heartbeat()  # the acknowledgement
-                elif isinstance(msg, P.Stop):
-                    self.stopped[msg.generation] = time.time()
-                    self.state = "ready"
-                    own = [s for s in (self.step - 1, self.step) if s >= 0]
-                    await self.send(P.Holdings(self.rank, self.generation, "jit", False, own,
-                                               [], {}), "holdings")
-                    await self.heartbeat()
-                elif isinstance(msg, P.Goodbye):
-                    self.fail("drop")
-                    return
+                for lr, msg in batch.messages():
+                    r = self.ranks[lr]
+                    if isinstance(msg, P.Assign):
+                        r.assigned[msg.generation] = time.time()
+                        r.rank, r.generation = msg.rank, msg.generation
+                        r.step, r.state = msg.restore_step, "running"
+                        self.add(r, r.heartbeat())  # the acknowledgement
+                    elif isinstance(msg, P.Stop):
+                        r.stopped[msg.generation] = time.time()
+                        r.state = "ready"
+                        own = [s for s in (r.step - 1, r.step) if s >= 0]
+                        self.add(r, P.Holdings(r.rank, r.generation, "jit", False, own, [], {}))
+                        self.add(r, r.heartbeat())
+                    elif isinstance(msg, P.Goodbye):
+                        self.fail("drop")
+                        return
         except (P.ProtocolError, OSError, ConnectionError, asyncio.IncompleteReadError) as exc:
             if not self.mute:
-                print(f"{self.node}/{self.local_rank}: controller connection failed: {exc}",
-                      file=sys.stderr)
+                print(f"{self.name}: controller connection failed: {exc}", file=sys.stderr)
             self.mute = True
 
     def fail(self, how: str) -> None:

@@ -78,6 +78,13 @@ def pace(ranks: int, heartbeat_timeout_s: float,
     return Pacing(hb, hb, max(heartbeat_timeout_s, MISSED_BEATS * hb), sweep_s=1.0)
 
 
+def relayed(tasks_per_node: int) -> bool:
+    """Whether a node's ranks reach the controller through one relay (relay/node.py):
+    whenever a node runs several ranks, so that a recovery round costs O(nodes) frames, not
+    O(ranks). One rank per node keeps its own connection: there is nothing to aggregate."""
+    return tasks_per_node > 1
+
+
 def should_report(step: int, generation: int, last: tuple[int, float] | None, now: float,
                   every_s: float) -> bool:
     """Whether a rank sends this step's StepDone. Always the first step of a generation (the

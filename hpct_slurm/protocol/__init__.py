@@ -30,9 +30,11 @@ from .channel import (Channel, client_hello, client_hello_async, server_hello,
                       server_hello_async)
 from .digest import (CHUNK, PartHasher, hash_pool, hash_workers, leaf_digests, part_digest,
                      range_digest)
-from .errors import ConnectionClosed, DigestMismatch, ProtocolError, ProtocolTimeout
-from .messages import (MESSAGE_TYPES, Ack, Assign, Envelope, FetchState, Goodbye, Heartbeat,
-                       Holdings, Message, Register, Resume, StateBlob, StepDone, Stop)
+from .errors import (ConnectionClosed, DigestMismatch, HeaderTooLarge, ProtocolError,
+                     ProtocolTimeout)
+from .messages import (MESSAGE_TYPES, Ack, Assign, Batch, Envelope, FetchState, Goodbye,
+                       Heartbeat, Holdings, Left, Message, Register, RelayHello, Resume,
+                       StateBlob, StepDone, Stop)
 from .secret import SECRET_BYTES, load_secret, new_secret_file
 from .wire import (DEFAULT_MAX_BODY, DIGEST_LEN, HEADER_MAX, MAC_LEN, MAX_PARTS, NONCE_BYTES,
                    TO_CLIENT, TO_SERVER, VERSION, Body, decode, decode_frame, encode)
@@ -43,9 +45,10 @@ __all__ = [
     "Channel", "client_hello", "client_hello_async", "server_hello", "server_hello_async",
     "CHUNK", "PartHasher", "hash_pool", "hash_workers", "part_digest", "leaf_digests",
     "range_digest",
-    "ConnectionClosed", "DigestMismatch", "ProtocolError", "ProtocolTimeout",
+    "ConnectionClosed", "DigestMismatch", "HeaderTooLarge", "ProtocolError", "ProtocolTimeout",
     "MESSAGE_TYPES", "Ack", "Assign", "Envelope", "FetchState", "Goodbye", "Heartbeat",
     "Holdings", "Message", "Register", "Resume", "StateBlob", "StepDone", "Stop",
+    "Batch", "Left", "RelayHello",
     "SECRET_BYTES", "load_secret", "new_secret_file",
     "DEFAULT_MAX_BODY", "DIGEST_LEN", "HEADER_MAX", "MAC_LEN", "MAX_PARTS", "NONCE_BYTES",
     "TO_CLIENT", "TO_SERVER", "VERSION", "Body", "decode", "decode_frame", "encode",

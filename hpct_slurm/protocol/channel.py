@@ -14,8 +14,8 @@ from typing import Any, Literal, Sequence
 
 from .aio import read_msg, write_msg
 from .blocking import BodySink, FrameWriter, _recv_exact, _sendall, recv_msg, send_msg
-from .errors import ProtocolError
-from .messages import Envelope
+from .errors import HeaderTooLarge, ProtocolError
+from .messages import Batch, Envelope
 from .wire import (DEFAULT_MAX_BODY, NONCE_BYTES, TO_CLIENT, TO_SERVER, Body, decode_frame,
                    encode)
 
@@ -61,6 +61,18 @@ class Channel:
         """The next outgoing frame, as bytes."""
         return encode(msg, self.secret, self.next_seq(), self.job_id, body, digests,
                       context=self.send_context)
+
+    def encode_batch(self, pairs: list[tuple[int, Any]]) -> list[bytes]:
+        """(local rank, message) pairs as the fewest Batch frames whose headers fit: one
+        normally; halves, recursively, when they do not (8 full-view Assigns of a 512-rank
+        world are ~120 KB). A single message too large for a frame of its own raises."""
+        try:
+            return [self.encode(Batch.of(pairs))]
+        except HeaderTooLarge:
+            if len(pairs) < 2:
+                raise
+        half = len(pairs) // 2
+        return self.encode_batch(pairs[:half]) + self.encode_batch(pairs[half:])
 
     def decode(self, frame: bytes | memoryview, max_body: int = DEFAULT_MAX_BODY) -> Envelope:
         """Authenticate one whole incoming frame and check its sequence number."""

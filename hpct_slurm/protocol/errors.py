@@ -27,3 +27,8 @@ class DigestMismatch(ProtocolError):
     def __init__(self, message: str, msg: Any):
         super().__init__(message)
         self.msg = msg
+
+
+class HeaderTooLarge(ProtocolError):
+    """A frame to be sent whose header is over HEADER_MAX: a sender that can split its message
+    (a relay's Batch) tells this apart from a malformed one."""

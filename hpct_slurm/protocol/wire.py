@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from .digest import _flat, part_digest
-from .errors import DigestMismatch, ProtocolError
+from .errors import DigestMismatch, HeaderTooLarge, ProtocolError
 from .messages import Envelope, _build, _fields_json
 
 # 3: part digests are BLAKE3 trees (2 had SHA-256 ones): a peer of the other version is refused
@@ -94,7 +94,8 @@ def _head(msg: Any, secret: bytes, seq: int, job_id: str, sizes: Sequence[int],
                          "parts": [[n, d.hex()] for n, d in zip(sizes, digests)],
                          "fields": fields}, separators=(",", ":")).encode()
     if len(header) > HEADER_MAX:
-        raise ProtocolError(f"{msg.TYPE} header is {len(header)} bytes, over the {HEADER_MAX} limit")
+        raise HeaderTooLarge(f"{msg.TYPE} header is {len(header)} bytes, over the {HEADER_MAX} "
+                             f"limit")
     return _LEN.pack(len(header)) + header + _mac(secret, header, context)
 
 

@@ -60,6 +60,9 @@ class CoordinationClient:
         # sharded job: see _read_loop).
         self.group_addrs: set[str] = set()
         self.host_addr = ""
+        # More connections a STOP's cut must never touch (a node relay's link to the
+        # controller, in the process that runs it: job.py).
+        self.keep_fds: set[int] = set()
         self.closed = threading.Event()
         self.rank = -1
         self.generation = -1
@@ -126,7 +129,8 @@ class CoordinationClient:
         """Cut our connections to the lost nodes (sever.py): a collective blocked on one of
         them fails now instead of at its timeout. Never this node's own address."""
         try:
-            cut = sever(addrs, keep={self.host_addr}, keep_fds={self._sock.fileno()})
+            cut = sever(addrs, keep={self.host_addr},
+                        keep_fds={self._sock.fileno(), *self.keep_fds})
         except ValueError as exc:  # an address that is not one: nothing to cut
             self.events.emit(Ev.RANK_SEVER_FAILED, addrs=addrs, error=str(exc))
             return

@@ -60,6 +60,7 @@ from .gradients import average_gradients, parameter_gradients
 from .health import health_check
 from .loop import StepLoop
 from .persist import DiskPersister
+from ..relay.node import NodeRelay, publish, published, relay_file
 from .sharding import MeshSpec, infer_replicate
 from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
                        choose_mode, replica_peer_rank)
@@ -122,6 +123,7 @@ class Job:
                  transfer: Callable[..., TransferServer] = TransferServer,
                  client: Callable[..., CoordinationClient] = CoordinationClient,
                  persister: Callable[..., DiskPersister] = DiskPersister,
+                 relay: Callable[..., NodeRelay] = NodeRelay,
                  **extra_state: Any):
         """`extra_state`: more objects with state_dict/load_state_dict; `sampler=` (and any
         name not known as shared) is this rank's own state, kept on the ring neighbour.
@@ -140,10 +142,10 @@ class Job:
 
         Configuration, collaborators and side effects are apart: `settings` (default: read
         from `environ`, i.e. what the controller put in the step's environment) and `slurm`
-        (this task's SLURM_*) are the configuration; `transfer`, `client` and `persister`
-        build the transfer server, the controller connection and the disk persisters (the
-        real classes unless a test passes fakes); nothing binds a socket or talks to the
-        controller before `run` (`_start`)."""
+        (this task's SLURM_*) are the configuration; `transfer`, `client`, `persister` and
+        `relay` build the transfer server, the controller connection, the disk persisters
+        and a node's relay (the real classes unless a test passes fakes); nothing binds a
+        socket or talks to the controller before `run` (`_start`)."""
         env = os.environ if environ is None else environ
         self.settings = s = settings if settings is not None else JobSettings.from_environ(env)
         self.slurm = slurm if slurm is not None else SlurmEnv.from_environ(env)
@@ -151,8 +153,8 @@ class Job:
         # job: its ports, messages and secret are the main job's.
         if s.served_job_id is not None:
             self.slurm = dataclasses.replace(self.slurm, job_id=s.served_job_id)
-        self._make_transfer, self._make_client, self._make_persister = (
-            transfer, client, persister)
+        self._make_transfer, self._make_client, self._make_persister, self._make_relay = (
+            transfer, client, persister, relay)
         self.seed = seed
         self.role = s.role
         self.run_dir = Path(s.run_dir)
@@ -251,6 +253,7 @@ class Job:
         self.host_addr = ""
         self.transfer: TransferServer = None  # type: ignore[assignment]
         self.client: CoordinationClient = None  # type: ignore[assignment]
+        self.relay: NodeRelay | None = None  # the node's relay, in its first local rank
         self._started = False
         self._teardown_bg: Background | None = None  # the broken group's, since the fault
         # Whether the step in progress reached its optimizer update, and the model whose
@@ -276,8 +279,10 @@ class Job:
                                             own=self.snapshots, replicas=self.replicas,
                                             rank_own=self.rank_snaps, host=self.host_addr,
                                             events=self.events)
-        self.client = self._make_client(self._controller_addr, self.secret, self.job_id,
-                                        self.events)
+        address = self._relay_address() if self.settings.relay else self._controller_addr
+        self.client = self._make_client(address, self.secret, self.job_id, self.events)
+        if self.relay is not None:
+            self.client.keep_fds.add(self.relay.upstream_fd)
         self.client.register(self.node, self.slurm.localid or 0, self.role, self.host_addr,
                              self.transfer.address[1])
         # the settings this rank runs with, whoever set them (the controller; a task prolog
@@ -287,6 +292,19 @@ class Job:
                          settings={"collective_timeout_s": self.collective_timeout_s,
                                    "init_timeout_s": self.init_timeout_s,
                                    "store": self.store_kind})
+
+    def _relay_address(self) -> ControllerAddress:
+        """Where this rank's controller connection goes when its node's ranks share a relay
+        (relay.py): the first local rank starts it and publishes its port, the others read it."""
+        path = relay_file(self.run_dir, self.job_id, self.slurm.restart_count,
+                          self.slurm.step_id, self.node)
+        local = self.slurm.localid or 0
+        if local != 0:
+            return published(path, timeout=60.0)
+        self.relay = self._make_relay(self._controller_addr, self.secret, self.job_id,
+                                      self.node, self.role, local, self.events)
+        publish(path, self.relay.address)
+        return ControllerAddress(*self.relay.address)
 
     def _sharded_mode(self, spec: MeshSpec) -> str:
         if self._mode_given is not None:
@@ -1011,6 +1029,8 @@ class Job:
                 persister.close()
         self.transfer.close()
         self.client.close(reason)
+        if self.relay is not None:
+            self.relay.close()  # once the node's other ranks heard their Goodbyes too
 
 
 class _collective:

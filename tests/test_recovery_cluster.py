@@ -140,3 +140,28 @@ def test_a_rotten_source_is_caught_by_its_checksum_and_the_next_one_used(cluster
     assert sum(striped["sources"].values()) == striped["nbytes"]
     assert all(s.split(":")[0] != n1 for s in striped["sources"])
     assert any(e["event"] == "transfer.fault_injected" for e in rank_events(tmp_path, "n1"))
+
+
+def test_two_ranks_per_node_go_through_one_relay_and_recover_bit_identical(cluster, tmp_path):
+    """Issue 16: with several ranks on a node, the controller speaks to the node's relay (one
+    connection per node) instead of to each rank; a node crash loses both of its ranks, the
+    spare's two ranks take their places, and the run is bit-identical to one without a fault
+    (real srun, real torch, two tasks per node)."""
+    tpn = {"HPCT_TASKS_PER_NODE": "2", "HPCT_ACTIVE_NODES": "3"}
+    args = [*TRAIN, "--position"]
+    ref = tmp_path / "reference"
+    jid = submit(cluster, ref, TEMPLATE, args, nodes=3, env={**tpn, "HPCT_SPARE_NODES": "0"})
+    wait_job(cluster, jid, ref, 240, label="relay-reference")
+    run = tmp_path / "run"
+    jid = submit(cluster, run, TEMPLATE, args, nodes=5, env={**tpn, "HPCT_SPARE_NODES": "2"})
+    assert wait_job(cluster, jid, run, 240, kill_at=12, label="relay-crash") is not None
+    got = collect(run, 6)
+    assert bitwise_equal(collect(ref, 6), got, run)
+    evs = controller_events(run)
+    # every node, spares included, registered one relay, and every rank came through one
+    relays = [e["node"] for e in evs if e["event"] == "relay.register"]
+    assert sorted(relays) == sorted(set(relays)) and set(relays) >= {"n1", "n2", "n3", "n4"}
+    assert {e["node"] for e in evs if e["event"] == "rank.register"} <= set(relays)
+    [done] = [e for e in evs if e["event"] == "recovery.done"]
+    assert done["taken"] == {VICTIM: "n4"} and done["lost_steps"] <= 1
+    assert (got[4]["node"], got[5]["node"]) == ("n4", "n4")

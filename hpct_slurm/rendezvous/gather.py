@@ -13,9 +13,9 @@ trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard ask
 the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
 other call sends a held set first; everything else goes to the store unchanged.
 
-Lazy gloo (TORCH_GLOO_LAZY_INIT=1, opt-in here: HPCT_GLOO_LAZY_INIT in config.py) only sets its
-key in init and reads a peer's key when it first uses the pair to that peer, after init: a
-`wait([k])` then a `get(k)`. For keys under a head gathered in init, that wait is answered
+Lazy gloo (TORCH_GLOO_LAZY_INIT=1, the default here: HPCT_GLOO_LAZY_INIT in config.py) only
+sets its key in init and reads a peer's key when it first uses the pair to that peer, after
+init: a `wait([k])` then a `get(k)`. For keys under a head gathered in init, that wait is answered
 by one `get` (which itself waits for the key) and the get from its value: one round trip per
 pair instead of two (`late_read`).
 

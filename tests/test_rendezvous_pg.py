@@ -230,9 +230,12 @@ def test_init_from_slurm_two_tasks_on_one_node(tmp_path):
                 p.kill()
 
 
-def _lazy_worker(node: str, job_id: int, secret_file: str, stop, conn: Connection) -> None:
+def _lazy_worker(node: str, job_id: int, secret_file: str, stop: Connection,
+                 conn: Connection) -> None:
     """A rank of a lazy-pairs group that broadcasts on command while a STOP may come from the
-    test (`stop`, an Event), as the controller's STOP comes on the client's thread."""
+    test on `stop`, read on its own thread as the controller's STOP is on the client's. (Not
+    a multiprocessing Event: setting one waits for every thread that waited on it to wake,
+    and a rank that has finished and exited never does.)"""
     os.environ["HPCT_GLOO_LAZY_INIT"] = "1"
     import threading
 
@@ -260,7 +263,7 @@ def _lazy_worker(node: str, job_id: int, secret_file: str, stop, conn: Connectio
         _, root = conn.recv()
 
         def on_stop() -> None:
-            stop.wait()
+            stop.recv()
             pg.interrupt()
 
         threading.Thread(target=on_stop, daemon=True).start()
@@ -309,11 +312,11 @@ def test_a_stop_ends_a_lazy_pairs_wait_for_a_dead_peer(tmp_path):
     shards = [ShardServer(host, port, load_secret(secret_file), events=EventLog())
               for host, port in info.store_endpoints]
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
+    stops = {n: ctx.Pipe(duplex=False) for n in nodes}  # (the rank's end, the test's end)
     pipes = {n: ctx.Pipe() for n in nodes}
     conns = {n: pipes[n][0] for n in nodes}
     procs = {n: ctx.Process(target=_lazy_worker, daemon=True,
-                            args=(n, job_id, str(secret_file), stop, pipes[n][1]))
+                            args=(n, job_id, str(secret_file), stops[n][0], pipes[n][1]))
              for n in nodes}
     for p in procs.values():
         p.start()
@@ -321,9 +324,11 @@ def test_a_stop_ends_a_lazy_pairs_wait_for_a_dead_peer(tmp_path):
         formed = _collect(conns, nodes, "formed")
         listeners = formed["n0"][1]
         assert all(v[1] == listeners for v in formed.values()) and None not in listeners
-        # Of any two ranks one listens: that one broadcasts, the other dies. No pair is
-        # connected yet (no collective ran), so the root's pair to the victim is new.
-        root, victim = (0, 1) if _listens(listeners[0], listeners[1]) else (1, 0)
+        # Of any two ranks one listens: that one broadcasts, the other dies. Ranks 0 and 2 are
+        # each other's direct child in gloo's broadcast tree (relative rank 2 of 4, whichever
+        # is the root), so the root itself uses the pair. No pair is connected yet (no
+        # collective ran): the root's pair to the victim is new.
+        root, victim = (0, 2) if _listens(listeners[0], listeners[2]) else (2, 0)
         assert _listens(listeners[root], listeners[victim])
         os.kill(procs[nodes[victim]].pid, signal.SIGKILL)
         procs[nodes[victim]].join(timeout=TIMEOUT_S)
@@ -333,7 +338,11 @@ def test_a_stop_ends_a_lazy_pairs_wait_for_a_dead_peer(tmp_path):
         # Without the STOP the root stays in its broadcast (a slow machine only makes this
         # wait longer, so it cannot fail for slowness).
         assert not conns[nodes[root]].poll(3.0), conns[nodes[root]].recv()
-        stop.set()
+        for n in survivors:
+            try:
+                stops[n][1].send("stop")
+            except OSError:
+                pass  # a rank whose broadcast ended has torn down and left
         outcomes = _collect(conns, survivors, "broadcast")
         assert "Connection closed by peer" in outcomes[nodes[root]], outcomes
         _collect(conns, survivors, "torn_down")

@@ -99,6 +99,12 @@ class GatherPlan:
             with self._lock:
                 self.peer_listeners.add(listener)
 
+    def gloo_endpoints(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """(this process's gloo listeners, the peers' read so far), copied: a STOP's thread
+        reads them while gloo's may still add one."""
+        with self._lock:
+            return list(self.listeners), list(self.peer_listeners)
+
     def hold(self, key: str, value: bytes) -> bool:
         """This rank sets `key`: True if it is this rank's own key under a new head, held
         back to go out with that head's multi_get (the caller sends nothing now)."""

@@ -121,12 +121,12 @@ def interrupt() -> int:
         abort()
     if formed.gathering is None:
         return 0
-    plan = formed.gathering.plan
+    listeners, peer_listeners = formed.gathering.plan.gloo_endpoints()
     woken = 0
     if formed.lazy:
         # A sub-group's ranks are numbered within it: at most world_size numbers per listener.
         peers = range(formed.info.world_size)
-        woken = sum(wake.wake(listener, peers) for listener in list(plan.listeners))
+        woken = sum(wake.wake(listener, peers) for listener in listeners)
     # Then every connection of the group's pairs, to any peer: a rank blocked reading from a
     # live peer that has failed its own collective waits for it otherwise (that peer's gloo
     # teardown waits for its pairs to go quiet, ~1 in 12 probe runs), until the collective
@@ -134,7 +134,7 @@ def interrupt() -> int:
     # everything. (Imported here: recovery imports this module.)
     from ..recovery.sever import sever_endpoints
 
-    sever_endpoints(list(plan.listeners), list(plan.peer_listeners))
+    sever_endpoints(listeners, peer_listeners)
     return woken
 
 

@@ -228,3 +228,128 @@ def test_init_from_slurm_two_tasks_on_one_node(tmp_path):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def _lazy_worker(node: str, job_id: int, secret_file: str, stop: Connection,
+                 conn: Connection) -> None:
+    """A rank of a lazy-pairs group that broadcasts on command while a STOP may come from the
+    test on `stop`, read on its own thread as the controller's STOP is on the client's. (Not
+    a multiprocessing Event: setting one waits for every thread that waited on it to wake,
+    and a rank that has finished and exited never does.)"""
+    os.environ["HPCT_GLOO_LAZY_INIT"] = "1"
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from hpct_slurm.rendezvous import pg
+    from hpct_slurm.rendezvous.derive import derive
+    from hpct_slurm.rendezvous.store import load_secret, make_store
+    from hpct_slurm.rendezvous.wake import gloo_listener
+    from hpct_slurm.slurm.env import SlurmEnv
+
+    torch.set_num_threads(1)
+    try:
+        env = SlurmEnv.from_environ(_node_environ(job_id, node))
+        secret = load_secret(secret_file)
+        members = JOB_NODES[:4]
+        info = derive(env, 0, members, tasks_per_node=1, resolve=lambda name: "127.0.0.1")
+        store = make_store("rootless", info, secret)
+        pg.init(info, store, "gloo")  # the test runs the shards: a rank's death kills none
+        # Every rank's gloo listener, from the rank records gloo set in init.
+        listeners = [gloo_listener(store.get(f"hpct/gen0/0//cpu//0/{r}"))
+                     for r in range(len(members))]
+        conn.send((node, "formed", (info.rank, listeners)))
+        _, root = conn.recv()
+
+        def on_stop() -> None:
+            stop.recv()
+            pg.interrupt()
+
+        threading.Thread(target=on_stop, daemon=True).start()
+        outcome = "ok"
+        try:
+            dist.broadcast(torch.zeros(4), src=root)
+        except RuntimeError as exc:
+            outcome = str(exc).splitlines()[0]
+        conn.send((node, "broadcast", outcome))
+        pg.teardown()
+        conn.send((node, "torn_down", None))
+    except Exception:
+        conn.send((node, "error", traceback.format_exc()))
+
+
+def _listens(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether gloo makes `a` the listening side of its pair with `b`
+    (tcp/device.cc isInitiator: address bytes first, then the ports as stored, in network
+    order, subtracted as host integers)."""
+    import ipaddress
+    import socket
+
+    ka, kb = ipaddress.ip_address(a[0]).packed, ipaddress.ip_address(b[0]).packed
+    if ka != kb:
+        return ka < kb
+    return socket.htons(a[1]) < socket.htons(b[1])
+
+
+def test_a_stop_ends_a_lazy_pairs_wait_for_a_dead_peer(tmp_path):
+    """A broadcast root whose pair to a SIGKILLed rank is new and on the listening side waits
+    for a connection that never comes, with no socket to cut, up to the init timeout (600 s
+    here); pg.interrupt(), the STOP's hook, must end it, and the group must still tear down.
+    The dead rank ran no shard (as a rank other than its node's local rank 0): a dead shard
+    would fail the first read of a key it holds at once instead."""
+    from hpct_slurm.events import EventLog
+    from hpct_slurm.rendezvous.derive import derive
+    from hpct_slurm.rendezvous.store import ShardServer, load_secret, write_secret
+    from hpct_slurm.slurm.env import SlurmEnv
+
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    job_id = random.randrange(1000, 1_000_000)
+    nodes = JOB_NODES[:4]
+    info = derive(SlurmEnv.from_environ(_node_environ(job_id, nodes[0])), 0, nodes,
+                  tasks_per_node=1, resolve=lambda name: "127.0.0.1")
+    shards = [ShardServer(host, port, load_secret(secret_file), events=EventLog())
+              for host, port in info.store_endpoints]
+    ctx = mp.get_context("spawn")
+    stops = {n: ctx.Pipe(duplex=False) for n in nodes}  # (the rank's end, the test's end)
+    pipes = {n: ctx.Pipe() for n in nodes}
+    conns = {n: pipes[n][0] for n in nodes}
+    procs = {n: ctx.Process(target=_lazy_worker, daemon=True,
+                            args=(n, job_id, str(secret_file), stops[n][0], pipes[n][1]))
+             for n in nodes}
+    for p in procs.values():
+        p.start()
+    try:
+        formed = _collect(conns, nodes, "formed")
+        listeners = formed["n0"][1]
+        assert all(v[1] == listeners for v in formed.values()) and None not in listeners
+        # Of any two ranks one listens: that one broadcasts, the other dies. Ranks 0 and 2 are
+        # each other's direct child in gloo's broadcast tree (relative rank 2 of 4, whichever
+        # is the root), so the root itself uses the pair. No pair is connected yet (no
+        # collective ran): the root's pair to the victim is new.
+        root, victim = (0, 2) if _listens(listeners[0], listeners[2]) else (2, 0)
+        assert _listens(listeners[root], listeners[victim])
+        os.kill(procs[nodes[victim]].pid, signal.SIGKILL)
+        procs[nodes[victim]].join(timeout=TIMEOUT_S)
+        survivors = [n for i, n in enumerate(nodes) if i != victim]
+        for n in survivors:
+            conns[n].send(("broadcast", root))
+        # Without the STOP the root stays in its broadcast (a slow machine only makes this
+        # wait longer, so it cannot fail for slowness).
+        assert not conns[nodes[root]].poll(3.0), conns[nodes[root]].recv()
+        for n in survivors:
+            try:
+                stops[n][1].send("stop")
+            except OSError:
+                pass  # a rank whose broadcast ended has torn down and left
+        outcomes = _collect(conns, survivors, "broadcast")
+        assert "Connection closed by peer" in outcomes[nodes[root]], outcomes
+        _collect(conns, survivors, "torn_down")
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        for shard in shards:
+            shard.stop()

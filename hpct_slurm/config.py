@@ -212,9 +212,9 @@ SETTINGS: tuple[Setting, ...] = (
        "host (multi-slurmd test clusters)", lo=1, hi=UINT32_MAX, scope="rendezvous"),
     _s(SOCKET_IFNAME, "str", None, (ADMIN, USER), "rendezvous", "network interface for "
        "gloo/NCCL (unset: the one holding the node's address)", scope="rendezvous"),
-    _s(GLOO_LAZY_INIT, "flag", True, USER, "rendezvous", "gloo connects a pair of ranks on "
-       "its first use instead of its full mesh at init (faster to form: a ring allreduce "
-       "connects 2 peers per rank, not N-1; 0: the full mesh at init)", choices=("0", "1"),
+    _s(GLOO_LAZY_INIT, "flag", False, USER, "rendezvous", "gloo connects a pair of ranks on "
+       "its first use instead of its full mesh at init (faster to form; a fault during a "
+       "pair's first connect can leave a rank stuck)", choices=("0", "1"),
        scope="rendezvous"),
     # ---- the controller ------------------------------------------------------------------
     _s(SPARES, "int", 1, (USER, ADMIN), "controller", "nodes of the allocation kept as warm "

@@ -74,13 +74,11 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
         assert set(summary["init_s_per_size"]["3"]) == {"rootless", "tcpstore"}
         assert summary["goals"]["rootless_busiest_over_avg_le_2"] == {"3": True}
         assert set(summary["goals"]["rootless_not_slower_than_tcpstore"]) == {"3"}
-        # Lazy pairs, the default: the allreduce's ring reads the 2 neighbours' keys, each in
-        # one request on the rootless store (gather.py); TCPStore, the baseline, is used as
-        # torch uses it (a wait, then a get).
-        assert summary["gloo_lazy_init"] is True
+        # gloo's set + 3 waits + 3 gets reached the rootless store as one round trip
+        # (gather.py); TCPStore, the baseline, is used as torch uses it.
         assert record["sizes"][-1]["rootless"]["client_ops_of_one_rank_last_run"] == {
-            "set": 1, "get_within": 2}
-        assert tcp["client_ops_of_one_rank_last_run"] == {"set": 1, "wait": 2, "get": 2}
+            "set_then_multi_get": 1}
+        assert tcp["client_ops_of_one_rank_last_run"] == {"set": 1, "wait": 3, "get": 3}
     else:
         assert record["smoke"] is True
 

@@ -293,22 +293,3 @@ def test_a_step_the_stop_dooms_is_abandoned_in_its_forward_or_backward_not_after
     job._updating = False
     c.state = "ready"  # not training (recovering, done): never raised
     job.model(x)
-
-
-def test_only_a_stop_that_lost_a_node_gives_the_formed_group_up(settings, monkeypatch):
-    """The STOP's hook while a group is formed: pg.interrupt (which wakes lazy pairs and cuts
-    the group's connections) for a STOP naming lost nodes; a planned STOP lets the step in
-    progress finish its collectives, so it must leave the group alone."""
-    import hpct_slurm.recovery.job as J
-
-    calls: list[int] = []
-    monkeypatch.setattr(J.pg, "interrupt", lambda: calls.append(1) or 0)
-    job, _ = _job(settings)
-    job._make_client = RecoveringClient
-    job._start()
-    job.client.stop_doomed = False
-    job._interrupt_group()
-    assert calls == []
-    job.client.stop_doomed = True
-    job._interrupt_group()
-    assert calls == [1]

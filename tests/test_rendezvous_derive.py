@@ -137,7 +137,7 @@ def test_controller_membership_gives_the_global_layout():
         "RANK": "10", "WORLD_SIZE": "16", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
         "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1", "HPCT_GENERATION": "1"}
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert env["TORCH_GLOO_LAZY_INIT"] == "1" and env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    assert env["TORCH_GLOO_LAZY_INIT"] == "0" and env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
     assert env["MASTER_PORT"] == str(info.master_port)
 
 

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.gather import FormationStore, GatherPlan, split_rank_key, wraps
 from hpct_slurm.rendezvous.store import RootlessStore, ShardServer
-from hpct_slurm.rendezvous.wake import gloo_listener, wake
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 HEAD = "hpct/gen3/0//cpu//0/"
@@ -93,71 +92,6 @@ def test_after_the_formation_only_peer_keys_of_its_heads_are_late_reads():
     assert not plan.late_read(HEAD + "4")  # beyond the world
     assert not plan.late_read("hpct/gen3/1//cpu//0/2")  # a group made after init
     assert not plan.late_read("plain")
-
-
-def _gloo_record(host: str, port: int) -> bytes:
-    """A rank record as gloo sets it (tcp/context.cc Rank::bytes): hostname, sockaddr_in, one
-    pair id."""
-    import socket
-    import struct
-
-    sockaddr = struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + \
-        socket.inet_aton(host) + bytes(8)
-    name = b"node7"
-    return (struct.pack("=Q", len(name)) + name + struct.pack("=Q", len(sockaddr)) + sockaddr
-            + struct.pack("=q", 3))
-
-
-def test_gloo_listener_is_read_from_its_rank_record():
-    assert gloo_listener(_gloo_record("10.1.2.3", 40123)) == ("10.1.2.3", 40123)
-    assert gloo_listener(b"not a record") is None
-    assert gloo_listener(b"") is None
-
-
-def test_wake_connects_once_as_each_peer_then_stops_at_a_refusal():
-    """What gloo's listener reads from a connecting pair: the 8-byte sequence number (the
-    peer's rank), one connection each."""
-    import socket
-    import struct
-
-    srv = socket.create_server(("127.0.0.1", 0))
-    got: list[int] = []
-
-    def accept() -> None:
-        for _ in range(3):
-            conn, _ = srv.accept()
-            data = b""
-            while len(data) < 8:
-                chunk = conn.recv(8 - len(data))
-                if not chunk:
-                    break
-                data += chunk
-            got.append(struct.unpack("=q", data)[0])
-            conn.close()
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    address = srv.getsockname()
-    assert wake(address, [0, 5, 7]) == 3
-    t.join(10)
-    assert got == [0, 5, 7]
-    srv.close()
-    assert wake(address, [1, 2]) == 0  # the listener is gone: nothing more to wake
-
-
-def test_plan_notes_every_gloo_listener_this_process_sets():
-    """The world's own record, then a sub-group's (made after init, with this process at
-    another rank of that group): both listeners, once each; other keys are not records."""
-    plan = GatherPlan(rank=1, world_size=4)
-    plan.note_set(HEAD + "1", _gloo_record("127.0.0.1", 5000))
-    plan.note_set(HEAD + "1", _gloo_record("127.0.0.1", 5000))
-    plan.finish()
-    plan.note_set("hpct/gen3/1//cpu//0/0", _gloo_record("127.0.0.1", 5001))
-    plan.note_set("hpct/gen3/id/0", _gloo_record("127.0.0.1", 5002))  # not under gloo's head
-    assert plan.listeners == [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
-    plan.note_read(HEAD + "2", _gloo_record("10.0.0.9", 6000))  # a peer's record, read
-    plan.note_read("hpct/gen3/id/1", _gloo_record("10.0.0.9", 6001))
-    assert plan.peer_listeners == {("10.0.0.9", 6000)}
 
 
 def test_plan_rejects_a_rank_outside_the_world():

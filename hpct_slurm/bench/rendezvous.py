@@ -6,10 +6,10 @@ and report. Measured per run:
   init_s      from a common start barrier (the earliest rank to leave it) to the end of the
               first allreduce (the slowest rank): starting this node's shard server, the
               store, init_process_group, one allreduce. Both stores run gloo the same way,
-              as a job does: by default gloo connects a pair on its first use, so the
+              as a job does: by default gloo connects its full mesh in init; with
+              HPCT_GLOO_LAZY_INIT=1 (opt-in) it connects a pair on its first use, so the
               ring's 2 pairs per rank connect during that allreduce, and a later barrier or
-              broadcast connects its own pairs then (not timed here); with
-              HPCT_GLOO_LAZY_INIT=0 it connects its full mesh in init;
+              broadcast connects its own pairs then (not timed here);
   load        per host, connections accepted + requests served by its store server.
 Where each number comes from:
   requests    every rank's store (either kind) is wrapped in the same counting Store proxy,

@@ -505,13 +505,6 @@ class Job:
             self.loop.step = step
             self._end_step(step, step_fn(step))
 
-    def _interrupt_group(self) -> None:
-        """A STOP's hook while a group is formed (client thread). Only a STOP that lost a node
-        gives the group up: a planned one lets the step in progress finish its collectives,
-        whose lazy pairs may still have to connect."""
-        if self.client.stop_doomed:
-            pg.interrupt()
-
     def _check_stop(self) -> None:
         """Leave at this step boundary if the controller asked, or is gone."""
         if self.client.stop_event.is_set():
@@ -752,14 +745,8 @@ class Job:
             pg.init(info, store, "gloo", shard=shard,
                     init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
                     collective_timeout=datetime.timedelta(seconds=self.collective_timeout_s))
-        except BaseException:
+        finally:
             self.client.on_stop = None
-            raise
-        # From now on a STOP that loses a node also ends the waits of the formed group that no
-        # cut connection ends: a lazy gloo pair waiting for its peer to connect.
-        self.client.on_stop = self._interrupt_group
-        if self.client.stop_event.is_set():
-            self._interrupt_group()  # the STOP arrived while the hook was being swapped
         if self._build is not None:
             self._build_generation()
         self._hook_model()

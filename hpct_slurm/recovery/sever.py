@@ -6,16 +6,13 @@ timeout (10 s by default) before it can tear down. The controller names the lost
 addresses in its STOP; shutting down our own end of every connection to them makes gloo's
 pending reads fail at once ("connection closed"), exactly as if the peer had died cleanly.
 Only sockets of this process are touched, found through /proc/self.
-
-`sever_endpoints` cuts by endpoint instead of by address: one process group's connections
-(pg.interrupt), which on a one-host test cluster share their address with everything else.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 # /proc/net/tcp connection states worth cutting: established, SYN sent, close-wait, etc.
 # (0A, listening, is never a connection to a peer)
@@ -36,35 +33,22 @@ def _decode_addr(hex_addr: str) -> str:
     raise ValueError(f"not a /proc/net/tcp address: {hex_addr!r}")
 
 
-Endpoint = tuple[str, int]
-
-
-def _decode_endpoint(hex_addr: str) -> Endpoint:
-    return _decode_addr(hex_addr), int(hex_addr.rsplit(":", 1)[1], 16)
-
-
-def socket_inodes_where(table: str, match: Callable[[Endpoint, Endpoint], bool]) -> set[int]:
-    """Inodes of the connections in a /proc/net/tcp or tcp6 `table` for which
-    `match(local, remote)` holds, each an (address, port) (pure: the table's text in, inodes
-    out). Listening sockets and sockets already gone (inode 0) never count."""
+def socket_inodes_to(table: str, remotes: set[str]) -> set[int]:
+    """Inodes of the connections in a /proc/net/tcp or tcp6 `table` whose remote address is in
+    `remotes` (pure: the table's text in, inodes out)."""
     out = set()
     for line in table.splitlines()[1:]:
         f = line.split()
         if len(f) < 10 or f[3] == _LISTEN:
             continue
         try:
-            local, remote = _decode_endpoint(f[1]), _decode_endpoint(f[2])
+            remote = _decode_addr(f[2])
             inode = int(f[9])
         except ValueError:
             continue
-        if inode and match(local, remote):
+        if remote in remotes and inode:
             out.add(inode)
     return out
-
-
-def socket_inodes_to(table: str, remotes: set[str]) -> set[int]:
-    """Inodes of the connections in `table` whose remote address is in `remotes`."""
-    return socket_inodes_where(table, lambda local, remote: remote[0] in remotes)
 
 
 def _own_socket_fds() -> dict[int, int]:
@@ -90,32 +74,13 @@ def sever(addresses: Iterable[str], keep: Iterable[str] = (),
     remotes = {str(ipaddress.ip_address(a)) for a in addresses} - {str(k) for k in keep}
     if not remotes:
         return 0
-    return _shut_down(_own_inodes(lambda local, remote: remote[0] in remotes), keep_fds)
-
-
-def sever_endpoints(locals_: Iterable[Endpoint], remotes: Iterable[Endpoint]) -> int:
-    """Shut down every TCP connection of this process whose local endpoint is in `locals_`
-    (connections a listener of ours accepted) or whose remote endpoint is in `remotes`
-    (connections we made to those listeners). Returns how many were cut."""
-    mine = {(str(ipaddress.ip_address(a)), int(p)) for a, p in locals_}
-    theirs = {(str(ipaddress.ip_address(a)), int(p)) for a, p in remotes}
-    if not mine and not theirs:
-        return 0
-    return _shut_down(_own_inodes(lambda local, remote: local in mine or remote in theirs), ())
-
-
-def _own_inodes(match: Callable[[Endpoint, Endpoint], bool]) -> set[int]:
     inodes: set[int] = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
-                inodes |= socket_inodes_where(f.read(), match)
+                inodes |= socket_inodes_to(f.read(), remotes)
         except OSError:
             continue
-    return inodes
-
-
-def _shut_down(inodes: set[int], keep_fds: Iterable[int]) -> int:
     cut = 0
     spared = set(keep_fds)
     for inode, fd in _own_socket_fds().items():

@@ -88,10 +88,11 @@ class RendezvousInfo:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
             "TORCH_NCCL_BLOCKING_WAIT": "0",
             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(self.init_timeout_s)),
-            # Lazy pairs by default: a pair connects on its first use, so a ring allreduce
-            # connects 2 peers per rank instead of the full mesh's N-1 (a 64-rank group forms
-            # ~3x faster, docs/benchmarks.md). A pair left waiting for a dead peer is ended by
-            # the STOP (pg.interrupt, wake.py). HPCT_GLOO_LAZY_INIT=0: the full mesh at init.
+            # Eager full mesh by default: after init nobody needs the store again, and a fault
+            # finds only open sockets, which fail at once. A lazy pair's first connect to a
+            # SIGKILLed peer left the rank stuck in 2 of 6 probe runs (architecture.md,
+            # "Forming a group"). Lazy pairs form a 64-rank group ~3x faster
+            # (docs/benchmarks.md): opt-in, HPCT_GLOO_LAZY_INIT=1.
             "TORCH_GLOO_LAZY_INIT": "1" if C.read(None, C.GLOO_LAZY_INIT) else "0",
             C.GENERATION: str(self.generation),
             C.STORE_PORT: str(self.store_port),

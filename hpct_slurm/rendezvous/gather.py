@@ -13,9 +13,9 @@ trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard ask
 the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
 other call sends a held set first; everything else goes to the store unchanged.
 
-Lazy gloo (TORCH_GLOO_LAZY_INIT=1, the default here: HPCT_GLOO_LAZY_INIT in config.py) only
-sets its key in init and reads a peer's key when it first uses the pair to that peer, after
-init: a `wait([k])` then a `get(k)`. For keys under a head gathered in init, that wait is answered
+Lazy gloo (TORCH_GLOO_LAZY_INIT=1, opt-in here: HPCT_GLOO_LAZY_INIT in config.py) only sets its
+key in init and reads a peer's key when it first uses the pair to that peer, after init: a
+`wait([k])` then a `get(k)`. For keys under a head gathered in init, that wait is answered
 by one `get` (which itself waits for the key) and the get from its value: one round trip per
 pair instead of two (`late_read`).
 
@@ -33,8 +33,6 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
-
-from .wake import gloo_listener
 
 _MAX_RANK_DIGITS = 9
 # gloo's own heads end in its device prefix, e.g. "hpct/gen3/0//cpu//0/". Only a set under such a
@@ -54,13 +52,6 @@ def split_rank_key(key: str) -> tuple[str, int] | None:
     return None
 
 
-def _record_listener(key: str, value: bytes) -> tuple[str, int] | None:
-    parts = split_rank_key(key)
-    if parts is None or not _GLOO_HEAD.search(parts[0]):
-        return None
-    return gloo_listener(value)
-
-
 class GatherPlan:
     """Which keys to fetch together, and the fetched values not handed out yet. Pure logic
     (the fetch is passed in) shared by a FormationStore and its clones."""
@@ -77,33 +68,7 @@ class GatherPlan:
         self.held: tuple[str, bytes] | None = None  # this rank's own key, not sent yet
         self.formation_heads: frozenset[str] = frozenset()  # set by finish()
         self.fetches = 0
-        # gloo listeners (wake.py) from the rank records under gloo's heads: this process's
-        # own, one per group it made (a STOP connects to them to end a lazy pair's wait for
-        # a peer), and the peers' it read (a STOP cuts its connections to them).
-        self.listeners: list[tuple[str, int]] = []
-        self.peer_listeners: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
-
-    def note_set(self, key: str, value: bytes) -> None:
-        """This process sets `key`: under a gloo head that is its own rank record (gloo sets
-        no other key there), whichever group made it and whatever its rank in that group."""
-        listener = _record_listener(key, value)
-        with self._lock:
-            if listener is not None and listener not in self.listeners:
-                self.listeners.append(listener)
-
-    def note_read(self, key: str, value: bytes) -> None:
-        """This process read `key`: under a gloo head, a peer's rank record."""
-        listener = _record_listener(key, value)
-        if listener is not None:
-            with self._lock:
-                self.peer_listeners.add(listener)
-
-    def gloo_endpoints(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        """(this process's gloo listeners, the peers' read so far), copied: a STOP's thread
-        reads them while gloo's may still add one."""
-        with self._lock:
-            return list(self.listeners), list(self.peer_listeners)
 
     def hold(self, key: str, value: bytes) -> bool:
         """This rank sets `key`: True if it is this rank's own key under a new head, held
@@ -216,21 +181,19 @@ class FormationStore(dist.Store):
         self.plan.finish()
 
     def set(self, key: str, value: str | bytes) -> None:
-        data = value if isinstance(value, bytes) else value.encode()
-        self.plan.note_set(key, data)
-        if not self.plan.hold(key, data):
+        if not self.plan.hold(key, value if isinstance(value, bytes) else value.encode()):
             self._send_held()
             self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
-        value = self._late.pop(key, None)
-        if value is None:
-            value = self.plan.take(key, self._fetch)
-        if value is None:
-            self._send_held()
-            value = self.inner.get(key)
-        self.plan.note_read(key, value)
-        return value
+        late = self._late.pop(key, None)
+        if late is not None:
+            return late
+        value = self.plan.take(key, self._fetch)
+        if value is not None:
+            return value
+        self._send_held()
+        return self.inner.get(key)
 
     def wait(self, keys: list[str],
              timeout: datetime.timedelta | None = None) -> None:

@@ -21,7 +21,7 @@ import torch.distributed.distributed_c10d as dist_c10d
 from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
 
 from ..errors import HpctError
-from . import gather, wake
+from . import gather
 from .derive import RendezvousInfo
 from .store import ShardServer
 
@@ -42,7 +42,6 @@ class _Formed:
     # (a DeviceMesh's new_group, after init) fails inside torch with "Not implemented".
     # So it lives as long as the group.
     gathering: gather.FormationStore | None = None
-    lazy: bool = False  # gloo connects each pair on its first use (TORCH_GLOO_LAZY_INIT=1)
 
 
 _formed: _Formed | None = None
@@ -115,44 +114,8 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     group = dist.group.WORLD
     if collective_timeout != init_timeout:
         _set_pg_timeout(collective_timeout, group)
-    _formed = _Formed(info, store, shard, gathering,
-                      lazy=os.environ.get("TORCH_GLOO_LAZY_INIT") == "1")
+    _formed = _Formed(info, store, shard, gathering)
     return group
-
-
-def interrupt() -> int:
-    """End what this process's group is blocked on, from any thread: what a STOP that lost a
-    node does besides cutting the connections to it (recovery/sever.py). The store's pending
-    and later requests fail (a lazy pair's first read of a peer's key); with lazy pairs every
-    pair still waiting for its peer to connect fails (wake.py), whichever peer it waits for
-    (a live peer that left the collective for recovery never connects either); then every
-    connection of the group's pairs is cut. The group is unusable afterwards: only for a
-    group being given up. Needs the rootless store (the rank records are seen through
-    gather.FormationStore); over TCPStore only the store abort, if any, is done. Returns the
-    connections made to wake pairs."""
-    formed = _formed
-    if formed is None:
-        return 0
-    abort = getattr(formed.store, "abort", None)
-    if abort is not None:
-        abort()
-    if formed.gathering is None:
-        return 0
-    listeners, peer_listeners = formed.gathering.plan.gloo_endpoints()
-    woken = 0
-    if formed.lazy:
-        # A sub-group's ranks are numbered within it: at most world_size numbers per listener.
-        peers = range(formed.info.world_size)
-        woken = sum(wake.wake(listener, peers) for listener in listeners)
-    # Then every connection of the group's pairs, to any peer: a rank blocked reading from a
-    # live peer that has failed its own collective waits for it otherwise (that peer's gloo
-    # teardown waits for its pairs to go quiet, ~1 in 12 probe runs), until the collective
-    # timeout. By endpoint, not address: a one-host test cluster shares its address with
-    # everything. (Imported here: recovery imports this module.)
-    from ..recovery.sever import sever_endpoints
-
-    sever_endpoints(listeners, peer_listeners)
-    return woken
 
 
 def teardown() -> None:

@@ -26,6 +26,10 @@ def _session_cluster():
         yield cluster
     finally:
         cluster.down()
+        # the daemons' logs outlive the session's cluster, for a developer reading a failure
+        last = Path(tempfile.gettempdir()) / "hpct-test-cluster-last-log"
+        shutil.rmtree(last, ignore_errors=True)
+        shutil.copytree(root / "log", last, dirs_exist_ok=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -33,3 +37,27 @@ def _session_cluster():
 def cluster(_session_cluster: LocalCluster) -> LocalCluster:
     _session_cluster.heal()
     return _session_cluster
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed real-cluster test carries Slurm's own view of it (the queue, the nodes and
+    slurmctld's last log lines): CI keeps only the output, and the cluster is gone after."""
+    outcome = yield
+    report = outcome.get_result()
+    cluster = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+    if report.when != "call" or not report.failed or not isinstance(cluster, LocalCluster):
+        return
+    parts = []
+    for argv in (["squeue", "-a", "-o", "%i %T %r %S %N"], ["sinfo", "-N", "-o", "%N %T %E"]):
+        try:
+            parts.append("$ " + " ".join(argv) + "\n" + cluster.run(argv).stdout)
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the failure
+            parts.append(f"$ {' '.join(argv)}: {e}")
+    log = cluster.layout.log("slurmctld")
+    try:
+        parts.append("slurmctld.log (last 60 lines):\n"
+                     + "".join(log.read_text(errors="replace").splitlines(True)[-60:]))
+    except OSError as e:
+        parts.append(f"{log}: {e}")
+    report.sections.append(("Slurm at the failure", "\n".join(parts)))

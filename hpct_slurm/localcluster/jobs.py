@@ -116,14 +116,31 @@ def release_requeued(cluster: LocalCluster, job_id: int, run_dir: Path,
     release it at once instead of after Slurm's ~2-minute BeginTime hold (what an admin does
     with repaired or enough nodes; it keeps the requeue tests minutes shorter)."""
     deadline = time.monotonic() + timeout
-    slurm = cluster.client()
     while not any(e["event"] == "escalate.requeue" for e in controller_events(run_dir)):
         if time.monotonic() > deadline:
             raise HpctError(f"job {job_id} did not escalate to a requeue within {timeout:.0f} s")
         time.sleep(0.2)
-    while slurm.show_job(job_id).state != "PENDING":
+    release_when_pending(cluster, job_id, max(1.0, deadline - time.monotonic()))
+
+
+def release_when_pending(cluster: LocalCluster, job_id: int, timeout: float = 120,
+                         after_restarts: int | None = None) -> None:
+    """Wait until Slurm has the job pending again, then release it at once (release_now).
+    With `after_restarts` (its restart count before a requeue Slurm does itself), a job that
+    was requeued and already left PENDING (started again, or ended) needs nothing."""
+    deadline = time.monotonic() + timeout
+    slurm = cluster.client()
+    while True:
+        info = slurm.show_job(job_id)
+        if info.state == "PENDING" and (after_restarts is None
+                                        or info.restart_count > after_restarts):
+            break
+        if (after_restarts is not None and info.restart_count > after_restarts
+                and info.state != "COMPLETING"):
+            return
         if time.monotonic() > deadline:
-            raise HpctError(f"requeued job {job_id} never became pending within {timeout:.0f} s")
+            raise HpctError(f"requeued job {job_id} never became pending within {timeout:.0f} s "
+                            f"(state {info.state}, reason {info.reason})")
         time.sleep(0.2)
     slurm.release_now(job_id)
 
@@ -149,8 +166,14 @@ def wait_job(cluster: LocalCluster, job_id: int, run_dir: Path, timeout: float,
         if slurm.job_finished(job_id):
             return t_kill
         time.sleep(0.2)
+    try:
+        info = slurm.show_job(job_id)
+        where = f"state {info.state}, reason {info.reason}, restarts {info.restart_count}"
+    except HpctError as e:  # the error names what went wrong; the timeout is the news
+        where = f"scontrol show job failed: {e}"
     cancel(cluster, job_id)
-    raise HpctError(f"{label} job {job_id} did not finish within {timeout:.0f} s; see {run_dir}")
+    raise HpctError(f"{label} job {job_id} did not finish within {timeout:.0f} s ({where}); "
+                    f"see {run_dir}")
 
 
 # ---- the record of a run ---------------------------------------------------------------------

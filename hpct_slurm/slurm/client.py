@@ -659,8 +659,12 @@ class SlurmClient:
 
     def release_now(self, job_id: int) -> None:
         """Make a pending job eligible now: Slurm holds a requeued job back for about two
-        minutes (its BeginTime); an admin who has repaired the nodes may start it at once."""
+        minutes (its BeginTime); an admin who has repaired the nodes may start it at once.
+        A job Slurm requeued *held* (a batch launch that failed) is released too."""
         self.run(["scontrol", "update", f"JobId={int(job_id)}", "StartTime=now"])
+        info = self.show_job(job_id)
+        if info.state == "PENDING" and "held" in (info.reason or "").lower():
+            self.run(["scontrol", "release", str(int(job_id))])
 
     def cancel(self, job_id: int, step: int | None = None, signal: str | None = None) -> None:
         """scancel a job or one step. Slurm 22.05 exits 0 for an unknown job id."""

@@ -367,6 +367,48 @@ def test_client_waits_for_a_shard_that_starts_late():
             s.stop()
 
 
+def test_gather_survives_a_shard_that_starts_after_the_strangers_timeout(monkeypatch):
+    """A multi_get opens every shard's connection before it sends: while one node's shard is
+    still down, the others' silent connections must not go stale (a shard drops a stranger
+    after PREAUTH_TIMEOUT_S) and fail the whole formation."""
+    import hpct_slurm.rendezvous.store as store_mod
+
+    monkeypatch.setattr(store_mod, "PREAUTH_TIMEOUT_S", 0.4)
+    early = ShardServer("127.0.0.1", 0, SECRET, events=EventLog())
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    late_port = probe.getsockname()[1]
+    probe.close()
+    endpoints = [early.address, ("127.0.0.1", late_port)]
+    keys = ["g/0", "g/1"]
+    assert {shard_of(k, 2) for k in keys} == {0, 1}
+    started: list[ShardServer] = []
+    timer = threading.Timer(1.2, lambda: started.append(
+        ShardServer("127.0.0.1", late_port, SECRET, events=EventLog())))
+    store = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=10))
+    timer.start()
+    try:
+        late_key = next(k for k in keys if shard_of(k, 2) == 1)
+        early_key = next(k for k in keys if shard_of(k, 2) == 0)
+        # the key on the late shard is set through a connection of its own once it is up
+        def set_late() -> None:
+            other = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=10))
+            other.set(late_key, b"late")
+            other.close()
+
+        setter = threading.Timer(1.5, set_late)
+        setter.start()
+        got = store.set_then_multi_get(early_key, b"early", keys)
+        setter.join()
+        assert dict(zip(keys, got)) == {early_key: b"early", late_key: b"late"}
+    finally:
+        timer.join()
+        store.close()
+        early.stop()
+        for s in started:
+            s.stop()
+
+
 def test_a_shard_that_dies_fails_requests_at_once():
     """Once reached, a shard that goes away is a dead node: no retrying until the timeout
     (survivors must get to re-form), even with no timeout at all."""

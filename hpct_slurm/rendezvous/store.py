@@ -725,9 +725,14 @@ def _pipelined(calls: Sequence[tuple[_Shard, list[bytes]]], deadline: float | No
                 shard._check_aborted(what)
                 if shard._sock is None:
                     shard._sock = shard._open(deadline)
-                    fresh.append(shard)
-            for shard in fresh:
+                    fresh.append((shard, time.monotonic()))
+            for shard, opened in fresh:
                 sock, shard._sock = shard._sock, None
+                if time.monotonic() - opened > PREAUTH_TIMEOUT_S / 2:
+                    # A later shard took long to come up (its node started late): this
+                    # shard may already have dropped the silent connection as a stranger.
+                    sock.close()
+                    sock = shard._open(deadline)
                 try:
                     shard._read_nonce(sock)
                 except dist.DistNetworkError:

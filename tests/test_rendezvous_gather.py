@@ -188,6 +188,46 @@ def test_lazy_gloos_first_use_of_a_pair_is_one_request(servers):
     peer.close()
 
 
+def test_lazy_formation_barrier_waits_for_every_rank_and_answers_first_reads(servers):
+    """pg.init's lazy formation: finish(barrier=True) sends the held key with the multi_get
+    of its head, which waits for a late rank, and keeps the peers' values: each pair's first
+    wait-then-get is answered without a request."""
+    n = 3
+    endpoints = [s.address for s in servers]
+    inners = [RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=30)) for _ in range(n)]
+    stores = [FormationStore(inners[r], r, n) for r in range(n)]
+    for r in range(n):
+        stores[r].set(f"{HEAD}{r}", f"addr-{r}".encode())  # lazy gloo's whole init
+    done: list[float] = []
+    t0 = time.monotonic()
+
+    def finish(r: int) -> None:
+        stores[r].finish(barrier=True)
+        done.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=finish, args=(r,)) for r in range(n - 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the last rank arrives late
+    assert not done
+    finish(n - 1)
+    for t in threads:
+        t.join(10)
+    assert len(done) == n and min(done) >= 0.5
+    before = sum(s.stats().requests for s in servers)
+    for r in range(n):
+        for i in range(n):
+            if i != r:
+                stores[r].wait([f"{HEAD}{i}"])
+                assert stores[r].get(f"{HEAD}{i}") == f"addr-{i}".encode()
+    assert sum(s.stats().requests for s in servers) == before
+    # a value is handed out once: a second read goes to the store
+    assert stores[0].get(f"{HEAD}1") == b"addr-1"
+    assert sum(s.stats().requests for s in servers) == before + 1
+    for inner in inners:
+        inner.close()
+
+
 def test_formation_store_passes_other_keys_through(servers):
     inner = RootlessStore([s.address for s in servers], SECRET, datetime.timedelta(seconds=5))
     store = FormationStore(inner, 0, 2)

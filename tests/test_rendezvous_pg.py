@@ -170,6 +170,123 @@ def test_kill_one_rank_and_reform_with_warm_spare(tmp_path, lazy):
             p.join(timeout=10)
 
 
+COLLECTIVE_S = 5.0
+# A survivor stuck on its first connect to the dead peer waited 5 x the init timeout (600 s);
+# pg.init now bounds it by the collective timeout. Generous for a loaded machine, far below
+# the old wait.
+SURVIVOR_BOUND_S = 40
+
+
+def _listening_ports() -> set[int]:
+    """This process's listening IPv4 TCP ports (its shard server's and gloo's)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    with open("/proc/self/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {int(r[1].split(":")[1], 16) for r in rows if r[3] == "0A" and r[9] in inodes}
+
+
+def _first_connect_worker(node: str, job_id: int, secret_file: str, conn: Connection) -> None:
+    os.environ["HPCT_GLOO_LAZY_INIT"] = "1"
+    import datetime
+    import faulthandler
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from hpct_slurm.rendezvous import pg
+    from hpct_slurm.rendezvous.derive import derive
+    from hpct_slurm.rendezvous.store import load_secret, make_store, serve_shard
+    from hpct_slurm.slurm.env import SlurmEnv
+
+    torch.set_num_threads(1)
+    nodes = JOB_NODES[:4]
+    env = SlurmEnv.from_environ(_node_environ(job_id, node))
+    info = derive(env, 0, nodes, tasks_per_node=1, resolve=lambda name: "127.0.0.1",
+                  init_timeout_s=600, collective_timeout_s=COLLECTIVE_S)
+    secret = load_secret(secret_file)
+    shard = serve_shard(info, secret)
+    store = make_store("rootless", info, secret)
+    pg.init(info, store, "gloo", shard=shard,
+            init_timeout=datetime.timedelta(seconds=600),
+            collective_timeout=datetime.timedelta(seconds=COLLECTIVE_S))
+    dist.all_reduce(torch.ones(1000))  # connects the ring's pairs only
+    gloo_ports = _listening_ports() - {shard.address[1]}
+    conn.send((node, "formed", (os.environ["TORCH_GLOO_LAZY_INIT"], sorted(gloo_ports))))
+    _, root = conn.recv()  # the victim is dead: the root's pair to it never connected
+    faulthandler.dump_traceback_later(SURVIVOR_BOUND_S - 5, exit=False)  # a hang's stack
+    failure = None
+    try:
+        dist.broadcast(torch.ones(1000), src=root)
+    except RuntimeError as exc:
+        failure = str(exc).splitlines()[0][-120:]
+    t0 = time.monotonic()
+    pg.teardown()
+    conn.send((node, "torn_down", (failure, time.monotonic() - t0)))
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_lazy_first_connect_to_a_dead_peer_fails_within_the_collective_timeout(tmp_path):
+    """Lazy pairs, 4 ranks: after a ring allreduce, ranks 0 and 2 (and 1 and 3) have no pair
+    yet. One of 0/2 is SIGKILLed; the other broadcasts, and must connect to it first. gloo
+    makes the side with the lower port (in network byte order) listen, and a listening side
+    waited out 5 x the init timeout (50 min) for a dead peer: the root chosen here is the
+    listening one. It must fail, and every survivor get through its teardown, long before."""
+    import socket
+    import time
+
+    from hpct_slurm.rendezvous.store import write_secret
+
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    job_id = random.randrange(1000, 1_000_000)
+    ctx = mp.get_context("spawn")
+    nodes = JOB_NODES[:4]
+    pipes = {n: ctx.Pipe() for n in nodes}
+    conns = {n: pipes[n][0] for n in nodes}
+    procs = {n: ctx.Process(target=_first_connect_worker, daemon=True,
+                            args=(n, job_id, str(secret_file), pipes[n][1])) for n in nodes}
+    for p in procs.values():
+        p.start()
+    try:
+        formed = _collect(conns, nodes, "formed")
+        assert all(lazy == "1" and len(ports) == 1 for lazy, ports in formed.values()), formed
+        # gloo's tcp Device::isInitiator: the side whose port compares lower listens
+        order = sorted(["n0", "n2"], key=lambda n: socket.htons(formed[n][1][0]))
+        root, victim = order[0], order[1]
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].join(timeout=TIMEOUT_S)
+        survivors = [n for n in nodes if n != victim]
+        t0 = time.monotonic()
+        for n in survivors:
+            conns[n].send(("go", nodes.index(root)))
+        got: dict[str, object] = {}
+        while len(got) < len(survivors):
+            left = SURVIVOR_BOUND_S - (time.monotonic() - t0)
+            ready = wait([conns[n] for n in survivors if n not in got], timeout=max(left, 0))
+            if not ready:
+                pytest.fail(f"{sorted(set(survivors) - set(got))} still stuck "
+                            f"{SURVIVOR_BOUND_S} s after the peer died (got {got})")
+            for c in ready:
+                node, kind, value = c.recv()
+                assert kind == "torn_down", (node, kind, value)
+                got[node] = value
+        # the root listened for the dead peer and gave up (not a refused connect)
+        assert "Connect timeout" in (got[root][0] or ""), got
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+
 def _slurm_task(environ: dict[str, str], conn: Connection) -> None:
     """One task of a plain `srun -n2` on one node, as the lead's Slurm test runs it."""
     os.environ.update(environ)

@@ -13,11 +13,14 @@ trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard ask
 the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
 other call sends a held set first; everything else goes to the store unchanged.
 
-Lazy gloo (TORCH_GLOO_LAZY_INIT=1, opt-in here: HPCT_GLOO_LAZY_INIT in config.py) only sets its
-key in init and reads a peer's key when it first uses the pair to that peer, after init: a
-`wait([k])` then a `get(k)`. For keys under a head gathered in init, that wait is answered
-by one `get` (which itself waits for the key) and the get from its value: one round trip per
-pair instead of two (`late_read`).
+Lazy gloo (TORCH_GLOO_LAZY_INIT=1, the default here: HPCT_GLOO_LAZY_INIT in config.py) only
+sets its key in init and reads a peer's key when it first uses the pair to that peer, after
+init: a `wait([k])` then a `get(k)`. pg.init then calls `finish(barrier=True)`: the held set
+goes out with the multi_get of its head after all (`gather_unread`), which waits for every
+rank's key under the store's (init) timeout, the formation's barrier: lazy gloo's own init
+waits for nobody, and its pairs get only a short timeout (pg._pair_timeout). The values are
+kept, and a pair's first wait-then-get is answered from them, no round trip (`late_read`).
+Without the barrier such a wait is answered by one `get` that itself waits for the key.
 
 Why only heads this rank has set its own key under: those keys are, by that pattern, one per
 rank and each written once before anybody reads them (gloo's addresses). A key that merely
@@ -67,6 +70,8 @@ class GatherPlan:
         self.cache: dict[str, bytes] = {}
         self.held: tuple[str, bytes] | None = None  # this rank's own key, not sent yet
         self.formation_heads: frozenset[str] = frozenset()  # set by finish()
+        # Peers' keys gathered at the end of a lazy formation, for lazy gloo's first reads.
+        self.late_values: dict[str, bytes] = {}
         self.fetches = 0
         self._lock = threading.Lock()
 
@@ -133,13 +138,23 @@ class GatherPlan:
             self._ensure(head, fetch)
             return self.cache.pop(key, None)
 
+    def gather_unread(self, fetch: Fetch) -> None:
+        """Fetch every gloo head this rank set its own key under but gloo never read (lazy
+        gloo reads no key in init): the formation's barrier, every rank's key waited for
+        under the store's (init) timeout, and the values kept for the pairs' first reads."""
+        with self._lock:
+            for head in sorted(self.heads - self.fetched):
+                if _GLOO_HEAD.search(head):
+                    self._ensure(head, fetch)
+
     def finish(self) -> None:
-        """The formation is over: forget everything, pass every call through from now on,
-        except lazy gloo's first read of a peer's key under one of the formation's heads
-        (`late_read`)."""
+        """The formation is over: pass every call through from now on, except lazy gloo's
+        first read of a peer's key under one of the formation's heads (`late_read`), which a
+        value gathered by gather_unread answers."""
         with self._lock:
             self.active = False
             self.formation_heads = frozenset(self.heads)
+            self.late_values = {k: v for k, v in self.cache.items() if self.late_read(k)}
             self.heads.clear()
             self.cache.clear()
 
@@ -174,9 +189,12 @@ class FormationStore(dist.Store):
         if held is not None:
             self.inner.set(*held)
 
-    def finish(self) -> None:
-        """The formation is over: send a set still held (lazy gloo reads no key in init),
-        then pass everything through."""
+    def finish(self, barrier: bool = False) -> None:
+        """The formation is over: with `barrier`, gather what lazy gloo set but never read
+        (GatherPlan.gather_unread: waits for every rank); send a set still held; then pass
+        everything through."""
+        if barrier:
+            self.plan.gather_unread(self._fetch)
         self._send_held()
         self.plan.finish()
 
@@ -198,6 +216,10 @@ class FormationStore(dist.Store):
     def wait(self, keys: list[str],
              timeout: datetime.timedelta | None = None) -> None:
         if keys and all(self.plan.holds(k, self._fetch) for k in keys):
+            return
+        gathered = self.plan.late_values.pop(keys[0], None) if len(keys) == 1 else None
+        if gathered is not None:
+            self._late[keys[0]] = gathered
             return
         if len(keys) == 1 and self.plan.late_read(keys[0]) and hasattr(self.inner, "get_within"):
             # Lazy gloo's first use of a pair: fetch the value now, the get follows at once.

@@ -4,7 +4,8 @@ Rules learnt the hard way (torch-distributed.md):
 - every generation rendezvouses under its own key prefix: destroy_process_group() resets the
   group counter, so a new generation's keys would otherwise collide with the old one's;
 - initialise with a long timeout (a replacement may be slow to join), then shorten the
-  collective timeout on the formed group;
+  collective timeout on the formed group; with lazy gloo pairs the long wait is a barrier of
+  our own (`_pair_timeout`);
 - tear down outside any `except` block: the traceback keeps the broken group (and gloo's
   sockets) alive, the peers never hear of it and hang for the default 30 minutes.
 """
@@ -60,6 +61,23 @@ def nccl_id_prefix(generation: int, group_name: str = "0") -> str:
     return f"{generation_prefix(generation)}/{group_name}//cuda//"
 
 
+def gloo_lazy() -> bool:
+    """Whether torch will make this process's gloo groups with lazy pairs."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() in ("1", "true", "yes")
+
+
+def _pair_timeout(collective_timeout: datetime.timedelta) -> datetime.timedelta:
+    """The timeout lazy gloo pairs get from init: a fifth of the collective timeout.
+
+    gloo copies the group's timeout at init into every pair and never updates it
+    (_set_pg_timeout reaches only the collectives), and a pair's first connect waits up to
+    5x that timeout on its listening side (tcp/pair.h waitUntil, torch 2.13's gloo: "Connect
+    timeout"). With the init timeout there, a peer that died before it connected kept a
+    survivor for 5 x 600 s. Init itself waits for nobody in lazy mode; the wait for a slow
+    rank is FormationStore's barrier, under the store's (init) timeout."""
+    return max(collective_timeout / 5, datetime.timedelta(milliseconds=1))
+
+
 def current() -> RendezvousInfo | None:
     """The generation this process's default group belongs to, if one is formed."""
     return _formed.info if _formed else None
@@ -98,21 +116,26 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
         store) else None
     prefixed = dist.PrefixStore(generation_prefix(info.generation), gathering or store)
     kwargs = {} if device_id is None else {"device_id": device_id}
+    # Lazy pairs get a short timeout only where the barrier below stands in for init's wait.
+    lazy = backend == "gloo" and gathering is not None and gloo_lazy()
+    group_timeout = _pair_timeout(collective_timeout) if lazy else init_timeout
     try:
         dist.init_process_group(backend, store=prefixed, rank=info.rank,
-                                world_size=info.world_size, timeout=init_timeout, **kwargs)
+                                world_size=info.world_size, timeout=group_timeout, **kwargs)
+        if gathering is not None:
+            gathering.finish(barrier=lazy)
     except BaseException:
         if gathering is not None:
             gathering.plan.finish()  # nothing more to send for a formation that failed
+        if dist.is_initialized():
+            dist.destroy_process_group()  # lazy: the barrier failed; no pair connected yet
         # A failed formation (aborted by a STOP, a member gone, a timeout) must leave nothing
         # behind: no store connections, no shard server, and no advanced group counter.
         _release(_Formed(info, store, shard))
         _reset_group_count()
         raise
-    if gathering is not None:
-        gathering.finish()
     group = dist.group.WORLD
-    if collective_timeout != init_timeout:
+    if collective_timeout != group_timeout:
         _set_pg_timeout(collective_timeout, group)
     _formed = _Formed(info, store, shard, gathering)
     return group

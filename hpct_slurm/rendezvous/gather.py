@@ -13,7 +13,7 @@ trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard ask
 the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
 other call sends a held set first; everything else goes to the store unchanged.
 
-Lazy gloo (TORCH_GLOO_LAZY_INIT=1, the default here: HPCT_GLOO_LAZY_INIT in config.py) only
+Lazy gloo (TORCH_GLOO_LAZY_INIT=1, opt-in here: HPCT_GLOO_LAZY_INIT in config.py) only
 sets its key in init and reads a peer's key when it first uses the pair to that peer, after
 init: a `wait([k])` then a `get(k)`. pg.init then calls `finish(barrier=True)`: the held set
 goes out with the multi_get of its head after all (`gather_unread`), which waits for every

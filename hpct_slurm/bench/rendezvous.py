@@ -1,8 +1,8 @@
 """Rendezvous load: rootless (sharded) store vs TCPStore, N loopback processes.
 
-Each process plays one node with one task. For every N and store kind the same processes form
-a gloo group (a fresh generation each time: new ports, new key prefix), run one allreduce,
-and report. Measured per run:
+Each process plays one node with one task. For every N the same processes form a gloo group
+(a fresh generation each time: new ports, new key prefix), run one allreduce, and report; the
+two store kinds take turns, each first in every other round, so both see the same load. Measured per run:
   init_s      from a common start barrier (the earliest rank to leave it) to the end of the
               first allreduce (the slowest rank): starting this node's shard server, the
               store, init_process_group, one allreduce. Both stores run gloo the same way,
@@ -224,9 +224,11 @@ def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
         spawn_s = time.time() - t_spawn
         out: dict[str, Any] = {"ranks": n, "spawn_and_import_s": spawn_s}
         generation = 0
-        for kind in ("rootless", "tcpstore"):
-            runs = []
-            for _ in range(reps):
+        runs: dict[str, list[list[dict[str, Any]]]] = {"rootless": [], "tcpstore": []}
+        # The two stores take turns, each going first every other round: 2 cores shared by N
+        # processes drift in speed over a run, and both kinds must see the same drift.
+        for rep in range(reps):
+            for kind in (("rootless", "tcpstore") if rep % 2 == 0 else ("tcpstore", "rootless")):
                 for parent, _ in pipes:
                     parent.send((kind, generation))
                 generation += 1
@@ -240,8 +242,9 @@ def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
                     raise RuntimeError(f"{kind} formation of {n} ranks failed:\n{errors[0]}")
                 if any(r["sum"] != n for r in results):
                     raise RuntimeError(f"{kind} allreduce of {n} ranks gave a wrong sum")
-                runs.append(results)
-            out[kind] = _summarize(kind, runs, n)
+                runs[kind].append(results)
+        for kind, kind_runs in runs.items():
+            out[kind] = _summarize(kind, kind_runs, n)
         return out
     finally:
         for parent, _ in pipes:

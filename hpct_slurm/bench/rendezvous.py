@@ -10,6 +10,9 @@ two store kinds take turns, each first in every other round, so both see the sam
               HPCT_GLOO_LAZY_INIT=1 (opt-in) it connects a pair on its first use, so the
               ring's 2 pairs per rank connect during that allreduce, and a later barrier or
               broadcast connects its own pairs then (not timed here);
+  phases      per rank: its shard server's start, its store client, init_process_group, the
+              allreduce; the results keep each phase's slowest rank (median over runs) and
+              how far apart the ranks left the start barrier;
   load        per host, connections accepted + requests served by its store server.
 Where each number comes from:
   requests    every rank's store (either kind) is wrapped in the same counting Store proxy,
@@ -176,11 +179,16 @@ def _rank_main(node: str, nodes: list[str], job_id: int, secret: bytes,
             barrier.wait()
             t0 = time.time()
             shard = serve_shard(info, secret, events=EventLog()) if kind == "rootless" else None
+            t_shard = time.time()
             store = _counting_store(make_store(kind, info, secret))
+            t_store = time.time()
             pg.init(info, store, "gloo", shard=shard)
+            t_init = time.time()
             t = torch.ones(1)
             dist.all_reduce(t)
             t1 = time.time()
+            phases = {"shard": t_shard - t0, "store": t_store - t_shard,
+                      "init_process_group": t_init - t_store, "allreduce": t1 - t_init}
             barrier.wait()  # every rank is formed: the servers' counters are final
             load: dict[str, int] = {}
             if shard is not None:
@@ -193,7 +201,7 @@ def _rank_main(node: str, nodes: list[str], job_id: int, secret: bytes,
                 store.close()
             barrier.wait()  # nobody tears down a server another rank still reads
             pg.teardown()
-            conn.send({"rank": info.rank, "t0": t0, "t1": t1, "sum": float(t[0]),
+            conn.send({"rank": info.rank, "t0": t0, "t1": t1, "sum": float(t[0]), "phases": phases,
                        "load": load, "client_requests": sum(client.values()),
                        "client_ops": client})
         except Exception:
@@ -261,6 +269,13 @@ def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
 def _summarize(kind: str, runs: list[list[dict[str, Any]]], n: int) -> dict[str, Any]:
     init = [max(r["t1"] for r in res) - min(r["t0"] for r in res) for res in runs]
     out: dict[str, Any] = {"init_s": init, "init_s_median": statistics.median(init)}
+    # Where a formation's time goes: per run, each phase's slowest rank and how far apart
+    # the ranks left the start barrier; medians over the runs.
+    out["phases_s_median"] = {
+        name: statistics.median(max(r["phases"][name] for r in res) for res in runs)
+        for name in runs[0][0]["phases"]}
+    out["start_skew_s_median"] = statistics.median(
+        max(r["t0"] for r in res) - min(r["t0"] for r in res) for res in runs)
     if kind == "rootless":
         ratios, conn_ratios, totals = [], [], []
         per_host = []

@@ -26,6 +26,7 @@ newcomer). A client whose first request is larger sends a small one first.
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import datetime
@@ -234,9 +235,13 @@ class ShardServer:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=f"hpct-shard-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        # threading.Thread.start() returns only once the new thread has run: when every rank
+        # of a formation wakes at once on busy cores, that wait was the slowest rank's 1-6 ms
+        # (bench rendezvous, "shard" phase), on the formation's critical path, while the
+        # listening socket already queues connections. The loop starts without that wait;
+        # `_done` stands in for join().
+        self._done = threading.Event()
+        _thread.start_new_thread(self._serve, ())
         self._events.emit(EVENT_SHARD_STARTED, shard=self.name, address=list(self.address))
 
     @property
@@ -255,7 +260,7 @@ class ShardServer:
             self._wake_w.send(b"x")
         except OSError:
             pass
-        self._thread.join(timeout=10)
+        self._done.wait(timeout=10)
         self._events.emit(EVENT_SHARD_STOPPED, shard=self.name, **dataclasses.asdict(self.stats()))
 
     def __enter__(self) -> "ShardServer":
@@ -265,6 +270,12 @@ class ShardServer:
         self.stop()
 
     # -- event loop
+
+    def _serve(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._done.set()
 
     def _loop(self) -> None:
         try:

@@ -11,8 +11,9 @@ two store kinds take turns, each first in every other round, so both see the sam
               ring's 2 pairs per rank connect during that allreduce, and a later barrier or
               broadcast connects its own pairs then (not timed here);
   phases      per rank: its shard server's start, its store client, init_process_group, the
-              allreduce; the results keep each phase's slowest rank (median over runs) and
-              how far apart the ranks left the start barrier;
+              allreduce, and the CPU seconds its main thread and its whole process spent in
+              them; the results keep each phase's slowest rank (median over runs) and how far
+              apart the ranks left the start barrier;
   load        per host, connections accepted + requests served by its store server.
 Where each number comes from:
   requests    every rank's store (either kind) is wrapped in the same counting Store proxy,
@@ -178,6 +179,7 @@ def _rank_main(node: str, nodes: list[str], job_id: int, secret: bytes,
                           resolve=lambda name: "127.0.0.1", init_timeout_s=INIT_TIMEOUT_S)
             barrier.wait()
             t0 = time.time()
+            c0 = time.thread_time(), time.process_time()
             shard = serve_shard(info, secret, events=EventLog()) if kind == "rootless" else None
             t_shard = time.time()
             store = _counting_store(make_store(kind, info, secret))
@@ -187,7 +189,9 @@ def _rank_main(node: str, nodes: list[str], job_id: int, secret: bytes,
             t = torch.ones(1)
             dist.all_reduce(t)
             t1 = time.time()
-            phases = {"shard": t_shard - t0, "store": t_store - t_shard,
+            c1 = time.thread_time(), time.process_time()
+            phases = {"cpu_main_thread": c1[0] - c0[0], "cpu_process": c1[1] - c0[1],
+                      "shard": t_shard - t0, "store": t_store - t_shard,
                       "init_process_group": t_init - t_store, "allreduce": t1 - t_init}
             barrier.wait()  # every rank is formed: the servers' counters are final
             load: dict[str, int] = {}

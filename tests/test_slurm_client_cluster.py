@@ -324,6 +324,23 @@ def test_sbatch_job_runs_and_completes(cluster, tmp_path: Path) -> None:
 
 
 @pytest.mark.cluster
+def test_release_now_starts_a_held_job_at_once(cluster, tmp_path: Path) -> None:
+    """release_now makes a pending job eligible: its BeginTime moves to now and a hold (what
+    Slurm puts on a requeue after a failed batch launch) is released."""
+    client = cluster.client()
+    job_id = _submit(client, tmp_path, 1, "--hold", "--begin=now+1hour")
+    try:
+        held = client.show_job(job_id)
+        assert held.state == "PENDING" and "held" in (held.reason or "").lower(), held
+        client.release_now(job_id)
+        done = _until("job COMPLETED", lambda: (j := client.show_job(job_id)).finished and j,
+                      timeout=60)
+        assert done.state == "COMPLETED", done
+    finally:
+        client.cancel(job_id)
+
+
+@pytest.mark.cluster
 def test_drain_and_resume_a_node(cluster) -> None:
     client = cluster.client()
     node = cluster.nodes[-1]

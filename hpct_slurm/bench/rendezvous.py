@@ -2,7 +2,8 @@
 
 Each process plays one node with one task. For every N the same processes form a gloo group
 (a fresh generation each time: new ports, new key prefix), run one allreduce, and report; the
-two store kinds take turns, each first in every other round, so both see the same load. Measured per run:
+two store kinds take turns, each first in every other round, so both see the same load.
+Measured per run:
   init_s      from a common start barrier (the earliest rank to leave it) to the end of the
               first allreduce (the slowest rank): starting this node's shard server, the
               store, init_process_group, one allreduce. Both stores run gloo the same way,

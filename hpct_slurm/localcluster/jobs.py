@@ -132,12 +132,11 @@ def release_when_pending(cluster: LocalCluster, job_id: int, timeout: float = 12
     slurm = cluster.client()
     while True:
         info = slurm.show_job(job_id)
-        if info.state == "PENDING" and (after_restarts is None
-                                        or info.restart_count > after_restarts):
+        requeued = after_restarts is None or info.restart_count > after_restarts
+        if requeued and info.state == "PENDING":
             break
-        if (after_restarts is not None and info.restart_count > after_restarts
-                and info.state != "COMPLETING"):
-            return
+        if requeued and after_restarts is not None and info.state != "COMPLETING":
+            return  # requeued and already started again (or ended)
         if time.monotonic() > deadline:
             raise HpctError(f"requeued job {job_id} never became pending within {timeout:.0f} s "
                             f"(state {info.state}, reason {info.reason})")

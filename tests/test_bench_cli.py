@@ -74,10 +74,10 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
         assert set(summary["init_s_per_size"]["3"]) == {"rootless", "tcpstore"}
         assert summary["goals"]["rootless_busiest_over_avg_le_2"] == {"3": True}
         assert set(summary["goals"]["rootless_not_slower_than_tcpstore"]) == {"3"}
-        # gloo's set + 3 waits + 3 gets reached the rootless store as one round trip
-        # (gather.py); TCPStore, the baseline, is used as torch uses it.
+        # gloo's set + 3 waits + 3 gets reached the rootless store as one round trip over
+        # the shard grid (gather.py, grid.py); TCPStore, the baseline, is used as torch uses it.
         assert record["sizes"][-1]["rootless"]["client_ops_of_one_rank_last_run"] == {
-            "set_then_multi_get": 1}
+            "gather": 1}
         assert tcp["client_ops_of_one_rank_last_run"] == {"set": 1, "wait": 3, "get": 3}
     else:
         assert record["smoke"] is True
@@ -100,6 +100,13 @@ def test_bench_cli_rejects_options_that_do_not_apply(argv, message, tmp_path, ca
 def test_bench_cli_rejects_a_size_below_two(tmp_path):
     proc = _bench("rendezvous", tmp_path, "--sizes", "1,4", timeout=60)
     assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr
+
+
+def test_small_rendezvous_sizes_get_more_formations():
+    from hpct_slurm.bench.rendezvous import formations
+
+    # A 4-rank formation takes milliseconds: its median needs the sample a 16-rank one has.
+    assert [formations(n, 5) for n in (2, 4, 8, 16, 32, 64)] == [40, 20, 10, 5, 5, 5]
 
 
 def test_all_exit_code():

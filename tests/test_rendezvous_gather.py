@@ -109,8 +109,8 @@ def servers():
 
 def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers):
     """N ranks each: set own key, then wait + get every rank's key (gloo's connectFullMesh).
-    Every value arrives right, and each rank sends one set plus one request per shard instead
-    of 2N+1 requests."""
+    Every value arrives right, and each rank sends its set to its grid row and one request per
+    row (grid.py) instead of 2N+1 requests, over 3 of the 4 shards' connections."""
     n = 8
     endpoints = [s.address for s in servers]
     got: dict[int, list[bytes]] = {}
@@ -139,8 +139,12 @@ def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers)
         t.join(30)
     assert not errors, errors
     assert all(got[r] == [f"addr-{i}".encode() for i in range(n)] for r in range(n))
-    requests = sum(s.stats().requests for s in servers)
-    assert requests == n * (1 + len(servers))  # not n * (2n + 1) = 136
+    stats = [s.stats() for s in servers]
+    # 4 shards: 2 rows of 2. A set to each shard of the row, a multi_get to one shard a row.
+    assert sum(s.requests for s in stats) == n * (2 + 2)  # not n * (2n + 1) = 136
+    # Its row and its column: 3 shards of 4 (every shard: 4 rank-to-shard connections).
+    assert sum(s.connections for s in stats) == n * 3
+    assert sorted(s.connections for s in stats) == [6, 6, 6, 6]
 
 
 def test_a_held_set_goes_out_before_any_other_request(servers):

@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="rendezvous only: rank counts to sweep (default 4,16 with --quick, "
                         "else 4,16,32,64)")
     p.add_argument("--reps", type=int, default=None, metavar="R",
-                   help="rendezvous only: formations per size and store (default 3)")
+                   help="rendezvous only: formations per size and store (default 3; "
+                        "below 16 ranks, times 16 // ranks)")
     p.add_argument("--ranks", type=_ranks, default=None, metavar="N,N,...",
                    help="scale only: simulated rank counts, multiples of 8 (default 2304; "
                         "256 with --quick)")

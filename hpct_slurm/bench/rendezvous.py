@@ -3,6 +3,8 @@
 Each process plays one node with one task. For every N the same processes form a gloo group
 (a fresh generation each time: new ports, new key prefix), run one allreduce, and report; the
 two store kinds take turns, each first in every other round, so both see the same load.
+Below 16 ranks a size gets 16 // N times the formations asked for (`formations`): they take
+milliseconds, and a small sample's median moved by more than the stores differ.
 Measured per run:
   init_s      from a common start barrier (the earliest rank to leave it) to the end of the
               first allreduce (the slowest rank): starting this node's shard server, the
@@ -127,6 +129,10 @@ def _counting_store(inner: Any) -> Any:
             self._count("set_then_multi_get")
             return self.inner.set_then_multi_get(key, value, keys)
 
+        def gather(self, own_key, value, keys):  # type: ignore[no-untyped-def]
+            self._count("gather")
+            return self.inner.gather(own_key, value, keys)
+
         @property
         def batched_multi_get(self) -> bool:
             return bool(getattr(self.inner, "batched_multi_get", False))
@@ -219,6 +225,17 @@ def _ratio(loads: list[float]) -> float:
     return max(loads) / avg if avg else 0.0
 
 
+# Below this many ranks a size gets proportionally more formations (`formations`): a 4-rank
+# formation takes ~7 ms, so a process descheduled for a millisecond moves it by 15 %, and 5 of
+# them gave medians a millisecond either way from one run to the next; 20 cost 0.2 s.
+EVEN_SAMPLE_RANKS = 16
+
+
+def formations(n: int, reps: int) -> int:
+    """Formations per store at `n` ranks: `reps`, times EVEN_SAMPLE_RANKS // n below it."""
+    return reps * max(1, EVEN_SAMPLE_RANKS // n)
+
+
 def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
     nodes = [f"b{i}" for i in range(n)]
     ctx = mp.get_context("spawn")
@@ -235,7 +252,7 @@ def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
             if not parent.poll(300) or parent.recv() != "ready":
                 raise RuntimeError(f"a rank of the {n}-rank run did not start")
         spawn_s = time.time() - t_spawn
-        out: dict[str, Any] = {"ranks": n, "spawn_and_import_s": spawn_s}
+        out: dict[str, Any] = {"ranks": n, "spawn_and_import_s": spawn_s, "formations": reps}
         generation = 0
         runs: dict[str, list[list[dict[str, Any]]]] = {"rootless": [], "tcpstore": []}
         # The two stores take turns, each going first every other round: 2 cores shared by N
@@ -410,7 +427,8 @@ def run(out_dir: Path, quick: bool = False, sizes: list[int] | None = None,
         raise ValueError(f"every size was skipped: {skipped}")
     secret = secrets.token_bytes(32)
     # A random job id keeps the derived ports apart from other runs on this machine.
-    sizes = [_one_size(n, reps, random.randrange(1000, 1_000_000), secret) for n in counts]
+    sizes = [_one_size(n, 1 if smoke else formations(n, reps), random.randrange(1000, 1_000_000),
+                       secret) for n in counts]
     largest = sizes[-1]
     summary = {
         "bench": NAME,

@@ -12,11 +12,12 @@ waits for another worker's (the counts do not depend on the order).
 
 Patterns, with torch 2.13's key names under generation 0's prefix:
 
-* `gloo`: the full-mesh exchange as gather.py makes it: every rank sets `<head><rank>`
-  (`hpct/gen0/0//cpu//0/<rank>`) and reads every rank's key in one multi_get, one request per
-  shard that holds any. Every reader sends the same requests, so GLOO_READERS ranks (evenly
-  spaced) read and every rank sets: the whole exchange at 2,048 hosts would be 33.5 million
-  requests. gloo's keys are never declared: both layouts carry the same traffic.
+* `gloo`: the full-mesh exchange as gather.py makes it: every rank writes `<head><rank>`
+  (`hpct/gen0/0//cpu//0/<rank>`) to every shard of its key's grid row and reads every rank's
+  key with one multi_get per row, at its own column (`RootlessStore.gather`, grid.py).
+  GLOO_READERS ranks (evenly spaced) read and every rank writes: the whole exchange at 2,048
+  hosts would be 1.5 million requests. gloo's keys are never declared: both layouts carry
+  the same traffic.
 * `nccl`: communicator creation, one unique id per communicator, set by its first member and
   read (`get`) by every other: the world (group `0`), one tensor-parallel group per node (8
   ranks; groups `1`..`hosts`), 8 data-parallel groups across the nodes (one rank per node
@@ -69,10 +70,12 @@ RUNS = (("gloo", "plain"), ("gloo", "fanout"),
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One simulated rank's store call: `set` or `get` of keys[0], or `multi_get` of keys."""
+    """One simulated rank's store call: `set` or `get` of keys[0]; `gather` of keys by the
+    rank whose own key is `own` (no keys: it writes `own`, over the grid)."""
     host: int
     kind: str
     keys: tuple[str, ...]
+    own: str = ""
 
 
 def nccl_groups(hosts: int, tpn: int = TPN) -> list[tuple[str, list[int]]]:
@@ -93,8 +96,8 @@ def phases(pattern: str, hosts: int, tpn: int = TPN,
     if pattern == "gloo":
         keys = tuple(f"{GLOO_HEAD}{r}" for r in range(world))
         readers = sorted({i * world // gloo_readers for i in range(min(gloo_readers, world))})
-        return [[Op(r // tpn, "set", (keys[r],)) for r in range(world)],
-                [Op(r // tpn, "multi_get", keys) for r in readers]]
+        return [[Op(r // tpn, "gather", (), keys[r]) for r in range(world)],
+                [Op(r // tpn, "gather", keys, keys[r]) for r in readers]]
     if pattern == "nccl":
         groups = nccl_groups(hosts, tpn)
         return [[Op(members[0] // tpn, "set", (prefix + "0",)) for prefix, members in groups],
@@ -118,8 +121,10 @@ def declarations(pattern: str, hosts: int, layout: str,
 def expected(pattern: str, hosts: int, layout: str, tpn: int = TPN,
              gloo_readers: int = GLOO_READERS) -> Counter:
     """Requests per shard, counted from shard_of and the fan-out table alone."""
+    from ..rendezvous.grid import Grid
     from ..rendezvous.store import shard_of
 
+    grid = Grid(hosts)
     table = FanoutTable(hosts)
     for prefix, member_hosts in declarations(pattern, hosts, layout, tpn):
         table.declare(prefix, member_hosts)
@@ -127,7 +132,12 @@ def expected(pattern: str, hosts: int, layout: str, tpn: int = TPN,
     for op in (op for phase in phases(pattern, hosts, tpn, gloo_readers) for op in phase):
         if op.kind == "set":
             per.update(shard_of(k, hosts) for k in table.write_keys(op.keys[0]))
-        else:  # a get, or a multi_get's one request per shard
+        elif op.kind == "gather" and not op.keys:  # a write to every shard of the row
+            per.update(grid.write_shards(shard_of(op.own, hosts)))
+        elif op.kind == "gather":  # one multi_get per row
+            per.update(grid.reads(shard_of(op.own, hosts),
+                                  [shard_of(k, hosts) for k in op.keys]).keys())
+        else:  # a get
             per.update({shard_of(table.read_key(k, op.host), hosts) for k in op.keys})
     return per
 
@@ -181,7 +191,7 @@ def _drive(stores: Sequence[Any], ops: Sequence[Op]) -> None:
                 elif op.kind == "get":
                     store.get(op.keys[0])
                 else:
-                    store.multi_get(list(op.keys))
+                    store.gather(op.own, None if op.keys else value, list(op.keys))
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
 

@@ -1,4 +1,4 @@
-"""One round trip instead of 2N: gloo's address exchange, gathered in a single multi_get.
+"""One round trip instead of 2N: gloo's address exchange, gathered in a single all-gather.
 
 gloo (torch 2.13) forms its full mesh by having every rank `set("<head>/<own rank>")` and then,
 for every rank i in turn, `wait(["<head>/i"])` and `get("<head>/i")`: 2N sequential store
@@ -8,15 +8,15 @@ calls per rank took 2.6 s of the 3.2 s init.
 
 `FormationStore` wraps the store during `init_process_group` only. This rank's set of its own
 key `<head>/<rank>` makes `<head>/` a *gather head* and is held back a moment; the first wait
-or get under it sends that set and a `multi_get` of `<head>/0 .. <head>/N-1` in one round
-trip (`RootlessStore.set_then_multi_get`: one request per shard, every shard asked at once,
-the set just ahead on its shard's connection) and answers gloo's 2N calls from the reply. Any
-other call sends a held set first; everything else goes to the store unchanged.
+or get under it sends that set and a read of `<head>/0 .. <head>/N-1` in one round trip
+(`RootlessStore.gather`: the set to every shard of its grid row, one multi_get per row, every
+shard asked at once; grid.py) and answers gloo's 2N calls from the reply. Any other call
+sends a held set first, to its grid row too; everything else goes to the store unchanged.
 
 Lazy gloo (TORCH_GLOO_LAZY_INIT=1, opt-in here: HPCT_GLOO_LAZY_INIT in config.py) only
 sets its key in init and reads a peer's key when it first uses the pair to that peer, after
 init: a `wait([k])` then a `get(k)`. pg.init then calls `finish(barrier=True)`: the held set
-goes out with the multi_get of its head after all (`gather_unread`), which waits for every
+goes out with the read of its head after all (`gather_unread`), which waits for every
 rank's key under the store's (init) timeout, the formation's barrier: lazy gloo's own init
 waits for nobody, and its pairs get only a short timeout (pg._pair_timeout). The values are
 kept, and a pair's first wait-then-get is answered from them, no round trip (`late_read`).
@@ -69,6 +69,8 @@ class GatherPlan:
         self.fetched: set[str] = set()
         self.cache: dict[str, bytes] = {}
         self.held: tuple[str, bytes] | None = None  # this rank's own key, not sent yet
+        # Heads whose own key was held: written over the shard grid, and read back that way.
+        self.grid_heads: set[str] = set()
         self.formation_heads: frozenset[str] = frozenset()  # set by finish()
         # Peers' keys gathered at the end of a lazy formation, for lazy gloo's first reads.
         self.late_values: dict[str, bytes] = {}
@@ -77,7 +79,7 @@ class GatherPlan:
 
     def hold(self, key: str, value: bytes) -> bool:
         """This rank sets `key`: True if it is this rank's own key under a new head, held
-        back to go out with that head's multi_get (the caller sends nothing now)."""
+        back to go out with that head's read (the caller sends nothing now)."""
         parts = split_rank_key(key)
         if not self.active or parts is None or parts[1] != self.rank:
             return False
@@ -88,7 +90,13 @@ class GatherPlan:
             if not _GLOO_HEAD.search(parts[0]):
                 return False
             self.held = (key, value)
+            self.grid_heads.add(parts[0])
             return True
+
+    def gridded(self, key: str) -> bool:
+        """Whether `key`'s head is one whose keys go over the shard grid."""
+        parts = split_rank_key(key)
+        return parts is not None and parts[0] in self.grid_heads
 
     def release(self) -> tuple[str, bytes] | None:
         """The held set, which the caller must now send (before any other request)."""
@@ -168,7 +176,8 @@ class GatherPlan:
 
 class FormationStore(dist.Store):
     """`inner` with gloo's address exchange gathered (see the module doc). `inner` must have
-    `multi_get` and `set_then_multi_get` that wait for every key, as RootlessStore's do."""
+    `multi_get`, `set_then_multi_get` and `gather` that wait for every key, as
+    RootlessStore's do."""
 
     def __init__(self, inner: dist.Store, rank: int, world_size: int,
                  plan: GatherPlan | None = None):
@@ -180,6 +189,11 @@ class FormationStore(dist.Store):
         super().set_timeout(inner.timeout)
 
     def _fetch(self, held: tuple[str, bytes] | None, keys: list[str]) -> list[bytes]:
+        # A held key is gloo's address, and every rank holds its own alike: it goes out
+        # over the shard grid (grid.py), and its head is read back the same way.
+        own = keys[self.plan.rank]
+        if self.plan.gridded(own):
+            return self.inner.gather(own, None if held is None else held[1], keys)
         if held is None:
             return self.inner.multi_get(keys)
         return self.inner.set_then_multi_get(held[0], held[1], keys)
@@ -187,7 +201,7 @@ class FormationStore(dist.Store):
     def _send_held(self) -> None:
         held = self.plan.release()
         if held is not None:
-            self.inner.set(*held)
+            self.inner.gather(held[0], held[1], [])  # to its grid row, as the peers read it
 
     def finish(self, barrier: bool = False) -> None:
         """The formation is over: with `barrier`, gather what lazy gloo set but never read

@@ -52,6 +52,7 @@ from .. import protocol
 from ..errors import HpctError
 from ..events import Ev, EventLog, stderr_log
 from .fanout import FanoutTable
+from .grid import Grid
 
 if TYPE_CHECKING:
     from .derive import RendezvousInfo
@@ -822,6 +823,7 @@ class RootlessStore(dist.Store):
         self.local_shard = local_shard
         # Shared with clones too: a declaration made after cloning reaches the group's store.
         self._fanout = fanout or FanoutTable(len(self._endpoints))
+        self._grid = Grid(len(self._endpoints))
         self.set_timeout(timeout)
 
     @property
@@ -981,24 +983,49 @@ class RootlessStore(dist.Store):
         everybody's."""
         if not keys and key is None:
             return []
-        timeout = self.timeout
-        deadline = self._deadline(timeout)
-        groups = self._by_shard(keys)
         # The set (and a fanned-out key's copies) go first on their shards' connections.
-        requests: dict[int, list[bytes]] = {} if key is None else self._by_key_shard(
+        sets = {} if key is None else self._by_key_shard(
             self._fanout.write_keys(key), OP_SET, [_as_bytes(value)])
-        sets = {i: len(payloads) for i, payloads in requests.items()}
+        values = self._set_and_read(key, sets, self._by_shard(keys))
+        return [values[self._read_key(k)] for k in keys]
+
+    def gather(self, own_key: str, value: str | bytes | None, keys: list[str]) -> list[bytes]:
+        """An all-gather over the shard grid (grid.py): write `own_key` (unless `value` is
+        None: written already) to every shard of its home's row, then read `keys` one
+        request per row, in the same round trip; every key's value, waiting (up to the
+        store timeout) until all exist. Every key of `keys` must have been written by its
+        owner through `gather`, and `own_key` must be set nowhere else."""
+        if self._fanout.readers(own_key) is not None:
+            raise dist.DistStoreError(f"store gather of key '{own_key}': the key is declared "
+                                      f"fanned out (fan_out); it cannot also be gathered")
+        n, grid = len(self._shards), self._grid
+        home = shard_of(own_key, n)
+        sets: dict[int, list[bytes]] = {}
+        if value is not None:
+            payload = bytes([OP_SET]) + _pack_fields([own_key.encode(), _as_bytes(value)])
+            sets = {i: [payload] for i in grid.write_shards(home)}
+        groups = {i: [keys[j] for j in idx] for i, idx in
+                  grid.reads(home, [shard_of(k, n) for k in keys]).items()}
+        values = self._set_and_read(own_key, sets, groups)
+        return [values[k] for k in keys]
+
+    def _set_and_read(self, key: str | None, sets: dict[int, list[bytes]],
+                      groups: dict[int, list[str]]) -> dict[str, bytes]:
+        """Send `sets` (payloads by shard), then one multi_get per shard of `groups`, all in
+        one round trip; the values read, by key."""
+        timeout = self.timeout
+        requests = {i: list(payloads) for i, payloads in sets.items()}
         for i, group in groups.items():
             requests.setdefault(i, []).append(bytes([OP_MULTI_GET]) + _pack_fields(
                 [_I64.pack(_ms(timeout))] + [k.encode() for k in group]))
-        replies = self._send_all(requests, deadline, "multi_get")
-        for i, n in sets.items():
-            for status, out in replies[i][:n]:
+        replies = self._send_all(requests, self._deadline(timeout), "multi_get")
+        for i, payloads in sets.items():
+            for status, out in replies[i][:len(payloads)]:
                 if status != ST_OK:
                     raise dist.DistStoreError(f"store set of key '{key}' failed: {out!r}")
         values: dict[str, bytes] = {}
         for i, group in groups.items():
-            status, out = replies[i][sets.get(i, 0)]
+            status, out = replies[i][len(sets.get(i, ()))]
             if status == ST_TIMEOUT:
                 raise dist.DistStoreError(
                     f"store multi_get: key '{out[0].decode(errors='replace')}' did not appear "
@@ -1006,7 +1033,7 @@ class RootlessStore(dist.Store):
             if status != ST_OK or len(out) != len(group):
                 raise dist.DistStoreError(f"store multi_get of keys {group} failed: {out!r}")
             values.update(zip(group, out))
-        return [values[self._read_key(k)] for k in keys]
+        return values
 
     def delete_key(self, key: str) -> bool:
         keys = self._fanout.write_keys(key)

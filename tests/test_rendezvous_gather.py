@@ -13,6 +13,8 @@ from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.gather import FormationStore, GatherPlan, split_rank_key, wraps
 from hpct_slurm.rendezvous.store import RootlessStore, ShardServer
 
+from _ranks import run_ranks
+
 SECRET = b"0123456789abcdef0123456789abcdef"
 HEAD = "hpct/gen3/0//cpu//0/"
 
@@ -113,10 +115,7 @@ def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers)
     row (grid.py) instead of 2N+1 requests, over 3 of the 4 shards' connections."""
     n = 8
     endpoints = [s.address for s in servers]
-    got: dict[int, list[bytes]] = {}
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
+    def rank(r: int) -> list[bytes]:
         inner = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=10))
         store = FormationStore(inner, r, n)
         try:
@@ -125,19 +124,12 @@ def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers)
             for i in range(n):
                 store.wait([f"{HEAD}{i}"])
                 out.append(store.get(f"{HEAD}{i}"))
-            got[r] = out
             assert store.plan.fetches == 1
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+            return out
         finally:
             inner.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    got = run_ranks(n, rank)
     assert all(got[r] == [f"addr-{i}".encode() for i in range(n)] for r in range(n))
     stats = [s.stats() for s in servers]
     # 4 shards: 2 rows of 2. A set to each shard of the row, a multi_get to one shard a row.

@@ -15,6 +15,8 @@ from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.grid import Grid
 from hpct_slurm.rendezvous.store import RootlessStore, ShardServer, shard_of
 
+from _ranks import run_ranks
+
 SECRET = b"k" * 32
 HEAD = "hpct/gen0/0//cpu//0/"
 
@@ -72,24 +74,14 @@ def test_gather_on_real_shards_every_rank_reads_every_key(servers):
     n = len(servers)
     endpoints = [s.address for s in servers]
     keys = [f"{HEAD}{r}" for r in range(n)]
-    got: dict[int, list[bytes]] = {}
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
+    def rank(r: int) -> list[bytes]:
         store = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=10))
         try:
-            got[r] = store.gather(keys[r], f"addr-{r}".encode(), keys)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+            return store.gather(keys[r], f"addr-{r}".encode(), keys)
         finally:
             store.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    got = run_ranks(n, rank)
     assert all(got[r] == [f"addr-{i}".encode() for i in range(n)] for r in range(n))
     stats = [s.stats() for s in servers]
     assert sum(s.connections for s in stats) == n * (3 + 3 - 1)

@@ -15,8 +15,8 @@ Measured per run:
               broadcast connects its own pairs then (not timed here);
   phases      per rank: its shard server's start, its store client, init_process_group, the
               allreduce, and the CPU seconds its main thread and its whole process spent in
-              them; the results keep each phase's slowest rank (median over runs) and how far
-              apart the ranks left the start barrier;
+              them; the results keep each phase's slowest rank (median over runs), how far
+              apart the ranks left the start barrier, and the CPU of all ranks together;
   load        per host, connections accepted + requests served by its store server.
 Where each number comes from:
   requests    every rank's store (either kind) is wrapped in the same counting Store proxy,
@@ -298,6 +298,9 @@ def _summarize(kind: str, runs: list[list[dict[str, Any]]], n: int) -> dict[str,
         for name in runs[0][0]["phases"]}
     out["start_skew_s_median"] = statistics.median(
         max(r["t0"] for r in res) - min(r["t0"] for r in res) for res in runs)
+    # On cores shared by every rank, a formation takes about its ranks' CPU over the cores.
+    out["cpu_process_all_ranks_s_median"] = statistics.median(
+        sum(r["phases"]["cpu_process"] for r in res) for res in runs)
     if kind == "rootless":
         ratios, conn_ratios, totals = [], [], []
         per_host = []

@@ -1,0 +1,32 @@
+"""Ranks as threads of the test process, for store tests on real shard servers."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def run_ranks(n: int, rank: Callable[[int], T], timeout_s: float = 30) -> dict[int, T]:
+    """`rank(r)` for r in 0..n-1, each on its own thread, all at once; their results by rank.
+    The first exception a rank raised is raised here, after every thread has ended."""
+    out: dict[int, T] = {}
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = rank(r)
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    missing = sorted(set(range(n)) - set(out))
+    assert not missing, f"ranks {missing} did not finish within {timeout_s:g} s"
+    return out

@@ -181,16 +181,28 @@ def test_part_digest_follows_the_documented_tree_serial_parallel_and_streamed():
     data = os.urandom(2 * P.CHUNK + 777)
     want = _reference_digest(data)
     assert P.part_digest(data) == want and P.part_digest(data, parallel=False) == want
-    streamed = P.PartHasher(len(data))
-    for off in range(0, len(data), P.CHUNK):
-        streamed.add(memoryview(data)[off:off + P.CHUNK])
-    assert streamed.digest() == want
+    for inline in (False, True):  # leaves on the hash pool, or in this thread as they come
+        streamed = P.PartHasher(len(data), inline=inline)
+        for off in range(0, len(data), P.CHUNK):
+            streamed.add(memoryview(data)[off:off + P.CHUNK])
+        assert streamed.digest() == want
     assert P.part_digest(b"") == _reference_digest(b"") != P.part_digest(b"\0")
     # one more or one less byte of zeros changes the digest (the length is bound)
     assert P.part_digest(bytes(P.CHUNK)) != P.part_digest(bytes(P.CHUNK + 1))
     cancel = __import__("threading").Event()
     cancel.set()
     assert P.part_digest(data, parallel=False, cancel=cancel) is None
+
+
+def test_an_inline_hasher_never_hands_a_leaf_to_the_pool(monkeypatch):
+    import hpct_slurm.protocol.digest as D
+
+    data = os.urandom(2 * P.CHUNK)
+    monkeypatch.setattr(D, "hash_pool", lambda: pytest.fail("an inline hasher used the pool"))
+    inline = P.PartHasher(len(data), inline=True)
+    inline.add(memoryview(data)[:P.CHUNK])
+    inline.add(memoryview(data)[P.CHUNK:])
+    assert inline.digest() == _reference_digest(data)
 
 
 def test_a_substituted_body_under_an_authentic_header_is_rejected():

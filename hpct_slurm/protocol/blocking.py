@@ -109,14 +109,15 @@ def send_msg(sock: socket.socket, msg: Any, secret: bytes, seq: int, job_id: str
 def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
              timeout: float | None = None, max_body: int = DEFAULT_MAX_BODY,
              body_sink: BodySink | None = None, *, context: bytes,
-             header_timeout: float | None = None) -> Envelope:
+             header_timeout: float | None = None, inline_hash: bool = False) -> Envelope:
     """Receive one frame within `timeout` seconds and authenticate it. None: no limit of its own,
     each receive waits as long as the socket's own timeout (a server's limit on a stalled
     peer). `header_timeout`: the header, which is not authenticated yet, must have arrived
     within this many seconds (a stranger's bytes are not waited for as long as a peer's body).
 
     The header is authenticated before `body_sink` is asked for buffers. The body's leaves are
-    hashed on the pool while the next ones arrive; the buffers hold unverified bytes if this
+    hashed on the pool while the next ones arrive (`inline_hash`: in this thread, as each
+    arrives, for one of several streams received at once: digest.PartHasher); the buffers hold unverified bytes if this
     raises, so a caller must only use them after a successful return. A body that does not match
     its digests raises `DigestMismatch` after the whole frame was read.
     """
@@ -138,7 +139,7 @@ def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
     if [len(p) for p in parts] != list(head.sizes):
         raise ProtocolError(f"{head.msg.TYPE}: body buffers {[len(p) for p in parts]} do not match "
                             f"the parts {list(head.sizes)}")
-    hashers = [PartHasher(len(p)) for p in parts]
+    hashers = [PartHasher(len(p), inline_hash) for p in parts]
     try:
         for part, hasher in zip(parts, hashers):
             for off in range(0, len(part), CHUNK):

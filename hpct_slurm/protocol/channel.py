@@ -92,9 +92,10 @@ class Channel:
 
     def recv(self, sock: socket.socket, timeout: float | None = None,
              max_body: int = DEFAULT_MAX_BODY, body_sink: BodySink | None = None,
-             header_timeout: float | None = None) -> Envelope:
+             header_timeout: float | None = None, inline_hash: bool = False) -> Envelope:
         return self.accept(recv_msg(sock, self.secret, self.job_id, timeout, max_body, body_sink,
-                                    context=self.recv_context, header_timeout=header_timeout))
+                                    context=self.recv_context, header_timeout=header_timeout,
+                                    inline_hash=inline_hash))
 
     # asyncio streams.
     async def read(self, reader: asyncio.StreamReader,

@@ -123,12 +123,18 @@ def range_digest(leaves: list[bytes], nbytes: int, offset: int, length: int) -> 
 
 class PartHasher:
     """One part's digest, its CHUNK-sized leaves hashed on the pool as they are added (in
-    order) while the caller goes on receiving or sending; `digest` waits for them."""
+    order) while the caller goes on receiving or sending; `digest` waits for them.
 
-    def __init__(self, nbytes: int):
+    `inline`: hash each leaf in the caller's thread as it is added instead. For a receiver
+    that is one of several streams at once (a striped pull), the other streams are the
+    overlap, and the leaf is hashed while it is still in cache: on 2 cores a 3-source pull ran
+    at 0.97-0.98 of a raw copy's speed this way, 0.88-0.89 with its leaves handed to the pool
+    (`bench transfer`, two runs each, docs/benchmarks.md)."""
+
+    def __init__(self, nbytes: int, inline: bool = False):
         self.nbytes = nbytes
         self._leaves: list[concurrent.futures.Future[bytes]] = []
-        self._pool = hash_pool() if nbytes > CHUNK else None
+        self._pool = hash_pool() if nbytes > CHUNK and not inline else None
 
     def add(self, piece: memoryview) -> None:
         if self._pool is None:

@@ -112,6 +112,9 @@ class _Source:
         self.sock: socket.socket | None = None
         self.chan: P.Channel | None = None
         self.bytes = 0
+        # One stream of several: hash its stripes' leaves in its own thread as they arrive
+        # (the other streams are the overlap; digest.PartHasher). Alone, on the hash pool.
+        self.inline_hash = False
 
     def request(self, msg: P.FetchState, sink: P.BodySink, max_body: int) -> P.Envelope:
         from .transfer import _connect
@@ -122,7 +125,7 @@ class _Source:
         self.chan.send(self.sock, msg, timeout=self.timeout)
         try:
             env = self.chan.recv(self.sock, timeout=self.timeout, max_body=max_body,
-                                 body_sink=sink)
+                                 body_sink=sink, inline_hash=self.inline_hash)
         except P.DigestMismatch as exc:
             raise HpctError(f"digest mismatch: {exc.message}") from None
         if isinstance(env.msg, P.Ack):
@@ -288,6 +291,8 @@ def fetch_striped(sources: list[tuple[int, Address]], rank: int, secret: bytes, 
         if buf is None or as_flat_u8(buf).numel() < manifest.nbytes:
             buf = torch.empty(manifest.nbytes, dtype=torch.uint8)
         pull = _Pull(manifest, buf, stripe)
+        for s in srcs:
+            s.inline_hash = len(srcs) > 1
         threads = [threading.Thread(target=_worker, args=(s, pull, rank, events), daemon=True,
                                     name=f"hpct-stripe-{i}") for i, s in enumerate(srcs)]
         for t in threads:

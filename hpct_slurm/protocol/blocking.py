@@ -117,9 +117,10 @@ def recv_msg(sock: socket.socket, secret: bytes, job_id: str | None = None,
 
     The header is authenticated before `body_sink` is asked for buffers. The body's leaves are
     hashed on the pool while the next ones arrive (`inline_hash`: in this thread, as each
-    arrives, for one of several streams received at once: digest.PartHasher); the buffers hold unverified bytes if this
-    raises, so a caller must only use them after a successful return. A body that does not match
-    its digests raises `DigestMismatch` after the whole frame was read.
+    arrives, for one of several streams received at once: digest.PartHasher); the buffers hold
+    unverified bytes if this raises, so a caller must only use them after a successful return.
+    A body that does not match its digests raises `DigestMismatch` after the whole frame was
+    read.
     """
     now = time.monotonic()
     deadline = None if timeout is None else now + timeout

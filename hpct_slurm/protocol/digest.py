@@ -127,9 +127,9 @@ class PartHasher:
 
     `inline`: hash each leaf in the caller's thread as it is added instead. For a receiver
     that is one of several streams at once (a striped pull), the other streams are the
-    overlap, and the leaf is hashed while it is still in cache: on 2 cores a 3-source pull ran
-    at 0.97-0.98 of a raw copy's speed this way, 0.88-0.89 with its leaves handed to the pool
-    (`bench transfer`, two runs each, docs/benchmarks.md)."""
+    overlap, and the leaf is hashed while it is still in cache: on 2 cores the best striped
+    pull ran at 0.93-0.99 of a raw copy's speed this way, 0.88-0.91 with its leaves handed to
+    the pool (`bench transfer`, docs/benchmarks.md)."""
 
     def __init__(self, nbytes: int, inline: bool = False):
         self.nbytes = nbytes

@@ -102,6 +102,7 @@ class Ev(_Name):
     RELAY_START = "relay.start"
     RELAY_REJECTED = "relay.rejected"
     RELAY_CONTROLLER_LOST = "relay.controller_lost"
+    RELAY_RANK_CUT = "relay.rank_cut"
     RENDEZVOUS_FORMED = "rendezvous.formed"
     SNAPSHOT_CAPTURED_AT_FAULT = "snapshot.captured_at_fault"
     SNAPSHOT_COPY_FAILED = "snapshot.copy_failed"

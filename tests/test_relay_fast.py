@@ -456,3 +456,76 @@ def test_a_relay_lets_in_only_its_own_nodes_authentic_ranks(tmp_path):
             await c.train_all(["localhost", "a1"], 1)
             assert await c.finish_all() == 0
     run(scenario)
+
+
+def test_a_local_rank_that_stops_reading_is_cut_and_the_others_still_hear(tmp_path,
+                                                                          monkeypatch):
+    """The relay's one downward thread sends to every local rank: a rank that stops reading
+    (hung, or SIGSTOPped) once filled its buffers and held up every message to the node's
+    other ranks for good. Now a send that waits past DELIVER_TIMEOUT_S cuts that rank: the
+    controller hears it as the rank's loss (Left) and the others still get their messages."""
+    import json
+    import os
+    import socket
+    import time
+
+    from hpct_slurm.relay import node as relay_node
+
+    monkeypatch.setattr(relay_node, "DELIVER_TIMEOUT_S", 0.3)
+    secret, job = b"s" * 32, str(JOB)
+    listener = socket.create_server(("127.0.0.1", 0))
+    up: dict = {}
+
+    def controller() -> None:
+        sock, _ = listener.accept()
+        chan = P.server_hello(sock, secret, job, 5)
+        assert isinstance(chan.recv(sock, timeout=5).msg, P.RelayHello)
+        up.update(sock=sock, chan=chan)
+
+    t = threading.Thread(target=controller)
+    t.start()
+    log = tmp_path / "relay.jsonl"
+    relay = NodeRelay(ControllerAddress("127.0.0.1", listener.getsockname()[1]), secret, job,
+                      "a1", "active", 0, EventLog(log), tick_s=0.05, window_s=0.01)
+    t.join(5)
+    ctl, ctl_chan = up["sock"], up["chan"]
+
+    def local(lr: int) -> tuple[socket.socket, P.Channel]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(relay.address)
+        chan = P.client_hello(sock, secret, job, 5)
+        chan.send(sock, P.Register(job, "a1", lr, "active", os.getpid(), "127.0.0.1", 1))
+        return sock, chan
+
+    live, live_chan = local(0)
+    stuck, _ = local(1)  # registers, then never reads again
+    deadline = time.monotonic() + 5
+    while len(relay._local) < 2:
+        assert time.monotonic() < deadline, "the local ranks did not register"
+        time.sleep(0.01)
+    relay._local[1].sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    try:
+        # Enough for the stuck rank to fill its buffers many times over, then one message
+        # for the live rank behind them.
+        for _ in range(100):
+            ctl_chan.send(ctl, P.Batch.of([(1, P.Goodbye("x" * 8000))]))
+        ctl_chan.send(ctl, P.Batch.of([(0, P.Goodbye("for the live rank"))]))
+        assert live_chan.recv(live, timeout=10).msg == P.Goodbye("for the live rank")
+        # The stuck rank's loss went up: the controller sees its Left.
+        items: list = []
+        deadline = time.monotonic() + 10
+        while not any(lr == 1 and isinstance(m, P.Left) for lr, m in items):
+            assert time.monotonic() < deadline, f"no Left for the stuck rank in {items}"
+            msg = ctl_chan.recv(ctl, timeout=10).msg
+            if isinstance(msg, P.Batch):
+                items += msg.messages()
+        cut = [json.loads(line) for line in log.read_text().splitlines()
+               if json.loads(line)["event"] == "relay.rank_cut"]
+        assert [(e["local_rank"], e["node"]) for e in cut] == [(1, "a1")]
+    finally:
+        live.close()
+        stuck.close()
+        relay.close(wait_s=1)
+        ctl.close()
+        listener.close()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ REGISTER_TIMEOUT_S = 30.0
 # How long the relay waits, when its own rank leaves, for the node's other ranks to leave
 # first (the Goodbyes it fans out must reach them before this process ends).
 CLOSE_WAIT_S = 5.0
+# A send to a local rank blocks only once its socket buffers are full: the rank has stopped
+# reading (hung, or stopped by a signal). The relay's one downward thread must not wait on it
+# forever, or the node's other ranks would never hear a STOP or an Assign: past this long the
+# rank is cut off, and its loss goes up as Left, as if its connection had failed.
+DELIVER_TIMEOUT_S = 10.0
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 
 
@@ -87,6 +93,7 @@ class _Local:
     sock: socket.socket
     chan: P.Channel
     lock: threading.Lock = field(default_factory=threading.Lock)
+    cut: bool = False  # a send failed: nothing more goes to it (its Left is on the way)
 
 
 class NodeRelay:
@@ -146,6 +153,9 @@ class NodeRelay:
                                       f"Register of that node, got {r.TYPE} "
                                       f"{getattr(r, 'node', '')!r:.80}")
             sock.settimeout(None)
+            # Only sends time out (the kernel's SO_SNDTIMEO): reads wait for the rank as long
+            # as it lives.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(DELIVER_TIMEOUT_S))
             with self._cond:
                 if r.local_rank in self._local:
                     raise P.ProtocolError(f"local rank {r.local_rank} is already registered")
@@ -223,11 +233,18 @@ class NodeRelay:
             loc = self._local.get(lr)
         if loc is None:
             return  # it left: its Left is on the way to the controller
-        try:
-            with loc.lock:
+        with loc.lock:
+            if loc.cut:
+                return
+            try:
                 loc.chan.send(loc.sock, msg)
-        except (HpctError, OSError):
-            pass  # its reader thread sees the connection fail and reports it Left
+            except (HpctError, OSError) as exc:
+                # Failed, or timed out half-way into a frame (the stream is lost either way):
+                # cut it, so that its reader thread ends and reports it Left.
+                loc.cut = True
+                _shutdown(loc.sock)
+                self.events.emit(Ev.RELAY_RANK_CUT, node=self.node, local_rank=lr,
+                                 error=str(exc))
 
     # ---- the end -------------------------------------------------------------------------
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
@@ -242,6 +259,12 @@ class NodeRelay:
         self._listener.close()
         _shutdown(self._up)
         self._up.close()
+
+
+def _timeval(seconds: float) -> bytes:
+    """A struct timeval, as SO_SNDTIMEO takes it."""
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
 
 
 def _shutdown(sock: socket.socket) -> None:

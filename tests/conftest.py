@@ -48,12 +48,10 @@ def pytest_runtest_makereport(item, call):
     cluster = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
     if report.when != "call" or not report.failed or not isinstance(cluster, LocalCluster):
         return
-    parts = []
-    for argv in (["squeue", "-a", "-o", "%i %T %r %S %N"], ["sinfo", "-N", "-o", "%N %T %E"]):
-        try:
-            parts.append("$ " + " ".join(argv) + "\n" + cluster.run(argv).stdout)
-        except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the failure
-            parts.append(f"$ {' '.join(argv)}: {e}")
+    try:
+        parts = [cluster.client().status_text()]
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the failure
+        parts = [f"Slurm's status: {e}"]
     log = cluster.layout.log("slurmctld")
     try:
         parts.append("slurmctld.log (last 60 lines):\n"

@@ -332,6 +332,10 @@ def test_release_now_starts_a_held_job_at_once(cluster, tmp_path: Path) -> None:
     try:
         held = client.show_job(job_id)
         assert held.state == "PENDING" and "held" in (held.reason or "").lower(), held
+        # what a failed cluster test prints (conftest.py): the queue and the nodes, raw
+        status = client.status_text()
+        assert f"\n{job_id} PENDING {held.reason} " in status, status
+        assert all(f"\n{n} " in status for n in cluster.nodes), status
         client.release_now(job_id)
         done = _until("job COMPLETED", lambda: (j := client.show_job(job_id)).finished and j,
                       timeout=60)

@@ -120,6 +120,18 @@ def test_run_errors_name_the_command_and_what_went_wrong() -> None:
         missing.run_step(["n1"], ["true"])
 
 
+def test_status_text_reports_a_failing_command_in_the_text_instead_of_raising() -> None:
+    """It is printed beside a test's own failure: Slurm being down must show, not replace it."""
+    client, runner = client_answering(
+        lambda argv: failed("squeue: error: Unable to contact") if argv[0] == "squeue"
+        else "NODELIST STATE REASON\nn1 idle none\n")
+    text = client.status_text()
+    assert ("$ squeue -a -o %i %T %r %S %N: HPCT: squeue -a -o %i %T %r %S %N failed (exit 1): "
+            "squeue: error: Unable to contact\n") in text
+    assert "$ sinfo -N -o %N %T %E\nNODELIST STATE REASON\nn1 idle none" in text
+    assert [argv[0] for argv in runner.argvs] == ["squeue", "sinfo"]
+
+
 # ---- is the job finished: one set of end states --------------------------------------------
 
 @pytest.mark.parametrize("printed, finished", [

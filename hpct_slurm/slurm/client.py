@@ -515,6 +515,19 @@ class SlurmClient:
             raise SlurmCommandError(argv, 0, proc.stderr)
         return proc.stdout.split()
 
+    def status_text(self) -> str:
+        """Slurm's own view, for a person reading a failure: the queue (job, state, reason,
+        start time, nodes) and every node's state and reason, as squeue and sinfo print them.
+        A command that fails is reported in the text, not raised: this is read beside another
+        error, which it must not replace."""
+        parts = []
+        for argv in (["squeue", "-a", "-o", "%i %T %r %S %N"], ["sinfo", "-N", "-o", "%N %T %E"]):
+            try:
+                parts.append("$ " + " ".join(argv) + "\n" + self.run(argv).stdout)
+            except SlurmCommandError as exc:
+                parts.append(f"$ {' '.join(argv)}: {exc}")
+        return "\n".join(parts)
+
     def node_states(self) -> dict[str, str]:
         """sinfo's own state word of every node (`idle`, `down*`, `drained`, ...)."""
         return parse_node_states(self.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout)

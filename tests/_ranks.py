@@ -1,11 +1,26 @@
-"""Ranks as threads of the test process, for store tests on real shard servers."""
+"""Store tests on real shard servers: the servers, and ranks as threads of the test process."""
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from hpct_slurm.events import EventLog
+from hpct_slurm.rendezvous.store import ShardServer
+
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def shard_servers(n: int, secret: bytes) -> Iterator[list[ShardServer]]:
+    """`n` shard servers on loopback ports, their events dropped; stopped on the way out."""
+    servers = [ShardServer("127.0.0.1", 0, secret, events=EventLog()) for _ in range(n)]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def run_ranks(n: int, rank: Callable[[int], T], timeout_s: float = 30) -> dict[int, T]:

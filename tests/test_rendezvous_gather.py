@@ -9,11 +9,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.gather import FormationStore, GatherPlan, split_rank_key, wraps
-from hpct_slurm.rendezvous.store import RootlessStore, ShardServer
+from hpct_slurm.rendezvous.store import RootlessStore
 
-from _ranks import run_ranks
+from _ranks import run_ranks, shard_servers
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 HEAD = "hpct/gen3/0//cpu//0/"
@@ -103,10 +102,8 @@ def test_plan_rejects_a_rank_outside_the_world():
 
 @pytest.fixture
 def servers():
-    servers = [ShardServer("127.0.0.1", 0, SECRET, events=EventLog()) for _ in range(4)]
-    yield servers
-    for s in servers:
-        s.stop()
+    with shard_servers(4, SECRET) as servers:
+        yield servers
 
 
 def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers):

@@ -11,11 +11,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.grid import Grid
-from hpct_slurm.rendezvous.store import RootlessStore, ShardServer, shard_of
+from hpct_slurm.rendezvous.store import RootlessStore, shard_of
 
-from _ranks import run_ranks
+from _ranks import run_ranks, shard_servers
 
 SECRET = b"k" * 32
 HEAD = "hpct/gen0/0//cpu//0/"
@@ -61,10 +60,8 @@ def test_grid_rejects_a_shard_outside_it():
 
 @pytest.fixture
 def servers():
-    servers = [ShardServer("127.0.0.1", 0, SECRET, events=EventLog()) for _ in range(9)]
-    yield servers
-    for s in servers:
-        s.stop()
+    with shard_servers(9, SECRET) as servers:
+        yield servers
 
 
 def test_gather_on_real_shards_every_rank_reads_every_key(servers):

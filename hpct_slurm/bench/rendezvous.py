@@ -236,7 +236,7 @@ def formations(n: int, reps: int) -> int:
     return reps * max(1, EVEN_SAMPLE_RANKS // n)
 
 
-def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
+def _one_size(n: int, n_formations: int, job_id: int, secret: bytes) -> dict[str, Any]:
     nodes = [f"b{i}" for i in range(n)]
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
@@ -252,12 +252,13 @@ def _one_size(n: int, reps: int, job_id: int, secret: bytes) -> dict[str, Any]:
             if not parent.poll(300) or parent.recv() != "ready":
                 raise RuntimeError(f"a rank of the {n}-rank run did not start")
         spawn_s = time.time() - t_spawn
-        out: dict[str, Any] = {"ranks": n, "spawn_and_import_s": spawn_s, "formations": reps}
+        out: dict[str, Any] = {"ranks": n, "spawn_and_import_s": spawn_s,
+                               "formations": n_formations}
         generation = 0
         runs: dict[str, list[list[dict[str, Any]]]] = {"rootless": [], "tcpstore": []}
         # The two stores take turns, each going first every other round: 2 cores shared by N
         # processes drift in speed over a run, and both kinds must see the same drift.
-        for rep in range(reps):
+        for rep in range(n_formations):
             for kind in (("rootless", "tcpstore") if rep % 2 == 0 else ("tcpstore", "rootless")):
                 for parent, _ in pipes:
                     parent.send((kind, generation))

@@ -110,6 +110,8 @@ SNAPSHOT_EVERY = "HPCT_SNAPSHOT_EVERY"
 SNAPSHOT_OVERLAP = "HPCT_SNAPSHOT_OVERLAP"
 SNAPSHOT_LAZY = "HPCT_SNAPSHOT_LAZY"
 FAULT_CORRUPT_SERVE = "HPCT_FAULT_CORRUPT_SERVE"
+BACKEND = "HPCT_BACKEND"
+ABORT_TIMEOUT_S = "HPCT_ABORT_TIMEOUT_S"
 # rendezvous
 MEMBERS = "HPCT_MEMBERS"
 TASKS_PER_NODE = "HPCT_TASKS_PER_NODE"
@@ -191,6 +193,12 @@ SETTINGS: tuple[Setting, ...] = (
        scope="job"),
     _s(SNAPSHOT_LAZY, "flag", True, USER, _RANK, "hold the steps between full commits where "
        "they lie (0: every step is a full commit)", choices=("1", "0"), scope="job"),
+    _s(BACKEND, "choice", "auto", USER, _RANK, "the process group's backend (auto: nccl "
+       "where the model is on a GPU, else gloo)", choices=("auto", "gloo", "nccl"),
+       scope="job"),
+    _s(ABORT_TIMEOUT_S, "seconds", 10.0, USER, _RANK, "a STOP's abort of an NCCL job's "
+       "communicators must finish within this long, or the rank exits and is replaced",
+       scope="job"),
     _s(FAULT_CORRUPT_SERVE, "ranks", frozenset(), TEST, _RANK, "fault injection: these "
        "ranks serve rotten copies of their snapshots", scope="job"),
     # ---- rendezvous ----------------------------------------------------------------------
@@ -419,6 +427,8 @@ class JobSettings:
     corrupt_serve: frozenset[int] = field(default_factory=frozenset)
     served_job_id: int | None = None  # a pool spare: the main job it serves
     relay: bool = False  # reach the controller through the node's relay (relay/node.py)
+    backend: str = "auto"
+    abort_timeout_s: float = 10.0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "JobSettings":
@@ -436,7 +446,9 @@ class JobSettings:
                    persist_every=read(env, PERSIST_EVERY),
                    corrupt_serve=read(env, FAULT_CORRUPT_SERVE),
                    served_job_id=read(env, JOB_ID),
-                   relay=read(env, RELAY))
+                   relay=read(env, RELAY),
+                   backend=read(env, BACKEND),
+                   abort_timeout_s=read(env, ABORT_TIMEOUT_S))
 
 
 # ---- the docs table and `hpct-slurm settings` --------------------------------------------

@@ -97,6 +97,9 @@ class Ev(_Name):
     RANK_REQUEUE_FAILED = "rank.requeue_failed"
     RANK_SEVERED = "rank.severed"
     RANK_SEVER_FAILED = "rank.sever_failed"
+    RANK_ABORTED = "rank.aborted"
+    RANK_ABORT_FAILED = "rank.abort_failed"
+    RANK_ABORT_HUNG = "rank.abort_hung"
     RANK_UNEXPECTED_MESSAGE = "rank.unexpected_message"
     # a node relay, in its first local rank's process (relay/node.py)
     RELAY_START = "relay.start"

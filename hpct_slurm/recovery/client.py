@@ -56,6 +56,13 @@ class CoordinationClient:
         # Called from the receiving thread when a STOP arrives: a rank blocked forming its
         # group (not at a step boundary) is interrupted through it (the store's abort).
         self.on_stop: Callable[[], None] | None = None
+        # Called from the receiving thread on a STOP that names lost nodes, with the STOP's
+        # generation: an NCCL job aborts that generation's communicators (pg.abort_generation),
+        # which no socket cut reaches. It must return within `abort_timeout_s`, or this
+        # process says so and exits (`on_abort_hung`): the controller replaces it.
+        self.abort_comms: Callable[[int], bool] | None = None
+        self.abort_timeout_s = 10.0
+        self.on_abort_hung: Callable[[str], None] = self._exit_hung
         # Addresses of the whole group, cut on a STOP as well as the lost nodes' (set by a
         # sharded job: see _read_loop).
         self.group_addrs: set[str] = set()
@@ -137,6 +144,47 @@ class CoordinationClient:
         if cut:
             self.events.emit(Ev.RANK_SEVERED, addrs=addrs, connections=cut)
 
+    def _abort(self, generation: int) -> None:
+        """Abort the STOP's generation's communicators (abort_comms) on a thread of its own,
+        waiting for it here at most `abort_timeout_s`: an abort stuck in a native call must not
+        leave a rank that neither recovers nor dies (the controller would wait on it)."""
+        abort = self.abort_comms
+        if abort is None:
+            return
+        t0 = time.monotonic()
+        done = threading.Event()
+        outcome: list[object] = []
+
+        def run() -> None:
+            try:
+                outcome.append(abort(generation))
+            except BaseException as exc:  # noqa: BLE001 - reported below, then recovery
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name="hpct-comm-abort").start()
+        if not done.wait(self.abort_timeout_s):
+            reason = (f"aborting generation {generation}'s communicators did not finish "
+                      f"within {self.abort_timeout_s:g} s")
+            self.events.emit(Ev.RANK_ABORT_HUNG, generation=generation, error=reason)
+            self.on_abort_hung(reason)
+            return
+        result = outcome[0] if outcome else None
+        if isinstance(result, BaseException):
+            # The main thread's wait then ends at NCCL's own timeout, as before: worth a record
+            self.events.emit(Ev.RANK_ABORT_FAILED, generation=generation,
+                             error=f"{type(result).__name__}: {result}")
+        elif result:
+            self.events.emit(Ev.RANK_ABORTED, generation=generation,
+                             seconds=round(time.monotonic() - t0, 4))
+
+    def _exit_hung(self, reason: str) -> None:
+        """A process whose communicators cannot be aborted cannot form another group: it
+        leaves (the Goodbye tells the controller why) and is replaced as a lost node."""
+        self.close(reason)
+        os._exit(3)  # the stuck native thread would hold up a normal interpreter exit
+
     def step_done(self, step: int) -> None:
         self.step = step
         now = time.monotonic()
@@ -183,6 +231,8 @@ class CoordinationClient:
                         # a live peer that has already left for recovery, which no cut to
                         # the lost nodes would end. Such a job cuts its whole group.
                         self._sever(sorted(set(msg.lost_addrs) | self.group_addrs))
+                        if self.stop_doomed:
+                            self._abort(msg.generation)
                         interrupt = self.on_stop
                         if interrupt is not None:
                             interrupt()

@@ -283,6 +283,10 @@ class Job:
         self.client = self._make_client(address, self.secret, self.job_id, self.events)
         if self.relay is not None:
             self.client.keep_fds.add(self.relay.upstream_fd)
+        # A STOP naming lost nodes aborts this generation's NCCL communicators at once, from
+        # the client's receiving thread (a no-op for gloo, whose reads the STOP's cut ends).
+        self.client.abort_comms = pg.abort_generation
+        self.client.abort_timeout_s = self.settings.abort_timeout_s
         self.client.register(self.node, self.slurm.localid or 0, self.role, self.host_addr,
                              self.transfer.address[1])
         # the settings this rank runs with, whoever set them (the controller; a task prolog
@@ -583,8 +587,28 @@ class Job:
     def _overlap(self) -> bool:
         if self._overlap_given is not None:
             return self._overlap_given
+        return self._on_gpu()
+
+    def _on_gpu(self) -> bool:
+        """Whether this rank trains on a GPU: a sharded job built on "cuda", or a model whose
+        parameters are on one."""
+        if self._build is not None:
+            return self.device_type == "cuda"
         model = self.model
         return model is not None and any(p.is_cuda for p in model.parameters())
+
+    def _backend(self) -> tuple[str, "torch.device | None"]:
+        """The process group's backend ($HPCT_BACKEND; auto: NCCL on a GPU, gloo on CPU) and,
+        for NCCL, the device its communicators bind to: the model's, else the current one."""
+        backend = self.settings.backend
+        if backend == "auto":
+            backend = "nccl" if self._on_gpu() else "gloo"
+        if backend != "nccl":
+            return backend, None
+        model = self.model
+        device = next((p.device for p in model.parameters() if p.is_cuda), None) \
+            if model is not None else None
+        return backend, device or torch.device("cuda", torch.cuda.current_device())
 
     def _lazy(self) -> bool:
         """Whether the shared state of a step between full commits is held without a copy
@@ -742,7 +766,8 @@ class Job:
         try:
             if self.client.stop_event.is_set() and self.client.on_stop is not None:
                 self.client.on_stop()  # the STOP arrived before the hook was in place
-            pg.init(info, store, "gloo", shard=shard,
+            backend, device_id = self._backend()
+            pg.init(info, store, backend, shard=shard, device_id=device_id,
                     init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
                     collective_timeout=datetime.timedelta(seconds=self.collective_timeout_s))
         finally:

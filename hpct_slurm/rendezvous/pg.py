@@ -16,7 +16,9 @@ import datetime
 import gc
 import os
 import sys
+import threading
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as dist_c10d
 from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
@@ -46,6 +48,9 @@ class _Formed:
 
 
 _formed: _Formed | None = None
+# Held while the default group changes hands (formed, aborted, destroyed): a STOP's abort runs
+# on the thread that receives it, while the main thread may be tearing the same group down.
+_lock = threading.Lock()
 
 
 def generation_prefix(generation: int) -> str:
@@ -137,8 +142,68 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     group = dist.group.WORLD
     if collective_timeout != group_timeout:
         _set_pg_timeout(collective_timeout, group)
-    _formed = _Formed(info, store, shard, gathering)
+    with _lock:
+        _formed = _Formed(info, store, shard, gathering)
     return group
+
+
+def backend_name() -> str:
+    """The formed default group's backend as torch names it ("gloo", "nccl",
+    "cpu:gloo,cuda:nccl"). A seam: the CPU tests take the NCCL branches of teardown() and
+    abort_generation() with a real gloo group by naming it "nccl" here."""
+    return str(dist.get_backend())
+
+
+def needs_abort(backend: str) -> bool:
+    """Whether a group of `backend` must be aborted rather than only destroyed: an NCCL
+    communicator waiting on a dead peer has no socket to close (InfiniBand, NVLink), and
+    destroying it waits for that peer."""
+    return "nccl" in backend
+
+
+def abort_generation(generation: int) -> bool:
+    """Abort the communicators of every group of `generation` (or older) still formed here,
+    now: for the thread that receives a STOP naming lost nodes. A main thread blocked on their
+    work (a collective, a CUDA wait) then fails at once instead of after NCCL's watchdog
+    timeout, and goes to recovery as a gloo rank does once `sever` cut its sockets.
+
+    Only aborts: torch's group tables stay as they are, so the main thread, whatever dist
+    call it is in, sees an aborted group and not a vanished one; teardown() then destroys them.
+    All groups are aborted inside one NCCL group call, as torch's own _abort_process_group()
+    does (communicators aborted one by one can deadlock each other: pytorch#119797).
+    False when there was nothing to abort: no group, another generation's, or a backend
+    (gloo) whose blocked reads the STOP's socket cut already ends."""
+    with _lock:
+        formed = _formed
+        if formed is None or formed.info.generation > generation or not dist.is_initialized():
+            return False
+        if not needs_abort(backend_name()):
+            return False
+        groups = sorted(dist_c10d._world.pg_names, key=lambda g: dist_c10d._world.pg_names[g],
+                        reverse=True)
+        nccl = _nccl_backend(dist.group.WORLD)
+        if nccl is not None:
+            nccl._group_start()
+        try:
+            for group in groups:
+                group.abort()
+        finally:
+            if nccl is not None:
+                nccl._group_end()
+        return True
+
+
+def _nccl_backend(group: "dist.ProcessGroup | None") -> "object | None":
+    """The group's NCCL backend object, if it has one (what brackets an abort of several
+    communicators in one NCCL group call)."""
+    nccl_class = getattr(dist_c10d, "ProcessGroupNCCL", None)  # absent from CPU builds
+    if group is None or nccl_class is None or not dist.is_nccl_available():
+        return None
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return None
+    return backend if isinstance(backend, nccl_class) else None
 
 
 def teardown() -> None:
@@ -153,11 +218,16 @@ def teardown() -> None:
         raise HpctError("teardown() called inside an except block: the traceback keeps the "
                         "broken group's sockets open and the peers hang; leave the except block "
                         "first (record the error, then tear down)")
-    formed, _formed = _formed, None
-    if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            _abort_process_group()
-        dist.destroy_process_group()
+    with _lock:
+        formed, _formed = _formed, None
+        if dist.is_initialized():
+            if needs_abort(backend_name()):
+                # Aborts every communicator and, with no group given, also destroys every
+                # group and resets torch's tables (torch 2.11-2.13): nothing is left for
+                # destroy_process_group(), which would assert on the missing default group.
+                _abort_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     # The group's destructor is what closes gloo's sockets: make sure it runs now.
     gc.collect()
     if formed is not None:

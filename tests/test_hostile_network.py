@@ -363,7 +363,9 @@ def test_tcpstore_is_announced_as_unauthenticated(tmp_path, capsys):
 
 def test_controller_dos_idle_strangers_then_a_rank_registers_within_a_second(controller,
                                                                             monkeypatch):
-    monkeypatch.setattr(C, "MAX_UNREGISTERED", 20)
+    from hpct_slurm.controller import connections
+
+    monkeypatch.setattr(connections, "MAX_UNREGISTERED", 20)  # read where _admit lives
     strangers = [socket.create_connection(controller.address) for _ in range(60)]
     for i, s in enumerate(strangers[:20]):
         s.sendall(os.urandom(i))  # garbage of every length, never a whole frame
@@ -544,8 +546,11 @@ def test_store_refuses_a_big_frame_before_authentication(shard):
 
 
 def test_store_drops_silent_strangers_and_keeps_their_number_bounded(shard, monkeypatch):
-    monkeypatch.setattr(S, "PREAUTH_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(S, "MAX_STRANGERS", 20)
+    from hpct_slurm.rendezvous import shard_server, store_client
+
+    for side in (shard_server, store_client):  # each side reads the limit it keeps
+        monkeypatch.setattr(side, "PREAUTH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(shard_server, "MAX_STRANGERS", 20)
     crowd = [socket.create_connection(shard.address) for _ in range(50)]
     t0 = time.monotonic()
     store = S.RootlessStore([shard.address], SECRET)

@@ -345,3 +345,90 @@ def test_init_from_slurm_two_tasks_on_one_node(tmp_path):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
+                                   conn: Connection) -> None:
+    """Full mesh (no lazy pairs), 3 ranks: every rank reads every address (gloo's exchange,
+    through the store), then the test kills one before any pair connects: the window of
+    issue 30's flaky requeue, where survivors sat 5 x the init timeout in connectFullMesh."""
+    os.environ["HPCT_GLOO_LAZY_INIT"] = "0"
+    import datetime
+    import time
+
+    from hpct_slurm.rendezvous import gather, pg
+    from hpct_slurm.rendezvous.derive import derive
+    from hpct_slurm.rendezvous.store import load_secret, make_store, serve_shard
+    from hpct_slurm.slurm.env import SlurmEnv
+
+    nodes = JOB_NODES[:3]
+    info = derive(SlurmEnv.from_environ(_node_environ(job_id, node)), 0, nodes,
+                  tasks_per_node=1, resolve=lambda name: "127.0.0.1", init_timeout_s=600,
+                  collective_timeout_s=COLLECTIVE_S)
+    secret = load_secret(secret_file)
+    shard = serve_shard(info, secret)
+    store = make_store("rootless", info, secret)
+    fetch = gather.FormationStore._fetch
+
+    def fetch_then_hold(self, *args):
+        out = fetch(self, *args)
+        conn.send((node, "fetched", sorted(_listening_ports() - {shard.address[1]})))
+        conn.recv()  # the test has killed the victim: now connect
+        return out
+
+    gather.FormationStore._fetch = fetch_then_hold
+    conn.send((node, "ready", None))
+    conn.recv()
+    t0 = time.monotonic()
+    failure = None
+    try:
+        pg.init(info, store, "gloo", shard=shard,
+                init_timeout=datetime.timedelta(seconds=600),
+                collective_timeout=datetime.timedelta(seconds=COLLECTIVE_S))
+    except RuntimeError as exc:
+        failure = str(exc).splitlines()[0]
+    pg.teardown()
+    conn.send((node, "failed", (failure, time.monotonic() - t0)))
+
+
+def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the_collective_timeout(
+        tmp_path):
+    from hpct_slurm.rendezvous.store import write_secret
+
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    job_id = random.randrange(1000, 1_000_000)
+    ctx = mp.get_context("spawn")
+    nodes = JOB_NODES[:3]
+    pipes = {n: ctx.Pipe() for n in nodes}
+    conns = {n: pipes[n][0] for n in nodes}
+    procs = {n: ctx.Process(target=_dies_after_its_address_worker, daemon=True,
+                            args=(n, job_id, str(secret_file), pipes[n][1])) for n in nodes}
+    for p in procs.values():
+        p.start()
+    try:
+        _collect(conns, nodes, "ready")
+        for n in nodes:
+            conns[n].send("go")
+        ports = _collect(conns, nodes, "fetched")  # every address read by every rank
+        assert all(len(p) == 1 for p in ports.values()), ports
+        # gloo's tcp Device::isInitiator: the side whose port compares lower listens. The
+        # victim is the one both others listen for (a refused connect would fail fast).
+        import socket
+        victim = max(nodes, key=lambda n: socket.htons(ports[n][0]))
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].join(timeout=TIMEOUT_S)
+        survivors = [n for n in nodes if n != victim]
+        for n in survivors:
+            conns[n].send("connect")
+        got = _collect(conns, survivors, "failed")
+        # Each survivor listened for the dead member and gave up after 5 x a pair's timeout
+        # (a fifth of the collective timeout). Before the fix: 5 x the init timeout (here
+        # 600 s: the pipe wait above fails first).
+        assert all("Connect timeout" in (f or "") for f, _ in got.values()), got
+        assert all(seconds < COLLECTIVE_S + 5 for _, seconds in got.values()), got
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)

@@ -371,9 +371,10 @@ def test_gather_survives_a_shard_that_starts_after_the_strangers_timeout(monkeyp
     """A multi_get opens every shard's connection before it sends: while one node's shard is
     still down, the others' silent connections must not go stale (a shard drops a stranger
     after PREAUTH_TIMEOUT_S) and fail the whole formation."""
-    import hpct_slurm.rendezvous.store as store_mod
+    from hpct_slurm.rendezvous import shard_server, store_client
 
-    monkeypatch.setattr(store_mod, "PREAUTH_TIMEOUT_S", 0.4)
+    for side in (shard_server, store_client):  # each side reads the limit it keeps
+        monkeypatch.setattr(side, "PREAUTH_TIMEOUT_S", 0.4)
     early = ShardServer("127.0.0.1", 0, SECRET, events=EventLog())
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))

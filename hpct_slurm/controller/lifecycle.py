@@ -12,7 +12,8 @@
   (`scontrol show job`, `squeue -O comment`), and so does an escalation.
 
 The pure parts (what is drained, the summary text, the reason) are functions here and in
-policy.py; `Lifecycle` does the I/O through the controller it belongs to.
+policy.py; `Lifecycle` does the I/O through the controller it belongs to, seen through
+`Host` (what it uses of it).
 """
 from __future__ import annotations
 
@@ -22,18 +23,18 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Coroutine, Sequence
+from typing import Any, Awaitable, Coroutine, Protocol, Sequence
 
 from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import Ev, RankState
+from ..events import Ev, EventLog, RankState
 from ..rundir import private_dir, write_private
-from ..slurm.client import NodeInfo, ReservationInfo
-from .policy import Action, RecoveryDecision, RecoveryRecord, SurvivorReport, decide_grow
-
-if TYPE_CHECKING:
-    from .controller import Conn, Controller
+from ..slurm.client import NodeInfo, ReservationInfo, SlurmClient
+from .connections import Conn
+from .options import Options
+from .policy import (Action, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
+                     decide_grow)
 
 # Reservations are read less often than nodes: maintenance is planned hours ahead.
 RESERVATION_POLL_S = 60.0
@@ -136,13 +137,57 @@ def read_requests(run_dir: Path) -> list[tuple[Path, str, str]]:
     return out
 
 
+class Host(Protocol):
+    """What Lifecycle uses of the controller it belongs to (controller.Controller; this
+    module does not import it): its state, and the round's steps that a planned round shares
+    with a recovery (connections.py, detection.py, recovery_round.py, ending.py)."""
+
+    o: Options
+    slurm: SlurmClient
+    events: EventLog
+    run_dir: Path
+    world: World
+    shards: dict[str, list[int]]
+    data_world: int
+    dead_nodes: set[str]
+    steps: dict[str, Any]  # node -> its running step (pid)
+    expected_exits: set[int]
+    pending_faults: dict[str, str]
+    fault_event: asyncio.Event
+    finished: asyncio.Event
+    recovering: bool
+    recovery: RecoveryRecord | None
+    trained: bool
+
+    def _live(self, node: str) -> list[Conn]: ...
+
+    def _node_ready(self, node: str) -> bool: ...
+
+    async def _send(self, conn: Conn, msg: Any) -> None: ...
+
+    def _fault(self, node: str, reason: str) -> None: ...
+
+    async def _wait_ready(self, survivors: list[Conn]) -> None: ...
+
+    async def _decide(self, lost_active: list[str], survivors: list[Conn],
+                      lost_spares: list[str], leaving: tuple[str, ...] = ()
+                      ) -> RecoveryDecision: ...
+
+    def _persisted_steps(self) -> tuple[dict[int, set[int]], dict[int, set[int]]]: ...
+
+    async def _assign(self, restore: int,
+                      sources: dict[int, list[tuple[str, int]]]) -> None: ...
+
+    async def _escalate(self, why: str, script: bool = False) -> None: ...
+
+
 class Lifecycle:
-    def __init__(self, ctl: "Controller"):
+    def __init__(self, ctl: Host):
         self.ctl = ctl
         self.tally = Tally()
         self.requested: set[str] = set()   # nodes whose move was started (once each)
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
-        self.leaving: dict[str, list["Conn"]] = {}  # moved node -> its ranks, until goodbye
+        self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
         self.grow_refused = False
         self.task: asyncio.Task | None = None
         self.maintenance: list[tuple[str, str]] = []  # the last reservation poll's answer
@@ -252,7 +297,7 @@ class Lifecycle:
             if c.pending_faults:
                 c.fault_event.set()
 
-    async def _stop_all(self, rec: RecoveryRecord, why: str) -> list["Conn"] | None:
+    async def _stop_all(self, rec: RecoveryRecord, why: str) -> list[Conn] | None:
         """STOP every rank (nobody is lost: no addresses to cut) and wait for all to be ready.
         None when one is not: it is then a fault, and the fault loop takes over."""
         c = self.ctl
@@ -316,9 +361,9 @@ class Lifecycle:
                 raise HpctError(d.reason)
         await self._carry(rec, d, everyone, first=[], event=Ev.GROW_ASSIGN)
 
-    async def _carry(self, rec: RecoveryRecord, d: RecoveryDecision, everyone: list["Conn"],
-                     first: list["Conn"], event: Ev) -> None:
-        """The new generation, as _recover carries out a decision: layout, sources (the
+    async def _carry(self, rec: RecoveryRecord, d: RecoveryDecision, everyone: list[Conn],
+                     first: list[Conn], event: Ev) -> None:
+        """The new generation, as a recovery round carries out a decision: layout, sources (the
         leaving ranks first: they hold the newest state and are about to go), assignment."""
         c = self.ctl
         assert d.replacement is not None and d.plan is not None

@@ -21,6 +21,8 @@ import bisect
 import socket
 from dataclasses import dataclass
 
+from ..protocol import pacing as rank_side
+
 # The rate the real ranks' defaults produce up to 1,000 ranks (0.5 s heartbeats).
 BASE_HEARTBEAT_S = 0.5
 # Heartbeats plus step reports per second the controller accepts in steady state. Measured
@@ -39,6 +41,10 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 3, 1, 3
 FULL_VIEW_MAX = 512
 # Restore sources per rank beyond FULL_VIEW_MAX (a bad source costs one retry each).
 SOURCES_PER_RANK = 4
+
+# When a rank reports a step under the interval handed out here: the ranks apply it too, so it
+# lives below both sides (protocol/pacing.py).
+should_report = rank_side.should_report
 
 
 @dataclass(frozen=True)
@@ -83,17 +89,6 @@ def relayed(tasks_per_node: int) -> bool:
     whenever a node runs several ranks, so that a recovery round costs O(nodes) frames, not
     O(ranks). One rank per node keeps its own connection: there is nothing to aggregate."""
     return tasks_per_node > 1
-
-
-def should_report(step: int, generation: int, last: tuple[int, float] | None, now: float,
-                  every_s: float) -> bool:
-    """Whether a rank sends this step's StepDone. Always the first step of a generation (the
-    controller ends a recovery round on it); otherwise every step when `every_s` is 0, else
-    once `every_s` has passed since the last report (the controller only needs progress, and
-    the heartbeat carries the step in between). `last`: (generation, time) of the last."""
-    if every_s <= 0 or last is None or last[0] != generation:
-        return True
-    return now - last[1] >= every_s
 
 
 class AssignView:

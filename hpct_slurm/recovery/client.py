@@ -16,7 +16,7 @@ from typing import Callable
 
 from .. import config as C
 from .. import protocol as P
-from ..controller.pacing import should_report
+from ..protocol.pacing import should_report
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from .sever import sever

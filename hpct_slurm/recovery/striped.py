@@ -34,10 +34,10 @@ import torch
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .peer_socket import Address, connect
 from .snapshot import Snapshot
 from .state import Layout, as_flat_u8, as_memoryview
 
-Address = tuple[str, int]
 # Bytes per request: a whole number of leaves (P.CHUNK). Small enough that 100 MB spreads
 # over several sources and a dropped source's stripe is cheap to fetch again, big enough that
 # the request round trip is noise next to the copy.
@@ -117,9 +117,8 @@ class _Source:
         self.inline_hash = False
 
     def request(self, msg: P.FetchState, sink: P.BodySink, max_body: int) -> P.Envelope:
-        from .transfer import _connect
         if self.sock is None:
-            self.sock = _connect(self.addr, self.timeout)
+            self.sock = connect(self.addr, self.timeout)
             self.chan = P.client_hello(self.sock, self.secret, self.job_id, self.timeout)
         assert self.chan is not None
         self.chan.send(self.sock, msg, timeout=self.timeout)

@@ -28,6 +28,9 @@ import torch
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .peer_socket import Address
+from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
+from .peer_socket import tune as _tune
 from .persist import load_latest
 from .snapshot import ReplicaStore, Snapshot, SnapshotStore
 from .state import Layout, as_flat_u8, as_memoryview
@@ -50,8 +53,6 @@ EV_ACCEPT_FAILED = Ev.TRANSFER_ACCEPT_FAILED
 # which a fault during the first step restores.
 LATEST = -(2**62)
 LAYOUT_MAX = 64 * 1024 * 1024
-SOCK_BUF = 4 * 1024 * 1024  # measured: 4 MB socket buffers reach loopback's 2.4-2.9 GB/s
-Address = tuple[str, int]
 # A new connection is a stranger until its first frame authenticates: its header must arrive
 # within AUTH_TIMEOUT, and at MAX_CONNECTIONS the oldest stranger makes room for a newcomer.
 # Legitimate peers are few (the ring neighbour's pusher, a replacement or two fetching) and
@@ -71,18 +72,6 @@ def physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 1 << 40
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-
-
-def _connect(addr: Address, timeout: float) -> socket.socket:
-    sock = socket.create_connection(addr, timeout=timeout)
-    _tune(sock)
-    return sock
 
 
 def _send_blob(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot,

@@ -36,14 +36,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from ..rundir import private_dir, write_private
-from ..recovery.client import HEARTBEAT_S, ControllerAddress, CoordinationClient
 from .coalesce import WINDOW_S, Coalescer
+
+# recovery.client is imported where it is used, not here: any recovery module runs
+# recovery/__init__.py first, which imports job.py, which imports this module, so at the top a
+# first `import hpct_slurm.relay.node` would meet itself half-made (tests/test_import_floors.py).
+if TYPE_CHECKING:
+    from ..recovery.client import ControllerAddress
 
 # A local rank that connected must register within this long (it is on the same node).
 REGISTER_TIMEOUT_S = 30.0
@@ -76,6 +82,7 @@ def publish(path: Path, address: tuple[str, int]) -> None:
 def published(path: Path, timeout: float) -> ControllerAddress:
     """The relay address the node's first rank wrote to `path`, waiting up to `timeout` for
     it (that rank may still be importing torch)."""
+    from ..recovery.client import ControllerAddress  # here: see the imports above
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -104,6 +111,7 @@ class NodeRelay:
                  role: str, own_local_rank: int, events: EventLog | None = None,
                  tick_s: float | None = None, window_s: float = WINDOW_S,
                  connect_timeout: float = 60.0):
+        from ..recovery.client import HEARTBEAT_S, CoordinationClient  # see the imports above
         self.secret, self.job_id, self.node, self.own = secret, job_id, node, own_local_rank
         self.events = events or EventLog()
         # routine messages go up once per heartbeat interval (the controller's pacing)

@@ -72,7 +72,7 @@ def gloo_lazy() -> bool:
 
 
 def _pair_timeout(collective_timeout: datetime.timedelta) -> datetime.timedelta:
-    """The timeout lazy gloo pairs get from init: a fifth of the collective timeout.
+    """The timeout gloo pairs get from init: a fifth of the collective timeout.
 
     gloo copies the group's timeout at init into every pair and never updates it
     (_set_pg_timeout reaches only the collectives), and a pair's first connect waits up to
@@ -121,9 +121,16 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
         store) else None
     prefixed = dist.PrefixStore(generation_prefix(info.generation), gathering or store)
     kwargs = {} if device_id is None else {"device_id": device_id}
-    # Lazy pairs get a short timeout only where the barrier below stands in for init's wait.
+    # gloo's pairs get a short timeout wherever our store carries the long wait for a slow
+    # rank: the gathered address exchange waits for every rank under the store's (init)
+    # timeout, abortable by a STOP, before any pair connects (full mesh), or the barrier
+    # below does (lazy pairs). A pair's connect then waits for its peer at most 5x that
+    # (tcp/pair.h), the collective timeout, for a member that died after it wrote its
+    # address: with the init timeout there, survivors sat 150 s in connectFullMesh, past
+    # the controller's wait for them (issue 30: healthy nodes fenced "not ready (forming)").
     lazy = backend == "gloo" and gathering is not None and gloo_lazy()
-    group_timeout = _pair_timeout(collective_timeout) if lazy else init_timeout
+    short = backend == "gloo" and gathering is not None
+    group_timeout = _pair_timeout(collective_timeout) if short else init_timeout
     try:
         dist.init_process_group(backend, store=prefixed, rank=info.rank,
                                 world_size=info.world_size, timeout=group_timeout, **kwargs)

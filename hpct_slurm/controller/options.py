@@ -1,0 +1,43 @@
+"""What the controller is told to do: `Options`, one job's settings (from the command line,
+the SPANK plugin's defaults and Slurm's environment: cli.py and controller.main_from_env)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Options:
+    command: list[str]
+    run_dir: Path
+    job_id: int
+    nodes: list[str]
+    batch_host: str
+    spares: int = 1
+    active: int | None = None
+    persist_every: int = 10
+    tasks_per_node: int = 1
+    heartbeat_timeout_s: float = 3.0
+    ready_timeout_s: float = 60.0
+    store: str = "rootless"
+    collective_timeout_s: float = 10.0
+    # bounded so a member lost between assignment and formation costs at most this long
+    init_timeout_s: float = 30.0
+    on_no_spare: str = "requeue"  # or "fail"
+    pool_spares: int = 0  # spares the job may borrow from the cluster pool over its life
+    pool_reservation: str = "hpct_spares"
+    slurmd_port: int = 6818
+    # A running rank whose step does not advance for this long is hung (a deadlocked training
+    # thread keeps heartbeating from its background thread): it is fenced and replaced.
+    progress_timeout_s: float = 300.0
+    # In-process restarts that make no progress (the same restore step every time) before the
+    # job escalates (requeue from disk, or fail).
+    max_stalled_restarts: int = 3
+    # Slurm's own view of the job's nodes, polled this often (sinfo --json, off the loop).
+    node_poll_s: float = 5.0
+    # Warm spares the user asked for (with --active, the allocation decides how many it gets)
+    # and what to do with fewer on a first start: "warn" (an event and a status line) or
+    # "refuse" (end the job). A requeued job only warns: it lost the node it is short of.
+    want_spares: int | None = None
+    on_few_spares: str = "warn"
+    restart_count: int = 0

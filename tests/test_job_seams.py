@@ -216,7 +216,7 @@ def test_a_survivor_reports_ready_before_its_broken_group_is_torn_down(settings,
         release.wait(10)
         finished.set()
 
-    monkeypatch.setattr(job, "_teardown", slow_teardown)
+    monkeypatch.setattr(job._group, "teardown", slow_teardown)
     job._recover("RuntimeError: peer gone")
     assert job.client.states == ["ready"] and not finished.is_set()
     ready = [e for e in _events(settings) if e["event"] == "rank.ready"]
@@ -229,7 +229,7 @@ def test_a_survivor_reports_ready_before_its_broken_group_is_torn_down(settings,
         raise J._TeardownHung("process group teardown did not finish within 20 s")
 
     exits: list[int] = []
-    monkeypatch.setattr(job, "_teardown", hung)
+    monkeypatch.setattr(job._group, "teardown", hung)
     monkeypatch.setattr(J.os, "_exit", lambda code: exits.append(code))
     job._recover("RuntimeError: peer gone")
     job._await_teardown()

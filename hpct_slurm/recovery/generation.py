@@ -1,0 +1,374 @@
+"""One generation's process group on this rank, and what is bound to it: forming the group
+(layout, store, backend), a sharded job's mesh and model built on it, the DDP module around the
+model, the hooks that abandon a step a STOP dooms, and tearing it all down after a fault.
+
+`Job` (job.py) forms a group at every adoption (`Generation.form`); at a fault it releases what
+is bound to the group and tears the group down in the background (`teardown_in_background`),
+and the next formation first waits for that teardown (`await_teardown`)."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import gc
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .. import protocol as P
+from ..config import JobSettings
+from ..errors import HpctError
+from ..events import Ev, EventLog
+from ..rendezvous import derive as rdv
+from ..rendezvous import pg
+from ..rendezvous.store import make_store, serve_shard
+from ..slurm.env import SlurmEnv
+from .background import Background
+from .client import CoordinationClient
+from .gradients import average_gradients, parameter_gradients
+from .seeds import seed_everything
+from .sharding import MeshSpec, infer_replicate
+from .state import TrainState
+
+if TYPE_CHECKING:
+    from .snapshot_policy import SnapshotPolicy
+
+TEARDOWN_TIMEOUT_S = 20.0
+TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up
+
+
+class _Stopped(Exception):
+    """The controller asked this rank to stop the current generation."""
+
+
+class _TeardownHung(Exception):
+    """The broken group could not be destroyed: this process cannot form another one."""
+
+
+class Standing(Protocol):
+    """Where this process stands now, as the pieces of a `Job` read it (the Job itself): the
+    controller connection, set when it starts, and the rest, set at every adoption."""
+    client: CoordinationClient
+    rank: int
+    world_size: int
+    generation: int
+    data_ranks: list[int]
+    data_world: int
+
+
+def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
+                 mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None,
+                 replicate: tuple[str, ...] | None) -> MeshSpec | None:
+    """A sharded job's mesh (`build=...`), None for plain data parallelism; the arguments of
+    `Job` checked: one or the other, each complete."""
+    if build is not None:
+        if model is not None or optimizer is not None or lr_scheduler is not None:
+            raise HpctError("Job takes either build=... (a sharded job) or model and "
+                            "optimizer, not both")
+        if mesh_shape is None or mesh_dim_names is None:
+            raise HpctError("a sharded Job (build=...) needs mesh_shape and mesh_dim_names")
+        return MeshSpec(tuple(mesh_shape), tuple(mesh_dim_names), tuple(replicate or ()))
+    if model is None or optimizer is None:
+        raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
+    return None
+
+
+class Generation:
+    """This process's part of the current generation: its process group, and for a sharded
+    job (`build=...`) the mesh, model, optimizer and scheduler built on it (`model`,
+    `optimizer`, `lr_scheduler`, `mesh`: Job's properties of those names read them here).
+
+    `policy` watches every optimizer this builds and chooses the mode once a mesh's replicate
+    dimensions are known; `shutdown` ends the process's connections when a teardown failed."""
+
+    def __init__(self, settings: JobSettings, slurm: SlurmEnv, secret: bytes, events: EventLog,
+                 state: TrainState, policy: SnapshotPolicy, standing: Standing, *,
+                 model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                 lr_scheduler: Any, build: Callable[[Any], Any] | None,
+                 mesh_spec: MeshSpec | None, replicate: tuple[str, ...] | None,
+                 device_type: str, seed: int, shutdown: Callable[[str], None]):
+        self.settings, self.slurm, self.secret, self.events = settings, slurm, secret, events
+        self.state, self.policy, self.standing = state, policy, standing
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.mesh: Any = None
+        self.mesh_spec = mesh_spec
+        self._build = build
+        self._replicate_given = replicate
+        self.device_type = device_type
+        self.seed = seed
+        self._shutdown = shutdown
+        self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._want_ddp = False
+        self.teardown_bg: Background | None = None  # the broken group's, since the fault
+        # The model whose parameters carry the hooks that abandon a doomed step (_abandon)
+        self._hooked: torch.nn.Module | None = None
+
+    def key(self, rank: int) -> int:
+        """`rank`'s shard key: ranks with the same key hold the same shared state (every rank
+        does under plain data parallelism)."""
+        return self.mesh_spec.shard_key(rank) if self.mesh_spec is not None else 0
+
+    def shard_keys(self) -> list[int]:
+        """Every rank's shard key (none listed under plain data parallelism)."""
+        return self.mesh_spec.shard_keys() if self.mesh_spec is not None else []
+
+    def arm_abort(self, client: CoordinationClient) -> None:
+        # A STOP naming lost nodes aborts this generation's NCCL communicators at once, from
+        # the client's receiving thread (a no-op for gloo, whose reads the STOP's cut ends).
+        client.abort_comms = pg.abort_generation
+        client.abort_timeout_s = self.settings.abort_timeout_s
+
+    # ---- forming --------------------------------------------------------------------------
+    def form(self, a: P.Assign) -> None:
+        """This generation's group, once the last one's teardown is done; then a sharded job's
+        mesh and model, and the hooks that abandon a step the next STOP dooms."""
+        s, client = self.settings, self.standing.client
+        self.await_teardown()
+        info = rdv.derive(self.slurm, a.generation, members=a.member_nodes(),
+                          tasks_per_node=a.tasks_per_node,
+                          collective_timeout_s=s.collective_timeout_s,
+                          init_timeout_s=s.init_timeout_s,
+                          allowed_nodes=a.member_nodes())  # the controller vouches for its members
+        if info.rank != a.rank:
+            raise HpctError(f"controller assigned rank {a.rank} but the derived layout puts "
+                            f"{self.slurm.node_name}/{self.slurm.localid} at rank {info.rank}")
+        shard = None
+        if s.store == "rootless" and info.local_rank == 0:
+            shard = serve_shard(info, self.secret, events=self.events)
+        store = make_store(s.store, info, self.secret)
+        # A STOP while the group forms (a member lost meanwhile) must interrupt the formation,
+        # as it interrupts a collective: the rootless store aborts its pending requests. (Stock
+        # TCPStore cannot be interrupted: such a rank waits out the init timeout.)
+        client.on_stop = getattr(store, "abort", None)
+        try:
+            if client.stop_event.is_set() and client.on_stop is not None:
+                client.on_stop()  # the STOP arrived before the hook was in place
+            backend, device_id = self.backend()
+            pg.init(info, store, backend, shard=shard, device_id=device_id,
+                    init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
+                    collective_timeout=datetime.timedelta(seconds=s.collective_timeout_s))
+        finally:
+            client.on_stop = None
+        if self._build is not None:
+            self.build()
+        self.hook_model()
+
+    def on_gpu(self) -> bool:
+        """Whether this rank trains on a GPU: a sharded job built on "cuda", or a model whose
+        parameters are on one."""
+        if self._build is not None:
+            return self.device_type == "cuda"
+        model = self.model
+        return model is not None and any(p.is_cuda for p in model.parameters())
+
+    def backend(self) -> tuple[str, "torch.device | None"]:
+        """The process group's backend ($HPCT_BACKEND; auto: NCCL on a GPU, gloo on CPU) and,
+        for NCCL, the device its communicators bind to: the model's, else the current one."""
+        backend = self.settings.backend
+        if backend == "auto":
+            backend = "nccl" if self.on_gpu() else "gloo"
+        if backend != "nccl":
+            return backend, None
+        model = self.model
+        device = next((p.device for p in model.parameters() if p.is_cuda), None) \
+            if model is not None else None
+        return backend, device or torch.device("cuda", torch.cuda.current_device())
+
+    def build(self) -> None:
+        """A sharded job's mesh, model, optimizer and scheduler for this generation's group,
+        built the same way on every rank (the restore then overwrites their state)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert self.mesh_spec is not None and self._build is not None
+        spec = self.mesh_spec
+        if spec.world_size != self.standing.world_size:
+            raise HpctError(f"the mesh {spec.shape} needs {spec.world_size} ranks, the job "
+                            f"has {self.standing.world_size}: a sharded job runs on all its "
+                            f"positions")
+        # The mesh's sub-groups take torch's default timeout (30 min for gloo), not the
+        # world group's: a collective on one whose peer is gone must fail as fast as one on
+        # the world group.
+        c10d = dist.distributed_c10d
+        default = c10d.default_pg_timeout
+        c10d.default_pg_timeout = datetime.timedelta(seconds=self.settings.collective_timeout_s)
+        try:
+            self.mesh = init_device_mesh(self.device_type, spec.shape,
+                                         mesh_dim_names=spec.names)
+        finally:
+            c10d.default_pg_timeout = default
+        seed_everything(self.seed)  # the same initial weights on every rank
+        built = self._build(self.mesh)
+        if not isinstance(built, tuple) or len(built) not in (2, 3):
+            raise HpctError("build(mesh) must return (model, optimizer) or "
+                            "(model, optimizer, lr_scheduler)")
+        self.model, self.optimizer = built[0], built[1]
+        self.lr_scheduler = built[2] if len(built) == 3 else None
+        self.state.register(model=self.model, optimizer=self.optimizer)
+        self.policy.watch_optimizer(self.optimizer)
+        if self.lr_scheduler is not None:
+            self.state.register(lr_scheduler=self.lr_scheduler)
+        if self._replicate_given is None:
+            inferred = infer_replicate(spec.names, self.model.parameters())
+            if inferred != spec.replicate:
+                self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
+                self.policy.set_mode(self.policy.sharded_mode(spec))
+                self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.standing.rank,
+                                 replicate=inferred, mode=self.policy.mode)
+        self.state.mesh, self.state.replicate = self.mesh, spec.replicate
+
+    def release(self) -> None:
+        """Drop this generation's sharded model and mesh: they hold the broken group, which
+        must go before a new one forms; the restore comes from the snapshots' bytes."""
+        if self._build is None:
+            return
+        self.state.unregister("model", "optimizer", "lr_scheduler")
+        self.model = self.optimizer = self.lr_scheduler = self.mesh = None
+        self.state.mesh = None
+
+    # ---- DDP and gradients ----------------------------------------------------------------
+    def ddp(self) -> "torch.nn.parallel.DistributedDataParallel":
+        """The model in DDP for this generation (job.ddp), made at the first call; from then
+        on made again at every formation (`renew_ddp`)."""
+        self._want_ddp = True
+        if self._ddp is None:
+            if not dist.is_initialized():
+                raise HpctError("job.ddp is only available inside job.run(...)")
+            self._ddp = _fixed_order_ddp(self.model, self.standing.client)
+        return self._ddp
+
+    def renew_ddp(self) -> None:
+        """After a formation and its restore: a script that uses job.ddp gets a DDP module
+        bound to the new group (one is bound to its process group)."""
+        if self._want_ddp:
+            self._ddp = _fixed_order_ddp(self.model, self.standing.client)
+
+    def allreduce_gradients(self) -> None:
+        with _collective(self.standing.client):
+            average_gradients(parameter_gradients(self.model), self.standing.data_world)
+
+    # ---- abandoning a doomed step ---------------------------------------------------------
+    def _abandon(self) -> None:
+        """From a module's forward and a parameter's gradient (hooks): leave a step that can
+        never complete as soon as the STOP says so, not once it reaches its allreduce. A
+        survivor still computing when a peer died otherwise finishes its forward and backward
+        first (measured with the 100 MB benchmark model: the last survivors reported ready
+        ~0.1 s after the STOP, all of it compute). Only before the step's optimizer update:
+        the live state is then still the last step's, exactly what the fault captures."""
+        c = self.standing.client
+        if c is not None and c.stop_doomed and c.stop_event.is_set() and \
+                not self.policy.updating and c.state in ("running", "collective") and \
+                c.stop_generation >= self.standing.generation:
+            raise _Stopped(c.stop_reason)
+
+    def hook_model(self) -> None:
+        """Where _abandon is checked: before each module's forward, and as each trainable
+        parameter's gradient is computed (a module backward hook would wrap the outputs and
+        break in-place ops after them). Once per model; not for a model built per generation
+        (a sharded job's modules carry FSDP's own hooks: left as they are, such a survivor
+        leaves the step at its collective as before)."""
+        model = self.model
+        if model is None or model is self._hooked or self._build is not None:
+            return
+        for m in model.modules():
+            m.register_forward_pre_hook(self._abandon_in_forward)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(self._abandon_in_backward)
+        self._hooked = model
+
+    def _abandon_in_forward(self, *_: Any) -> None:
+        # Under torch.compile the check is left out of the graph (dynamo reads is_compiling()
+        # as a constant), so a compiled graph never depends on the client's thread state; a
+        # compiled forward runs to its end, as before, and its backward is still checked.
+        if not torch.compiler.is_compiling():
+            self._abandon()
+
+    def _abandon_in_backward(self, grad: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling():
+            self._abandon()
+
+    # ---- tearing down ---------------------------------------------------------------------
+    def teardown(self) -> None:
+        self._ddp = None  # its reducer holds the group: it must go before the group can
+        # A teardown that takes this long is a bug worth a stack trace in the step's log.
+        faulthandler.dump_traceback_later(TEARDOWN_DIAG_S, exit=False)
+        try:
+            gc.collect()
+            # Bounded: gloo's group destructor waits for its worker threads, and one stuck on a
+            # pair to a dead peer was seen to wait for minutes. A process whose group will not
+            # go away is not healthy; it says so and the controller replaces it.
+            done = threading.Event()
+            errors: list[BaseException] = []
+
+            def destroy() -> None:
+                try:
+                    pg.teardown()
+                except BaseException as exc:  # reported below, in the caller's thread
+                    errors.append(exc)
+                finally:
+                    done.set()
+
+            threading.Thread(target=destroy, daemon=True, name="hpct-teardown").start()
+            if not done.wait(TEARDOWN_TIMEOUT_S):
+                raise _TeardownHung(f"process group teardown did not finish within "
+                                    f"{TEARDOWN_TIMEOUT_S:.0f} s")
+            if errors:
+                raise errors[0]
+            gc.collect()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def teardown_in_background(self) -> None:
+        """The broken group's teardown, started now on its own thread (Job._recover)."""
+        self.teardown_bg = Background("hpct-teardown-bg", self.teardown)
+
+    def await_teardown(self) -> None:
+        """Before a new group forms: the old one's teardown, started at the fault, is done. One
+        that hangs or fails leaves a process that cannot form another group: it says so and
+        exits; the controller sees a member lost before the formation and replaces it."""
+        bg, self.teardown_bg = self.teardown_bg, None
+        if bg is None:
+            return
+        error = bg.wait(TEARDOWN_TIMEOUT_S + 5)
+        if error is None:
+            return
+        self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.standing.rank, error=str(error))
+        self._shutdown(f"process group teardown failed: {error}")
+        os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
+
+
+class _collective:
+    """Marks the rank's heartbeat state "collective" while it waits on its peers: a rank stuck
+    there is waiting for someone else, so the controller's no-progress check blames only
+    ranks stuck in their own computation ("running")."""
+
+    def __init__(self, client: CoordinationClient):
+        self.client = client
+
+    def __enter__(self) -> None:
+        if self.client.state == "running":
+            self.client.state = "collective"
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.client.state == "collective":
+            self.client.state = "running"
+
+
+def _per_parameter_allreduce(client, bucket):  # DDP checks hook annotations: leave them off
+    """DDP comm hook: average each parameter's gradient with its own allreduce. Each sum then
+    depends only on that parameter's tensor, never on how DDP grouped it into buckets."""
+    with _collective(client):
+        average_gradients(bucket.gradients(), dist.get_world_size(), concurrent=True)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient
+                     ) -> "torch.nn.parallel.DistributedDataParallel":
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(client, _per_parameter_allreduce)
+    return ddp

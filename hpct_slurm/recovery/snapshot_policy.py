@@ -1,0 +1,255 @@
+"""How a rank holds its snapshots: the recovery mode (jit or replicated), which steps are
+committed in full and which are held lazily, whether a commit's copy overlaps the next step,
+what goes to the ring neighbour and to disk after a commit, and what is captured at a fault.
+
+`Job` (job.py) asks it at the end of every step (`end_step`), before every optimizer update
+(the hook `watch_optimizer` registers), at a fault (`settle`, `capture_pending`) and at every
+adoption (`hold_restored`, `open_persisters`, `ring`)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import protocol as P
+from ..config import JobSettings
+from ..errors import HpctError
+from ..events import Ev, EventLog
+from .persist import DiskPersister
+from .sharding import MeshSpec
+from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
+                       choose_mode, replica_peer_rank)
+from .state import TrainState
+from .transfer import ReplicaPusher
+
+if TYPE_CHECKING:
+    from .generation import Standing
+
+LAZY_FULL_EVERY = 16
+
+
+def first_mode(state: TrainState, given: str | None, mesh_spec: MeshSpec | None) -> str:
+    """The recovery mode a Job starts in: `given` ("jit", "replicated"), else chosen from the
+    registered state (plain data parallelism) or from the mesh (a sharded job)."""
+    if mesh_spec is None:
+        return choose_mode(state, given, data_parallel=True)  # type: ignore[arg-type]
+    # Each shard key held by two replicas or more: a lost rank's state is on a
+    # survivor (jit). One holder per key (1-D FSDP): a ring copy in steady state.
+    return sharded_mode(state, given, mesh_spec)
+
+
+def sharded_mode(state: TrainState, given: str | None, spec: MeshSpec) -> str:
+    if given is not None:
+        return choose_mode(state, given)  # type: ignore[arg-type]
+    return "jit" if spec.replicas >= 2 else "replicated"
+
+
+class SnapshotPolicy:
+    """This rank's snapshots (`snapshots`: the shared state; `rank_snaps`: its own small
+    state, None when it has none), the replicas it holds for others (`replicas`), and the
+    rules of when and how they are taken and copied. `mode` is the recovery mode, `updating`
+    whether the step in progress reached its optimizer update.
+
+    `on_gpu` says whether the state lives on a GPU (the default for overlapping copies);
+    `persister` builds the disk persisters (the real class unless a test passes a fake)."""
+
+    def __init__(self, state: TrainState, settings: JobSettings, mode: str,
+                 mode_given: str | None, *, persist_every: int, events: EventLog, secret: bytes,
+                 job_id: str, run_dir: Path, standing: Standing, on_gpu: Callable[[], bool],
+                 persister: Callable[..., DiskPersister] = DiskPersister):
+        s = settings
+        self.state, self.events, self.secret, self.job_id = state, events, secret, job_id
+        self.run_dir, self.standing, self._on_gpu = run_dir, standing, on_gpu
+        self._make_persister = persister
+        self.timeout = s.collective_timeout_s
+        self.mode = mode
+        self._mode_given = mode_given
+        self._every_given = s.snapshot_every
+        every = self._every_given or DEFAULT_SNAPSHOT_EVERY
+        self.snapshots = SnapshotStore(state, scopes=("shared",), every=every)
+        # This rank's own small state (a sampler position, extras): its own snapshot, pushed
+        # to the ring neighbour after every commit and persisted with the shared state.
+        self.rank_snaps = (SnapshotStore(state, scopes=("rank",), every=every)
+                           if state.has_rank_state() else None)
+        self._pushed: SnapshotStore | None = None
+        # Copy the parameters and optimizer state of step s while step s+1 computes (off the
+        # critical path), or before step s returns. Default: overlap where the state lives on
+        # a GPU (host cores idle during the step); not for CPU training, whose step already
+        # uses every core: there the copy thread measured slower than the copy itself
+        # (`hpct-slurm bench replication`, jit_k1 vs jit_k1_sync).
+        self._overlap_given = (None if s.snapshot_overlap == "auto"
+                               else s.snapshot_overlap == "1")
+        # Between full commits, hold each step's shared state where it lies and copy it only
+        # at a fault (see _lazy); 0 makes every step a full commit.
+        self.lazy = s.snapshot_lazy
+        self.set_mode(self.mode)
+        self.replicas = ReplicaStore()
+        self.pusher: ReplicaPusher | None = None
+        self.persist_every = persist_every
+        self.persister: DiskPersister | None = None
+        self.rank_persister: DiskPersister | None = None
+        self._peers: dict[int, tuple[str, int]] = {}
+        # Whether the step in progress reached its optimizer update (Generation._abandon)
+        self.updating = False
+
+    # ---- the mode -------------------------------------------------------------------------
+    def sharded_mode(self, spec: MeshSpec) -> str:
+        return sharded_mode(self.state, self._mode_given, spec)
+
+    def set_mode(self, mode: str) -> None:
+        self.mode = mode
+        self.snapshots.scopes = ("shared",) if mode == "jit" else ("shared", "rank")
+        # What goes to the ring neighbour after each commit, synchronously: the neighbour then
+        # always holds the step this rank last committed (and the one before).
+        self._pushed = self.snapshots if mode == "replicated" else self.rank_snaps
+        # Full commits every step, unless the steps between can be held lazily: then every
+        # LAZY_FULL_EVERY steps (what a fault inside an optimizer step rolls back to at most)
+        if self._every_given is None:
+            self.snapshots.every = LAZY_FULL_EVERY if self._lazy() else DEFAULT_SNAPSHOT_EVERY
+
+    def _lazy(self) -> bool:
+        """Whether the shared state of a step between full commits is held without a copy
+        (SnapshotStore.prepare_lazy). Only where every survivor's live state at a fault is
+        a state the group can restore: jit mode (a replicated ring push needs the bytes) and
+        no per-rank state (a lost rank's position may exist only at the step before, which
+        live state no longer is)."""
+        return self.lazy and self.mode == "jit" and self.rank_snaps is None
+
+    def _overlap(self) -> bool:
+        if self._overlap_given is not None:
+            return self._overlap_given
+        return self._on_gpu()
+
+    # ---- every step -----------------------------------------------------------------------
+    def end_step(self, step: int) -> None:
+        """After a step: its snapshot, when one is due (full, its copy overlapping the next
+        step or not), else held lazily where that is allowed."""
+        # the same rule on every rank: the commit steps line up
+        persist_due = bool(self.persist_every) and step % self.persist_every == 0
+        if self.snapshots.due(step) or persist_due:
+            self._commit_rank_state(step)
+            if self._overlap():
+                self.snapshots.commit_async(step, then=self._after_shared_commit)
+            else:
+                self._after_shared_commit(self.snapshots.commit(step))
+        elif self._lazy():
+            self.snapshots.prepare_lazy(step)
+
+    def _commit_rank_state(self, step: int) -> None:
+        """This rank's own small state, now: the next step moves it (a sampler position).
+        In jit mode it is all that goes to the ring holder, synchronously: the holder then
+        always holds the step this rank last committed (and the one before)."""
+        if self.rank_snaps is not None:
+            self.rank_snaps.commit(step)
+            if self.rank_persister:
+                self.rank_persister.after_commit(step)
+        if self.pusher is not None and self._pushed is self.rank_snaps:
+            self.pusher.after_commit(step)
+            self.pusher.flush()  # bounded by the pusher's timeout; a failure is an event
+
+    def _after_shared_commit(self, snap: Snapshot) -> None:
+        """After the shared state of a step is copied (on the snapshot thread when the copy
+        overlaps the next step): its save to disk, and in replicated mode its ring push."""
+        try:
+            if self.persister:
+                self.persister.after_commit(snap.step)
+            if self.pusher is not None and self._pushed is self.snapshots:
+                self.pusher.after_commit(snap.step)
+                self.pusher.flush()
+        except Exception as exc:  # noqa: BLE001 - a lost copy is an event, not a fault
+            self.events.emit(Ev.SNAPSHOT_FOLLOW_UP_FAILED, rank=self.standing.rank,
+                             step=snap.step, error=f"{type(exc).__name__}: {exc}")
+
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """Before each optimizer step: drop a lazily held step (the live state stops being
+        it) and wait for the background copy of the last commit (it reads what that step is
+        about to change)."""
+        optimizer.register_step_pre_hook(lambda *_: self.before_update())
+
+    def before_update(self) -> None:
+        self.updating = True
+        self.snapshots.before_optimizer_step()
+
+    # ---- at a fault -----------------------------------------------------------------------
+    def settle(self, follow_ups: bool = False) -> None:
+        """Wait for the background copy of the last commit (and, with `follow_ups`, its save
+        and push): what this process reports holding must be complete."""
+        try:
+            self.snapshots.wait() if follow_ups else self.snapshots.wait_copied()
+        except Exception as exc:  # noqa: BLE001 - that snapshot is simply not held
+            self.events.emit(Ev.SNAPSHOT_COPY_FAILED, rank=self.standing.rank,
+                             error=f"{type(exc).__name__}: {exc}")
+
+    def capture_pending(self) -> None:
+        """A fault between two optimizer steps: the live parameters and optimizer state are
+        exactly the last step's, so they become its snapshot now (SnapshotStore.prepare_lazy)."""
+        try:
+            snap = self.snapshots.finish_pending()
+        except Exception as exc:  # noqa: BLE001 - that step is simply not held
+            self.events.emit(Ev.SNAPSHOT_COPY_FAILED, rank=self.standing.rank, error=f"{exc}")
+            return
+        if snap is not None:
+            self.events.emit(Ev.SNAPSHOT_CAPTURED_AT_FAULT, rank=self.standing.rank,
+                             step=snap.step, nbytes=snap.layout.nbytes)
+
+    # ---- at an adoption -------------------------------------------------------------------
+    def hold_restored(self, step: int) -> None:
+        """Make this process's own snapshots hold the step it now stands at (the state at
+        creation, step -1, on a first start): a newcomer that pulled its state from peers or
+        disk is then a source itself if the next fault comes before its first commit, and a
+        fault during step 0 has a state at creation to roll back to."""
+        for store in (self.snapshots, self.rank_snaps):
+            if store is None:
+                continue
+            # After a rollback (a restore from disk) newer snapshots belong to a history that
+            # no longer happens: offering them in the next fault would mix two histories.
+            for newer in [s for s in store.slots.steps() if s > step]:
+                with store.lease(newer) as snap:
+                    if snap is not None:
+                        store.slots.discard(snap)
+            if step not in store.slots.steps():
+                store.commit(step)
+
+    def open_persisters(self, key: Callable[[int], int]) -> None:
+        """The disk persisters of the rank this process now holds (`key`: a rank's shard key)."""
+        rank, world_size = self.standing.rank, self.standing.world_size
+        # One copy on disk per shard key is enough (one for plain data parallelism): the
+        # lowest rank of each key writes it.
+        own = key(rank)
+        first = min(r for r in range(world_size) if key(r) == own)
+        if self.persist_every and self.persister is None and rank == first:
+            self.persister = self._make_persister(self.snapshots, self.run_dir / "persist",
+                                                  own, self.persist_every, self.events,
+                                                  key=self.secret)
+        if self.persist_every and self.rank_snaps is not None and \
+                (self.rank_persister is None or self.rank_persister.rank != rank):
+            if self.rank_persister:
+                self.rank_persister.close()
+            self.rank_persister = self._make_persister(
+                self.rank_snaps, self.run_dir / "persist-rank", rank, self.persist_every,
+                self.events, key=self.secret)
+
+    def ring(self, a: P.Assign) -> None:
+        """Point the replica pusher at this generation's ring holder (the same local rank on
+        the node half the ring away: snapshot.replica_peer)."""
+        rank = self.standing.rank
+        self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
+        n = len(a.member_nodes())
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
+        if self._pushed is None or n < 2 or not self.standing.data_ranks == [rank]:
+            return  # no ring of one node; after a shrink positions move: disk is the copy
+        peer = replica_peer_rank(rank, n, a.tasks_per_node)
+        if peer not in self._peers:
+            raise HpctError(f"the assignment names no transfer address for rank {peer}, "
+                            f"rank {rank}'s replica holder")
+        self.pusher = ReplicaPusher(self._pushed, rank, self._peers[peer], self.secret,
+                                    self.job_id, self.events, timeout=self.timeout)
+
+    def close(self) -> None:
+        """The pusher and the persisters, at the process's end."""
+        if self.pusher:
+            self.pusher.close()
+        for persister in (self.persister, self.rank_persister):
+            if persister:
+                persister.close()

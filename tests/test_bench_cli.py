@@ -165,3 +165,20 @@ def test_bench_store_scale_counts_requests_on_real_shard_servers(tmp_path):
     assert fanned["shards"] == 288 and fanned["requests"] > record["results"][
         "nccl/plain/288"]["requests"]  # the writers' copies, counted where they landed
     assert (tmp_path / "store_scale.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_gpu_runs_where_a_gpu_is_and_says_why_not_where_none_is(tmp_path):
+    """`bench gpu` (scripts/gpu-check.sh) on the machine at hand: its summary where torch
+    sees a CUDA device; elsewhere (CI) a one-line refusal naming what is missing."""
+    import torch
+
+    proc = _bench("gpu", tmp_path, "--smoke")
+    if torch.cuda.is_available():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert {"bench", "overhead_pct", "restore_speed_of_raw", "bitwise_equal"} <= set(summary)
+        assert all(summary["bitwise_equal"].values()), summary
+    else:
+        assert proc.returncode != 0
+        assert "bench gpu needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr

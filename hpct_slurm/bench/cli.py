@@ -13,12 +13,14 @@ from ..errors import HpctError
 
 # Each name is a module `hpct_slurm.bench.<name>` exposing `run(out_dir, quick=False) -> dict`.
 BENCHMARKS = ["rendezvous", "replication", "transfer", "teardown", "cache", "recovery", "move",
-              "stress", "scale", "store_scale",
+              "stress", "scale", "store_scale", "gpu",
               "all"]
 # These run on a local Slurm cluster: their `run` also takes `root` and `down`.
 CLUSTER_BENCHMARKS = {"recovery", "move", "stress", "all"}
 # These need no cluster; their `run` also takes `smoke` (smallest sizes, to check the command).
 SMOKE_BENCHMARKS = {"rendezvous", "replication", "transfer", "teardown", "cache"}
+# These need a CUDA device (scripts/gpu-check.sh runs them); `--smoke` applies to them too.
+GPU_BENCHMARKS = {"gpu"}
 DEFAULT_CLUSTER_ROOT = "/tmp/hpct-bench-cluster"
 
 
@@ -89,8 +91,9 @@ def main(args: argparse.Namespace) -> int:
         raise HpctError(f"--step-s {scale['step_s']} must be a positive number of seconds")
     sweep.update(scale)
     smoke = getattr(args, "smoke", False)
-    if smoke and args.name not in SMOKE_BENCHMARKS:
-        raise HpctError(f"--smoke only applies to {', '.join(sorted(SMOKE_BENCHMARKS))}")
+    if smoke and args.name not in SMOKE_BENCHMARKS | GPU_BENCHMARKS:
+        raise HpctError(f"--smoke only applies to "
+                        f"{', '.join(sorted(SMOKE_BENCHMARKS | GPU_BENCHMARKS))}")
     module = importlib.import_module(f"hpct_slurm.bench.{args.name}")
     extra = {"root": Path(args.root), "down": args.down} if args.name in CLUSTER_BENCHMARKS \
         else {}

@@ -29,7 +29,8 @@ import torch
 
 from .. import protocol as P
 from ..errors import HpctError
-from .state import Layout, Scope, TrainState, as_memoryview, copy_pairs
+from .state import (Layout, Marks, Scope, TrainState, as_memoryview, issue_copies, mark_ready,
+                    order_after, wait_marks)
 from .worker import BackgroundQueue
 
 Mode = Literal["jit", "replicated"]
@@ -254,8 +255,12 @@ class SnapshotStore:
         # commit_async's state: its copy done, it and its follow-up done, its error
         self._copied = threading.Event()
         self._done = threading.Event()
+        # commit_async's copies queued (done, on a CPU), and the events of those on a GPU
+        self._issued = threading.Event()
+        self._late_marks: Marks = []
         self._copied.set()
         self._done.set()
+        self._issued.set()
         self._error: BaseException | None = None
         # prepare_lazy's slot: (index, buffer, step, layout, parameter copies still to make)
         self._pending: tuple | None = None
@@ -267,29 +272,46 @@ class SnapshotStore:
         """Commit if `step` is a commit step; the snapshot committed, else None."""
         return self.commit(step) if self.due(step) else None
 
-    def _begin(self) -> tuple[int, torch.Tensor, Layout, list]:
+    def _begin(self) -> tuple[int, torch.Tensor, Layout, list, Marks]:
         """Start a snapshot in the spare slot (after the last commit is done and a pending
         one given up): what can still change before the next optimizer step (buffers, RNG
         states, scalars, anything not a parameter or optimizer state) is copied now. Returns
-        the slot, its buffer, the layout and the (destination, live) pairs still to copy:
-        the parameters and optimizer state. The caller ends with `_finish` or `abandon`."""
+        the slot, its buffer, the layout, the (destination, live) pairs still to copy (the
+        parameters and optimizer state) and the marks of copies still running on a GPU: the
+        step's end (mark_ready), and those early copies themselves, which the next step's
+        kernels wait for on the GPU (a buffer is written by the next forward) while this
+        thread goes on. The caller ends with `_finish` or `abandon`."""
         self.wait()
         self.drop_pending()
         idx, buf = self.slots.acquire_target()
         try:
             layout, buf, pairs = self.state.prepare(buf, self.scopes)
             stable = self.state.stable_ptrs()
-            copy_pairs((d, t) for d, t in pairs if t.data_ptr() not in stable)
+            ready = mark_ready(pairs)
+            early = issue_copies([(d, t) for d, t in pairs if t.data_ptr() not in stable],
+                                 ready)
+            order_after(early)
         except BaseException:
             self.slots.abandon(idx)
             raise
-        return idx, buf, layout, [(d, t) for d, t in pairs if t.data_ptr() in stable]
+        return idx, buf, layout, [(d, t) for d, t in pairs if t.data_ptr() in stable], \
+            ready + early
 
     def _finish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
-                late: list) -> Snapshot:
+                late: list, marks: Marks) -> Snapshot:
         """Copy the rest of a begun snapshot and make it current (unsealed)."""
         try:
-            copy_pairs(late)
+            marks = marks + issue_copies(late, marks)
+        except BaseException:
+            self.slots.abandon(idx)
+            raise
+        return self._publish(idx, buf, step, layout, marks)
+
+    def _publish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
+                 marks: Marks) -> Snapshot:
+        """Once the copies behind `marks` are done, make the slot current (unsealed)."""
+        try:
+            wait_marks(marks)
         except BaseException:
             self.slots.abandon(idx)
             raise
@@ -300,8 +322,8 @@ class SnapshotStore:
 
     def commit(self, step: int) -> Snapshot:
         """Capture the state after `step` into the spare slot and make it current (unsealed)."""
-        idx, buf, layout, late = self._begin()
-        return self._finish(idx, buf, step, layout, late)
+        idx, buf, layout, late, marks = self._begin()
+        return self._finish(idx, buf, step, layout, late, marks)
 
     def adopt(self, step: int, layout: Layout, buf: torch.Tensor,
               leaves: list[bytes]) -> Snapshot:
@@ -319,19 +341,30 @@ class SnapshotStore:
     def commit_async(self, step: int, then: Callable[[Snapshot], None] | None = None) -> None:
         """Commit `step` off the step's critical path: what can still change before the next
         optimizer step is captured now (`_begin`); parameters and optimizer state are copied
-        on a background thread while the next step's forward and backward run. `wait_copied`
-        (called from the optimizer's step pre-hook) holds the next update back until that
-        copy is done. The snapshot is published, and `then(snapshot)` runs (a push, a save),
-        on that thread."""
-        idx, buf, layout, late = self._begin()
+        on a background thread while the next step's forward and backward run. The
+        optimizer's step pre-hook (`before_optimizer_step`) holds the next update back until
+        that copy is done: on a CPU this thread waits for it; on a GPU, where the copy runs
+        on a copy stream, only the update's kernels wait for it, on the GPU. The snapshot is
+        published, and `then(snapshot)` runs (a push, a save), on the background thread."""
+        idx, buf, layout, late, marks = self._begin()
         self._copied.clear()
         self._done.clear()
+        self._issued.clear()
+        self._late_marks = []
 
         def work() -> None:
             snap = None
             try:
-                snap = self._finish(idx, buf, step, layout, late)
+                self._late_marks = issue_copies(late, marks)  # a CPU's copies are done here
             except BaseException as exc:  # kept for the training thread (wait)
+                self.slots.abandon(idx)
+                self._error = exc
+            finally:
+                self._issued.set()
+            try:
+                if self._error is None:
+                    snap = self._publish(idx, buf, step, layout, marks + self._late_marks)
+            except BaseException as exc:
                 self._error = exc
             finally:
                 self._copied.set()
@@ -349,8 +382,8 @@ class SnapshotStore:
         are left where they are, to be copied only if a fault comes before the next optimizer
         step starts (`finish_pending`): until then they are exactly the state after `step`.
         The next optimizer step drops the pending snapshot (`before_optimizer_step`)."""
-        idx, buf, layout, late = self._begin()
-        self._pending = (idx, buf, step, layout, late)
+        idx, buf, layout, late, marks = self._begin()
+        self._pending = (idx, buf, step, layout, late, marks)
 
     def drop_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -368,10 +401,14 @@ class SnapshotStore:
 
     def before_optimizer_step(self) -> None:
         """From the optimizer's step pre-hook: the parameters and optimizer state are about
-        to change, so a pending snapshot no longer describes them, and a background copy of
-        the last commit must be done."""
+        to change, so a pending snapshot no longer describes them, and the background copy of
+        the last commit must read them first: on a CPU it is done when this returns; on a
+        GPU its copies are queued and the update's kernels wait for them there (this thread
+        waits only for the copies to be queued, a matter of the host's launch time)."""
         self.drop_pending()
-        self.wait_copied()
+        self._issued.wait()  # the issuing thread set the marks (or the error) before this
+        self._raise()
+        order_after(self._late_marks)
 
     def wait_copied(self) -> None:
         """Until the background copy of the last commit is done (the parameters and optimizer

@@ -180,16 +180,83 @@ def as_flat_u8(buf: Any) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(mv, dtype=np.uint8))
 
 
-def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each live tensor into its destination (pinned host memory for CUDA tensors:
-    asynchronous copies, waited for here)."""
-    pending = False
+# One copy stream per GPU for snapshot copies: they run beside the training's kernels instead of
+# in line with them on its stream (measured on an H200 with 2.6 GB of state and a 77 ms step:
+# +63 % per step in line with a device-wide synchronize, +4.4 % on a side stream).
+_copy_streams: dict[torch.device, Any] = {}
+# (device, CUDA event) pairs: what a snapshot copy on a GPU is done at
+Marks = list[tuple[torch.device, Any]]
+
+
+def _copy_stream(device: torch.device) -> Any:
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def mark_ready(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Marks:
+    """An event on the current stream of every GPU a live tensor of `pairs` is on, recorded
+    now: called by the thread that ran the step, right after it, it marks the step's last
+    write to them. Copies ordered after it read the step's state, and nothing later."""
+    marks: Marks = []
+    for device in {src.device for _, src in pairs if src.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        marks.append((device, event))
+    return marks
+
+
+def issue_copies(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                 ready: Marks | None = None) -> Marks:
+    """Start the copy of each live tensor into its destination without waiting for the GPU:
+    a CUDA tensor into pinned host memory goes on its device's copy stream, after `ready`
+    (default: after everything queued on the current stream now); anything else is copied at
+    once (a CPU tensor, or a CUDA one into pageable memory, which CUDA copies synchronously).
+    Returns the events the GPU copies are done at: wait on them (`wait_marks`) before the
+    destination is read, and order any write to the sources after them (`order_after`)."""
+    after = dict(ready or ())
+    streams: dict[torch.device, Any] = {}
     for dst, src in pairs:
-        non_blocking = src.is_cuda and dst.is_pinned()
-        dst.copy_(src.detach(), non_blocking=non_blocking)
-        pending |= non_blocking
-    if pending:
-        torch.cuda.synchronize()
+        src = src.detach()
+        if not (src.is_cuda and dst.is_pinned()):
+            dst.copy_(src)
+            continue
+        stream = streams.get(src.device)
+        if stream is None:
+            stream = streams[src.device] = _copy_stream(src.device)
+            if src.device in after:
+                stream.wait_event(after[src.device])
+            else:
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+    done: Marks = []
+    for device, stream in streams.items():
+        event = torch.cuda.Event()
+        event.record(stream)
+        done.append((device, event))
+    return done
+
+
+def wait_marks(marks: Marks) -> None:
+    """Until the copies behind `marks` are done (this thread waits; the GPU does not)."""
+    for _, event in marks:
+        event.synchronize()
+
+
+def order_after(marks: Marks) -> None:
+    """Make the current streams wait on the GPU, not here, for the copies behind `marks`:
+    kernels queued from now on (the next optimizer update) cannot overwrite a source first."""
+    for device, event in marks:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each live tensor into its destination and wait for it: pinned host memory for
+    CUDA tensors, on the copy stream (issue_copies), waited for by its events only, never by
+    a device-wide synchronize that would wait for the training's own kernels too."""
+    wait_marks(issue_copies(pairs))
 
 
 def as_memoryview(buf: torch.Tensor) -> memoryview:
@@ -376,11 +443,16 @@ class TrainState:
             raise HpctError(f"snapshot holds state for {sorted(unknown)} which this TrainState "
                             f"does not register (registered: {sorted(self._objects)})")
         scopes = set(scopes)
-        for name, sd in tree.items():
-            if name in self._objects and self._objects[name][1] in scopes:
-                obj = self._objects[name][0]
-                _check_shards(name, obj, sd)
-                obj.load_state_dict(_kept(obj, sd))
+        copying: set[torch.device] = set()
+        try:
+            for name, sd in tree.items():
+                if name in self._objects and self._objects[name][1] in scopes:
+                    obj = self._objects[name][0]
+                    _check_shards(name, obj, sd)
+                    obj.load_state_dict(_kept(obj, sd, copying))
+        finally:
+            for device in copying:  # then nothing reads `buf` any more: the caller may reuse it
+                torch.cuda.current_stream(device).synchronize()
         if "rank" not in scopes:
             return
         if RNG_KEY in tree:
@@ -415,11 +487,19 @@ def _has_dtensor(node: Any) -> bool:
     return _is_dtensor(node)
 
 
-def _kept(obj: Any, sd: Any) -> Any:
+def _kept(obj: Any, sd: Any, copying: set[torch.device]) -> Any:
     """What `obj.load_state_dict` gets out of a snapshot whose tensors are views into its
     buffer: views where the object copies them (a module), the optimizer's own live tensors
     filled from the views where it holds matching ones (it keeps the tensors it is given),
-    clones for everything else. Sharded state (DTensor) is always cloned, as before."""
+    clones for everything else. Sharded state (DTensor) is always cloned, as before.
+
+    On a GPU the optimizer's state goes straight from the (pinned) snapshot into device
+    memory, without waiting on each tensor: into the survivor's own tensors, or, for a
+    newcomer that has none yet, into tensors made on its parameter's device, exactly what
+    load_state_dict would have made of a host clone (same dtype: its cast is then a no-op).
+    Cloning on the host first and letting load_state_dict move each clone was 10x the raw
+    copy (H200: 0.31 s against 0.031 s for 1.7 GB). `copying` collects the devices whose
+    copies are still running: restore_from waits for them before `buf` may be reused."""
     if _has_dtensor(sd):
         return _cloned(sd)
     if isinstance(obj, torch.nn.Module):
@@ -430,21 +510,33 @@ def _kept(obj: Any, sd: Any) -> Any:
     params = [p for g in obj.param_groups for p in g["params"]]
     state: dict = {}
     for idx, st in sd["state"].items():
-        live = (obj.state.get(params[idx]) if isinstance(idx, int) and 0 <= idx < len(params)
-                else None)
-        if not isinstance(st, dict) or not isinstance(live, dict):
+        param = params[idx] if isinstance(idx, int) and 0 <= idx < len(params) else None
+        live = obj.state.get(param) if param is not None else None
+        if not isinstance(st, dict):
             state[idx] = _cloned(st)
             continue
         state[idx] = {}
         for k, v in st.items():
-            cur = live.get(k)
-            if type(v) is torch.Tensor and type(cur) is torch.Tensor and \
-                    cur.shape == v.shape and cur.dtype == v.dtype and cur.device == v.device:
-                with torch.no_grad():
-                    cur.copy_(v)
-                state[idx][k] = cur
-            else:
+            cur = live.get(k) if isinstance(live, dict) else None
+            if type(v) is not torch.Tensor:
                 state[idx][k] = _cloned(v)
+                continue
+            if not (type(cur) is torch.Tensor and cur.shape == v.shape
+                    and cur.dtype == v.dtype):
+                # A newcomer's first state: made where load_state_dict would put it. "step"
+                # stays on the host (torch's optimizers keep it there unless capturable).
+                if param is not None and param.is_cuda and k != "step" \
+                        and v.dtype == param.dtype:
+                    cur = torch.empty(v.shape, dtype=v.dtype, device=param.device)
+                else:
+                    state[idx][k] = _cloned(v)
+                    continue
+            non_blocking = cur.is_cuda and v.is_pinned()
+            with torch.no_grad():
+                cur.copy_(v, non_blocking=non_blocking)
+            if non_blocking:
+                copying.add(cur.device)
+            state[idx][k] = cur
     return {**{k: _cloned(v) for k, v in sd.items() if k != "state"}, "state": state}
 
 

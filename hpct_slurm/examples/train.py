@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -77,6 +78,18 @@ def main() -> None:
                     help="register a per-rank data position (rank state kept on the ring "
                          "neighbour); a rank lost after its last collective of a step then "
                          "costs one recomputed step: its position for that step died with it")
+    ap.add_argument("--sam", type=float, default=None, metavar="RHO",
+                    help="sharpness-aware minimization: each step first moves the weights in "
+                         "place by RHO along the gradient (outside optimizer.step()), then "
+                         "computes the gradient there and steps from the original weights")
+    ap.add_argument("--gan", action="store_true",
+                    help="a second model and optimizer (a GAN's discriminator, registered as "
+                         "shared state) updated before the main one in every step")
+    ap.add_argument("--die-in-step", type=int, default=None, metavar="STEP",
+                    help="the fault rank kills its own process (SIGKILL) inside STEP, where "
+                         "the weights differ from the last step's outside the main optimizer "
+                         "step: after SAM's move (--sam) or the second optimizer's update "
+                         "(--gan); generation 0 only")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -86,6 +99,13 @@ def main() -> None:
     position = DataPosition()
     extra = {"sampler": position} if args.position else {}
     job = Job(model=model, optimizer=opt, seed=7, **extra)  # hpct
+    disc, disc_opt = build_discriminator() if args.gan else (None, None)
+    if disc is not None:
+        job.state.register(scope="shared", disc=disc, disc_opt=disc_opt)  # hpct
+
+    def die_here(step: int) -> None:
+        if step == args.die_in_step and job.generation == 0 and job.rank == args.fault_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def inject(step: int) -> None:
         if job.generation != 0 or job.rank != args.fault_rank:
@@ -102,6 +122,11 @@ def main() -> None:
             time.sleep(args.slow_s)
         if args.ddp:  # plain DDP: the wrapper re-creates it for every generation
             return one_step(job.ddp, opt, args.batch, lambda: None, args.step_sleep)
+        if disc is not None:
+            gan_step(disc, disc_opt, args.batch, job.allreduce_gradients, lambda: die_here(step))
+        if args.sam is not None:
+            return sam_step(model, opt, args.batch, job.allreduce_gradients, args.sam,
+                            lambda: die_here(step))
         return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)
 
     def micro_step(step: int) -> float:  # forward + backward only: the job may shrink
@@ -112,7 +137,7 @@ def main() -> None:
                else job.run(train_step, args.steps))  # hpct
     if trained:
         write_result(job.run_dir, job.rank, model, job.losses,
-                     position.consumed if args.position else None)
+                     position.consumed if args.position else None, disc)
 
 
 def forward_backward(model: torch.nn.Module, batch: int, step_sleep: float = 0.0) -> float:
@@ -135,10 +160,60 @@ def one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
     return loss
 
 
+def sam_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
+             allreduce: Callable[[], None], rho: float, in_window: Callable[[], None]) -> float:
+    """One SAM step (Foret et al.): the gradient at w + rho * g/|g|, applied from w."""
+    x = torch.randn(batch, 32)
+    y = x[:, :4].sum(dim=1, keepdim=True)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    allreduce()
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+    moves = []
+    with torch.no_grad():
+        for p in params:
+            e = p.grad * (rho / (norm + 1e-12))
+            p.add_(e)  # in place, outside optimizer.step(): the window
+            moves.append(e)
+    in_window()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    allreduce()
+    with torch.no_grad():
+        for p, e in zip(params, moves):
+            p.sub_(e)
+    opt.step()
+    return loss.item()
+
+
+def build_discriminator() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(4321)
+    disc = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    return disc, torch.optim.SGD(disc.parameters(), lr=1e-2, momentum=0.9)
+
+
+def gan_step(disc: torch.nn.Module, opt: torch.optim.Optimizer, batch: int,
+             allreduce: Callable[[], None], after_update: Callable[[], None]) -> None:
+    """The second optimizer's part of a step: its own update, before the main one's."""
+    x = torch.randn(batch, 32)
+    opt.zero_grad()
+    torch.nn.functional.softplus(disc(x)).mean().backward()
+    for p in disc.parameters():  # its own fixed-order reduction
+        torch.distributed.all_reduce(p.grad)
+        p.grad.div_(torch.distributed.get_world_size())
+    opt.step()  # not the optimizer given to Job
+    after_update()
+
+
 def write_result(run_dir: Path, rank: int, model: torch.nn.Module,
-                 losses: dict[int, float], consumed: int | None = None) -> None:
+                 losses: dict[int, float], consumed: int | None = None,
+                 disc: torch.nn.Module | None = None) -> None:
     digest = hashlib.sha256()
     for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    for p in disc.parameters() if disc is not None else ():
         digest.update(p.detach().numpy().tobytes())
     out = Path(run_dir) / "results" / f"rank{rank}.json"
     out.parent.mkdir(exist_ok=True)

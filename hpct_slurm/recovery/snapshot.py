@@ -231,6 +231,37 @@ class DoubleBuffer:
                         self._current = other if self._snaps[other] is not None else -1
 
 
+class NotTheStep(HpctError):
+    """A held or overlapped snapshot whose tensors changed in place after its step ended: it
+    is not that step's state (it would be silently wrong), so it is never published."""
+
+
+class Unchanged:
+    """Proof that a snapshot is the step it claims: the in-place version counters
+    (`Tensor._version`; a DTensor's local shard's, which shares its base's) of the tensors a
+    lazy hold or an overlapped copy reads after the step ended, as they were then.
+
+    The rule these rest on, "parameters and optimizer state change only inside the watched
+    optimizer step", is broken by ordinary code: SAM's perturbation of the weights before its
+    second forward, weight decay or clipping applied by hand before the update, an EMA
+    updated at a step's start, a second optimizer not given to Job. Any of them moves a
+    counter; `changed` names how many tensors moved. Reading the counters costs a few
+    microseconds per thousand tensors (`hpct-slurm bench replication`)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.versions = [t._version for t in tensors]
+
+    def now(self) -> list[int]:
+        return [t._version for t in self.tensors]
+
+    def changed(self, versions: list[int] | None = None) -> int:
+        """How many tensors were changed in place since the step ended (by `versions`, the
+        counters read at some later moment, or now)."""
+        now = self.now() if versions is None else versions
+        return sum(a != b for a, b in zip(self.versions, now))
+
+
 class SnapshotStore:
     """This rank's own snapshots of `state`, committed every `every` steps.
 
@@ -262,8 +293,17 @@ class SnapshotStore:
         self._done.set()
         self._issued.set()
         self._error: BaseException | None = None
-        # prepare_lazy's slot: (index, buffer, step, layout, parameter copies still to make)
+        # prepare_lazy's slot: (index, buffer, step, layout, parameter copies still to make,
+        # marks of copies running, the versions its live tensors must keep)
         self._pending: tuple | None = None
+        # An overlapped commit's version counters read where the next update was ordered after
+        # its copy (before_optimizer_step): changes from there on cannot reach the copy.
+        self._ordered: list[int] | None = None
+        self._async_watch = Unchanged([])
+        self._watch_lock = threading.Lock()
+        # Called with (step, detail) for a snapshot refused as not its step's state (the
+        # policy records it); the store then keeps holding the one before.
+        self.on_not_the_step: Callable[[int, str], None] | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -272,7 +312,7 @@ class SnapshotStore:
         """Commit if `step` is a commit step; the snapshot committed, else None."""
         return self.commit(step) if self.due(step) else None
 
-    def _begin(self) -> tuple[int, torch.Tensor, Layout, list, Marks]:
+    def _begin(self) -> tuple[int, torch.Tensor, Layout, list, Marks, Unchanged]:
         """Start a snapshot in the spare slot (after the last commit is done and a pending
         one given up): what can still change before the next optimizer step (buffers, RNG
         states, scalars, anything not a parameter or optimizer state) is copied now. Returns
@@ -280,7 +320,8 @@ class SnapshotStore:
         parameters and optimizer state) and the marks of copies still running on a GPU: the
         step's end (mark_ready), and those early copies themselves, which the next step's
         kernels wait for on the GPU (a buffer is written by the next forward) while this
-        thread goes on. The caller ends with `_finish` or `abandon`."""
+        thread goes on; and the version counters those late pairs must keep until they are
+        copied. The caller ends with `_finish` or `abandon`."""
         self.wait()
         self.drop_pending()
         idx, buf = self.slots.acquire_target()
@@ -294,24 +335,34 @@ class SnapshotStore:
         except BaseException:
             self.slots.abandon(idx)
             raise
-        return idx, buf, layout, [(d, t) for d, t in pairs if t.data_ptr() in stable], \
-            ready + early
+        late = [(d, t) for d, t in pairs if t.data_ptr() in stable]
+        return idx, buf, layout, late, ready + early, Unchanged([t for _, t in late])
 
     def _finish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
-                late: list, marks: Marks) -> Snapshot:
-        """Copy the rest of a begun snapshot and make it current (unsealed)."""
+                late: list, marks: Marks, watch: Unchanged) -> Snapshot:
+        """Copy the rest of a begun snapshot and make it current (unsealed), unless what it
+        copied changed in place since its step ended (NotTheStep)."""
         try:
             marks = marks + issue_copies(late, marks)
         except BaseException:
             self.slots.abandon(idx)
             raise
-        return self._publish(idx, buf, step, layout, marks)
+        return self._publish(idx, buf, step, layout, marks, watch)
 
     def _publish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
-                 marks: Marks) -> Snapshot:
-        """Once the copies behind `marks` are done, make the slot current (unsealed)."""
+                 marks: Marks, watch: Unchanged, versions: list[int] | None = None
+                 ) -> Snapshot:
+        """Once the copies behind `marks` are done, make the slot current (unsealed) if the
+        tensors they read kept their versions (`versions`: as read where later changes could
+        no longer reach the copy; default: now, once it is done)."""
         try:
             wait_marks(marks)
+            moved = watch.changed(versions)
+            if moved:
+                raise NotTheStep(f"{moved} of {len(watch.tensors)} tensors of step {step}'s "
+                                 f"snapshot were changed in place after the step ended, "
+                                 f"outside the watched optimizer step: it is not that "
+                                 f"step's state")
         except BaseException:
             self.slots.abandon(idx)
             raise
@@ -320,10 +371,14 @@ class SnapshotStore:
             _SEALER.put(snap)
         return snap
 
+    def _refused(self, step: int, exc: NotTheStep) -> None:
+        if self.on_not_the_step is not None:
+            self.on_not_the_step(step, exc.message)
+
     def commit(self, step: int) -> Snapshot:
         """Capture the state after `step` into the spare slot and make it current (unsealed)."""
-        idx, buf, layout, late, marks = self._begin()
-        return self._finish(idx, buf, step, layout, late, marks)
+        idx, buf, layout, late, marks, watch = self._begin()
+        return self._finish(idx, buf, step, layout, late, marks, watch)
 
     def adopt(self, step: int, layout: Layout, buf: torch.Tensor,
               leaves: list[bytes]) -> Snapshot:
@@ -346,16 +401,24 @@ class SnapshotStore:
         that copy is done: on a CPU this thread waits for it; on a GPU, where the copy runs
         on a copy stream, only the update's kernels wait for it, on the GPU. The snapshot is
         published, and `then(snapshot)` runs (a push, a save), on the background thread."""
-        idx, buf, layout, late, marks = self._begin()
+        idx, buf, layout, late, marks, watch = self._begin()
         self._copied.clear()
         self._done.clear()
         self._issued.clear()
         self._late_marks = []
+        with self._watch_lock:
+            self._ordered = None
+            self._async_watch = watch
 
         def work() -> None:
             snap = None
+            versions = None
             try:
                 self._late_marks = issue_copies(late, marks)  # a CPU's copies are done here
+                if not self._late_marks:
+                    # Done on this thread: the update still waits for _issued, so any change
+                    # seen now came from elsewhere, while the copy read.
+                    versions = watch.now()
             except BaseException as exc:  # kept for the training thread (wait)
                 self.slots.abandon(idx)
                 self._error = exc
@@ -363,7 +426,16 @@ class SnapshotStore:
                 self._issued.set()
             try:
                 if self._error is None:
-                    snap = self._publish(idx, buf, step, layout, marks + self._late_marks)
+                    wait_marks(self._late_marks)
+                    if versions is None:
+                        # On a GPU: as read where the next update was ordered after the copy,
+                        # or now if it was not yet (then a change now may have raced it)
+                        with self._watch_lock:
+                            versions = self._ordered
+                    snap = self._publish(idx, buf, step, layout, marks + self._late_marks,
+                                         watch, versions)
+            except NotTheStep as exc:
+                self._refused(step, exc)
             except BaseException as exc:
                 self._error = exc
             finally:
@@ -382,8 +454,8 @@ class SnapshotStore:
         are left where they are, to be copied only if a fault comes before the next optimizer
         step starts (`finish_pending`): until then they are exactly the state after `step`.
         The next optimizer step drops the pending snapshot (`before_optimizer_step`)."""
-        idx, buf, layout, late, marks = self._begin()
-        self._pending = (idx, buf, step, layout, late, marks)
+        idx, buf, layout, late, marks, watch = self._begin()
+        self._pending = (idx, buf, step, layout, late, marks, watch)
 
     def drop_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -397,7 +469,11 @@ class SnapshotStore:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        return self._finish(*pending)
+        try:
+            return self._finish(*pending)
+        except NotTheStep as exc:  # its tensors moved since the step: it is no step's state
+            self._refused(pending[2], exc)
+            return None
 
     def before_optimizer_step(self) -> None:
         """From the optimizer's step pre-hook: the parameters and optimizer state are about
@@ -408,7 +484,14 @@ class SnapshotStore:
         self.drop_pending()
         self._issued.wait()  # the issuing thread set the marks (or the error) before this
         self._raise()
-        order_after(self._late_marks)
+        marks = self._late_marks
+        order_after(marks)
+        if marks and not self._copied.is_set():
+            # From here on this update, and any later write, runs after the copy on the GPU:
+            # the versions now are the ones the copy must have read.
+            with self._watch_lock:
+                if self._ordered is None:
+                    self._ordered = self._async_watch.now()
 
     def wait_copied(self) -> None:
         """Until the background copy of the last commit is done (the parameters and optimizer

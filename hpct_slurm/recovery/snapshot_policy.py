@@ -7,8 +7,11 @@ what goes to the ring neighbour and to disk after a commit, and what is captured
 adoption (`hold_restored`, `open_persisters`, `ring`)."""
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import protocol as P
 from ..config import JobSettings
@@ -70,6 +73,12 @@ class SnapshotPolicy:
         # to the ring neighbour after every commit and persisted with the shared state.
         self.rank_snaps = (SnapshotStore(state, scopes=("rank",), every=every)
                            if state.has_rank_state() else None)
+        self.snapshots.on_not_the_step = self._not_the_step
+        # the optimizers this rank watches (Job's, each sharded build's) and, for every
+        # other optimizer that steps in this process, whether it updates registered state
+        self._watched: set[int] = set()
+        self._updates_state: dict[int, bool] = {}
+        self._global_hook: Any = None
         self._pushed: SnapshotStore | None = None
         # Copy the parameters and optimizer state of step s while step s+1 computes (off the
         # critical path), or before step s returns. Default: overlap where the state lives on
@@ -162,8 +171,39 @@ class SnapshotPolicy:
     def watch_optimizer(self, optimizer: Any) -> None:
         """Before each optimizer step: drop a lazily held step (the live state stops being
         it) and wait for the background copy of the last commit (it reads what that step is
-        about to change)."""
+        about to change). Every other optimizer that steps in this process is watched too,
+        through torch's global step pre-hook, when it updates registered state (a GAN's
+        discriminator passed to Job as extra state): its update must not race the copy."""
         optimizer.register_step_pre_hook(lambda *_: self.before_update())
+        self._watched.add(id(optimizer))
+        if self._global_hook is None:
+            policy = weakref.ref(self)
+
+            def any_optimizer(opt: Any, *_: Any) -> None:
+                me = policy()
+                if me is not None:
+                    me._before_any_update(opt)
+
+            self._global_hook = register_optimizer_step_pre_hook(
+                any_optimizer)
+
+    def _before_any_update(self, optimizer: Any) -> None:
+        if id(optimizer) in self._watched:
+            return  # its own hook runs
+        key = id(optimizer)
+        if key not in self._updates_state:
+            stable = self.state.stable_ptrs()
+            self._updates_state[key] = any(
+                (p.to_local() if hasattr(p, "to_local") else p).data_ptr() in stable
+                for g in optimizer.param_groups for p in g["params"])
+        if self._updates_state[key]:
+            self.before_update()
+
+    def _not_the_step(self, step: int, detail: str) -> None:
+        """A held or overlapped snapshot refused (SnapshotStore.on_not_the_step): this rank
+        holds the one before, and a fault now rolls back to it (recomputed, and counted)."""
+        self.events.emit(Ev.SNAPSHOT_NOT_THE_STEP, rank=self.standing.rank, step=step,
+                         error=detail, holds=self.snapshots.slots.steps())
 
     def before_update(self) -> None:
         self.updating = True
@@ -247,7 +287,10 @@ class SnapshotPolicy:
                                     self.job_id, self.events, timeout=self.timeout)
 
     def close(self) -> None:
-        """The pusher and the persisters, at the process's end."""
+        """The pusher, the persisters and the global optimizer hook, at the process's end."""
+        if self._global_hook is not None:
+            self._global_hook.remove()
+            self._global_hook = None
         if self.pusher:
             self.pusher.close()
         for persister in (self.persister, self.rank_persister):

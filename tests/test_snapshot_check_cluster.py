@@ -1,0 +1,61 @@
+"""Never silently wrong, on the real cluster (issue 27): adopted scripts that change their
+weights outside the watched optimizer step, crashed inside that window, end bit-identical to
+an uninterrupted run, with the steps they had to recompute counted.
+
+- SAM: each step moves every weight in place along the gradient before its second forward;
+  a rank dies right after that move. The survivors' lazily held step is no longer the live
+  state: before the check they published the moved weights as "the step" and the run ended
+  different from the reference while reporting nothing recomputed.
+- GAN-style: a discriminator (registered as shared state) with its own optimizer, updated
+  before the main one in every step; a rank dies right after that update. The hold must be
+  dropped by that optimizer's step too (torch's global pre-hook), not only the main one's.
+
+No --position: without per-rank state the job holds steps lazily (its default), which is
+what these scripts break.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          rank_events, recomputed_steps, submit, wait_job)
+
+pytestmark = pytest.mark.cluster
+STEPS = 30
+DIE_IN = 21  # not a full-commit step (every 16): the hold is what the survivors have
+ACTIVE = 3
+
+
+def _train(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(STEPS),
+            "--step-sleep", "0.02", *extra]
+
+
+def _run(cluster, run_dir, argv: list[str], spares: int) -> int:
+    return submit(cluster, run_dir, TEMPLATE, argv, nodes=ACTIVE + spares,
+                  env={"HPCT_ACTIVE_NODES": str(ACTIVE), "HPCT_SPARE_NODES": str(spares)})
+
+
+@pytest.mark.parametrize("script", [["--sam", "0.05"], ["--gan"]], ids=["sam", "gan"])
+def test_a_crash_inside_the_window_ends_bit_identical_with_the_recompute_counted(
+        cluster, tmp_path_factory, script):
+    ref_dir = tmp_path_factory.mktemp("check-reference")
+    wait_job(cluster, _run(cluster, ref_dir, _train(*script), 0), ref_dir, 240,
+             label="reference")
+    ref = collect(ref_dir, ACTIVE)
+    run_dir = tmp_path_factory.mktemp("check-crash")
+    jid = _run(cluster, run_dir, _train(*script, "--die-in-step", str(DIE_IN),
+                                        "--fault-rank", "1"), 1)
+    wait_job(cluster, jid, run_dir, 240, label="crash-in-window")
+    assert bitwise_equal(ref, collect(run_dir, ACTIVE), run_dir)
+    refused = [e for e in rank_events(run_dir) if e["event"] == "snapshot.not_the_step"]
+    assigns = [e for e in controller_events(run_dir) if e["event"] == "recovery.assign"]
+    assert assigns, "no recovery happened"
+    restore = assigns[0]["restore_step"]
+    if script == ["--sam", "0.05"]:
+        # the survivors' holds of step 20 were refused by the check, not published
+        assert refused and all(e["step"] == DIE_IN - 1 for e in refused), refused
+    assert restore < DIE_IN - 1  # rolled back to the last full commit
+    assert recomputed_steps(run_dir) > 0  # counted, not hidden

@@ -23,6 +23,7 @@ not free strings. This module imports nothing heavy: the CLI imports it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -41,12 +42,32 @@ ADMIN, USER, CONTROLLER, HOOK, TEST, RENDEZVOUS = (
 SET_BY = (ADMIN, USER, CONTROLLER, HOOK, TEST, RENDEZVOUS)
 
 UINT32_MAX = 0xFFFFFFFF
-_INT_RE = re.compile(r"-?[0-9]{1,10}")  # ASCII digits only, short enough that int() is cheap
+# Every number in the table and on the command line goes through these: ASCII digits only
+# (float() and int() also take '١٢', '１２', '1_000', 'inf', 'nan' and '1e309'), short enough that
+# the value is finite and int() is cheap.
+_INT_RE = re.compile(r"-?[0-9]{1,10}")
+_DECIMAL_RE = re.compile(r"[0-9]{1,10}(?:\.[0-9]{0,20})?|\.[0-9]{1,20}")
+# A seconds setting's upper bound where the table gives none: a week is past any timeout a job
+# could want, and far inside what timedelta, socket and thread timeouts take (1e10 s is not).
+SECONDS_MAX = 7 * 24 * 3600
+_SPACE = " \t\r\n"
 
 
 class SettingError(HpctError):
     """A setting's value cannot be used: the message names the variable, the value and what
     is allowed."""
+
+
+class _Refused(ValueError):
+    """What is wrong with a value, without the name it came under: `read` puts the variable
+    in front (a SettingError), argparse the flag (`arg_type`)."""
+
+    def __init__(self, value: str, what: str, sep: str = " ", hint: str = ""):
+        super().__init__(f"{value} {what}")
+        self.sep, self.hint = sep, hint
+
+    def naming(self, name: str) -> SettingError:
+        return SettingError(f"{name}{self.sep}{self}{self.hint}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,8 @@ class Setting:
                 return f"an integer >= {self.lo}"
             return f"an integer in {self.lo}-{self.hi}"
         if self.kind == "seconds":
-            return "seconds > 0"
+            lo = "> 0" if self.lo is None else f">= {self.lo}"
+            return f"seconds {lo}, at most {self.seconds_max()}"
         if self.kind == "fraction":
             return "a number in (0, 1]"
         if self.kind in ("choice", "flag"):
@@ -82,6 +104,9 @@ class Setting:
         if self.kind == "path":
             return "a path"
         return "text"
+
+    def seconds_max(self) -> int:
+        return SECONDS_MAX if self.hi is None else self.hi
 
 
 def _s(name: str, kind: str, default: Any, set_by: str | tuple[str, ...],
@@ -110,6 +135,9 @@ SNAPSHOT_EVERY = "HPCT_SNAPSHOT_EVERY"
 SNAPSHOT_OVERLAP = "HPCT_SNAPSHOT_OVERLAP"
 SNAPSHOT_LAZY = "HPCT_SNAPSHOT_LAZY"
 FAULT_CORRUPT_SERVE = "HPCT_FAULT_CORRUPT_SERVE"
+FAULT_TAKER_DIES_AT = "HPCT_FAULT_TAKER_DIES_AT"
+# the phases of an adoption a test can land a second fault in (recovery/inject.py)
+TAKER_PHASES = ("assigned", "store", "connect", "pull", "first_step")
 BACKEND = "HPCT_BACKEND"
 ABORT_TIMEOUT_S = "HPCT_ABORT_TIMEOUT_S"
 # rendezvous
@@ -138,6 +166,13 @@ CACHE_MB = "HPCT_CACHE_MB"
 # tools
 LOCALCLUSTER_ROOT = "HPCT_LOCALCLUSTER_ROOT"
 SPARE_USERS = "HPCT_SPARE_USERS"
+# the sbatch templates' shell, which passes them to `controller` flags
+ACTIVE_NODES = "HPCT_ACTIVE_NODES"
+SPARE_NODES = "HPCT_SPARE_NODES"
+ON_FEW_SPARES = "HPCT_ON_FEW_SPARES"
+ON_NO_SPARE = "HPCT_ON_NO_SPARE"
+POOL_SPARES = "HPCT_POOL_SPARES"
+POOL_RESERVATION = "HPCT_POOL_RESERVATION"
 
 _TEMPLATE = "sbatch templates"
 _RANK = "ranks (recovery.Job)"
@@ -165,8 +200,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s(INIT_TIMEOUT_S, "seconds", 30.0, CONTROLLER, (_RANK, "rendezvous"),
        "forming a generation's process group gives up after this long (a plain srun "
        "step's rendezvous env: 600)", scope="job"),
-    _s(PERSIST_EVERY, "int", 0, CONTROLLER, _RANK, "steps between asynchronous disk "
-       "snapshots (`controller --persist-every`; 0: none)", lo=0, hi=UINT32_MAX, scope="job"),
+    # on by default: a requeued job (no spare left, the batch host lost, the time limit) and a
+    # shard whose every holder is lost resume from these files (the templates' --requeue)
+    _s(PERSIST_EVERY, "int", 10, CONTROLLER, _RANK, "steps between asynchronous disk "
+       "snapshots, what a requeued job resumes from (`controller --persist-every`; 0: none, "
+       "a requeued job starts over)", lo=0, hi=UINT32_MAX, scope="job"),
     _s(HEARTBEAT_S, "seconds", 0.5, CONTROLLER, _RANK,
        "a rank's heartbeat interval; the controller stretches it beyond 1,000 ranks so the "
        "aggregate stays within its message budget (controller/pacing.py)", scope="job"),
@@ -198,6 +236,10 @@ SETTINGS: tuple[Setting, ...] = (
        scope="job"),
     _s(ABORT_TIMEOUT_S, "seconds", 10.0, USER, _RANK, "a STOP's abort of an NCCL job's "
        "communicators must finish within this long, or the rank exits and is replaced",
+       scope="job"),
+    _s(FAULT_TAKER_DIES_AT, "choice", None, TEST, _RANK, "fault injection: the first spare "
+       "that takes over a lost rank kills itself in this phase of its adoption "
+       "(recovery/inject.py)", choices=TAKER_PHASES,
        scope="job"),
     _s(FAULT_CORRUPT_SERVE, "ranks", frozenset(), TEST, _RANK, "fault injection: these "
        "ranks serve rotten copies of their snapshots", scope="job"),
@@ -261,17 +303,17 @@ SETTINGS: tuple[Setting, ...] = (
     _s(SPARE_USERS, "str", "root", ADMIN, "hpct-slurm spares", "users allowed into the spare "
        "pool reservation (`spares add --users` wins)", scope="tools"),
     # ---- read by the sbatch templates' shell (then passed as `controller` flags) ---------
-    _s("HPCT_ACTIVE_NODES", "int", 4, USER, _TEMPLATE, "active nodes (world size = active "
+    _s(ACTIVE_NODES, "int", 4, USER, _TEMPLATE, "active nodes (world size = active "
        "x tasks per node)", lo=1, hi=UINT32_MAX, scope="template", shell_only=True),
-    _s("HPCT_SPARE_NODES", "int", 1, USER, _TEMPLATE, "warm spares expected from the "
+    _s(SPARE_NODES, "int", 1, USER, _TEMPLATE, "warm spares expected from the "
        "allocation", lo=0, hi=UINT32_MAX, scope="template", shell_only=True),
-    _s("HPCT_ON_FEW_SPARES", "choice", "warn", USER, _TEMPLATE, "fewer spares at the first "
+    _s(ON_FEW_SPARES, "choice", "warn", USER, _TEMPLATE, "fewer spares at the first "
        "start", choices=("warn", "refuse"), scope="template", shell_only=True),
-    _s("HPCT_ON_NO_SPARE", "choice", "requeue", USER, _TEMPLATE, "no warm spare left",
+    _s(ON_NO_SPARE, "choice", "requeue", USER, _TEMPLATE, "no warm spare left",
        choices=("requeue", "shrink", "fail"), scope="template", shell_only=True),
-    _s("HPCT_POOL_SPARES", "int", 0, USER, _TEMPLATE, "warm spares borrowed from the cluster "
+    _s(POOL_SPARES, "int", 0, USER, _TEMPLATE, "warm spares borrowed from the cluster "
        "pool (pool.sbatch: 2)", lo=0, hi=UINT32_MAX, scope="template", shell_only=True),
-    _s("HPCT_POOL_RESERVATION", "str", "hpct_spares", USER, _TEMPLATE, "the pool's "
+    _s(POOL_RESERVATION, "str", "hpct_spares", USER, _TEMPLATE, "the pool's "
        "reservation", scope="template", shell_only=True),
     _s("HPCT_BIN", "path", "hpct-slurm", USER, _TEMPLATE, "the hpct-slurm command (on the "
        "job's PATH, or its full path)", scope="template", shell_only=True),
@@ -290,46 +332,52 @@ NOT_SETTINGS = frozenset({"HPCT_PHASES", "HPCT_SPANK_H", "HPCT_PATH_MAX", "HPCT_
                           "HPCT_TEST_DIR"})
 
 
-def _fail(setting: Setting, raw: str, what: str | None = None) -> SettingError:
-    return SettingError(f"{setting.name} {shown(raw)} is not {what or setting.allowed()}")
+def _fail(raw: str, what: str) -> _Refused:
+    return _Refused(shown(raw), f"is not {what}")
+
+
+def _out_of_range(text: str, allowed: str) -> _Refused:
+    return _Refused(text, f"is out of range: it must be {allowed}", sep="=",
+                    hint=" (unset it for the default)")
 
 
 def _parse_int(s: Setting, raw: str) -> int:
-    text = raw.strip()
+    text = raw.strip(_SPACE)
     if not _INT_RE.fullmatch(text):
-        raise _fail(s, raw, "a positive integer" if s.lo == 1 else "a non-negative integer")
+        raise _fail(raw, "a positive integer" if s.lo == 1 else "a non-negative integer")
     number = int(text)
     lo = 0 if s.lo is None else s.lo
     if number < lo or (s.hi is not None and number > s.hi):
-        allowed = (f"at least {lo}" if s.hi is None or s.hi == UINT32_MAX
-                   else f"in {lo}-{s.hi}")
-        raise SettingError(f"{s.name}={text} is out of range: it must be {allowed} "
-                           f"(unset it for the default)")
+        raise _out_of_range(text, f"at least {lo}" if s.hi is None or s.hi == UINT32_MAX
+                            else f"in {lo}-{s.hi}")
     return number
 
 
-def _parse_float(s: Setting, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if s.kind == "seconds" and not value > 0:
-        raise _fail(s, raw, "a positive number of seconds")
-    if s.kind == "fraction" and not 0.0 < value <= 1.0:
-        raise _fail(s, raw, "a number in (0, 1]")
+def _parse_decimal(s: Setting, raw: str) -> float:
+    text = raw.strip(_SPACE)
+    value = float(text) if _DECIMAL_RE.fullmatch(text) else None
+    if s.kind == "fraction":
+        if value is None or not 0.0 < value <= 1.0:
+            raise _fail(raw, "a number in (0, 1]")
+        return value
+    if value is None or (value < s.lo if s.lo is not None else not value > 0):
+        raise _fail(raw, "a positive number of seconds" if s.lo is None
+                    else f"a number of seconds >= {s.lo}")
+    if value > s.seconds_max():
+        raise _out_of_range(text, f"at most {s.seconds_max()} seconds")
     return value
 
 
 def _parse_choice(s: Setting, raw: str) -> Any:
     if raw not in s.choices:
-        raise _fail(s, raw, f"one of {', '.join(s.choices)}")
+        raise _fail(raw, f"one of {', '.join(s.choices)}")
     return raw == "1" if s.kind == "flag" else raw
 
 
 def _parse_ranks(s: Setting, raw: str) -> frozenset[int]:
-    items = [item.strip() for item in raw.split(",") if item.strip()]
+    items = [item.strip(_SPACE) for item in raw.split(",") if item.strip(_SPACE)]
     if not all(re.fullmatch(r"[0-9]{1,10}", item) for item in items):
-        raise _fail(s, raw, "comma-separated rank numbers")
+        raise _fail(raw, "comma-separated rank numbers")
     return frozenset(int(item) for item in items)
 
 
@@ -345,7 +393,7 @@ def _parse_job_id(s: Setting, raw: str) -> int:
 
 
 _PARSERS: dict[str, Callable[[Setting, str], Any]] = {
-    "int": _parse_int, "seconds": _parse_float, "fraction": _parse_float,
+    "int": _parse_int, "seconds": _parse_decimal, "fraction": _parse_decimal,
     "choice": _parse_choice, "flag": _parse_choice, "ranks": _parse_ranks,
     "job_id": _parse_job_id, "str": lambda s, raw: raw, "path": lambda s, raw: raw,
 }
@@ -383,7 +431,48 @@ def read(environ: Mapping[str, str] | None, name: str, default: Any = None) -> A
     var, text = found
     if var != name:
         setting = dataclasses.replace(setting, name=var)
-    return _PARSERS[setting.kind](setting, text)
+    try:
+        return _PARSERS[setting.kind](setting, text)
+    except _Refused as exc:
+        raise exc.naming(var) from None
+
+
+def arg_type(name: str) -> Callable[[str], Any]:
+    """argparse `type=` for a flag that mirrors setting `name`: the table's parser and bounds,
+    so a flag takes nothing its variable refuses; argparse names the flag in the one error
+    line (`argument --persist-every: -5 is out of range: it must be at least 0`)."""
+    return _arg_type(BY_NAME[name])
+
+
+def number_type(kind: str, lo: int | None = None, hi: int | None = None) -> Callable[[str], Any]:
+    """argparse `type=` for a number flag that mirrors no setting (`--heartbeat-timeout`):
+    the same parser and rules (`kind` "int", "seconds" or "fraction")."""
+    return _arg_type(Setting("", kind, None, (), (), "", lo=lo, hi=hi))
+
+
+def _arg_type(setting: Setting) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return _PARSERS[setting.kind](setting, text)
+        except _Refused as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = setting.kind  # argparse names the type in some of its own messages
+    parse.setting = setting  # the entry it checks by (tests: every number flag has one)
+    return parse
+
+
+def flag_help(name: str, lead: str | None = None, environ: bool = False,
+              default: str | None = None) -> str:
+    """The help of a flag that mirrors setting `name`: `lead` (else the table's text), then
+    what the value may be and the default, from the table; `environ`: the flag's default is
+    the variable, then the table's; `default`: a flag's own default, in words."""
+    s = BY_NAME[name]
+    default = default or _default_text(s)
+    if environ:
+        default = f"${name}, else {default}"
+    allowed = f"{s.allowed()}; " if s.kind in ("int", "seconds", "fraction") else ""
+    return f"{lead or s.doc} ({allowed}default {default})".replace("%", "%%")
 
 
 def require(environ: Mapping[str, str] | None, name: str, hint: str = "") -> Any:
@@ -423,8 +512,9 @@ class JobSettings:
     snapshot_every: int | None = None
     snapshot_overlap: str = "auto"
     snapshot_lazy: bool = True
-    persist_every: int = 0
+    persist_every: int = 0  # built directly (tests): no disk; a rank gets the controller's
     corrupt_serve: frozenset[int] = field(default_factory=frozenset)
+    taker_dies_at: str | None = None  # test fault injection (recovery/inject.py)
     served_job_id: int | None = None  # a pool spare: the main job it serves
     relay: bool = False  # reach the controller through the node's relay (relay/node.py)
     backend: str = "auto"
@@ -445,6 +535,7 @@ class JobSettings:
                    snapshot_lazy=read(env, SNAPSHOT_LAZY),
                    persist_every=read(env, PERSIST_EVERY),
                    corrupt_serve=read(env, FAULT_CORRUPT_SERVE),
+                   taker_dies_at=read(env, FAULT_TAKER_DIES_AT),
                    served_job_id=read(env, JOB_ID),
                    relay=read(env, RELAY),
                    backend=read(env, BACKEND),

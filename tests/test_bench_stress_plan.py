@@ -336,3 +336,17 @@ def test_latest_pid_and_view_generation():
            {"event": "rank.register", "node": "n2", "pid": 7, "role": "spare"}]
     assert S.latest_pid(evs, "n2") == 7 and S.latest_pid(evs, "n9") is None
     assert S.view(evs).generation == 3
+
+
+def test_second_fault_survivor_wait_is_from_the_last_stop_before_each_ready():
+    """bench second_fault's survivor wait (pure): a survivor's ready report counts from the
+    STOP just before it; the lost nodes' own reports are not survivors'."""
+    from hpct_slurm.bench.second_fault import survivor_waits
+
+    controller = [{"event": "fault.stop_sent", "t": 10.0}, {"event": "fault.stop_sent", "t": 12.0}]
+    ranks = [{"event": "rank.ready", "t": 10.4, "source": "n1/0"},
+             {"event": "rank.ready", "t": 13.5, "source": "n3/0"},  # after the second STOP
+             {"event": "rank.ready", "t": 19.0, "source": "n4/0"},  # the dead taker's
+             {"event": "rank.step", "t": 20.0, "source": "n1/0"}]
+    assert survivor_waits(controller, ranks, {"n2", "n4"}) == 1.5
+    assert survivor_waits(controller, ranks, {"n2"}) == 7.0

@@ -8,44 +8,73 @@ from .. import config as C
 from ..errors import HpctError
 
 
+# Flags that mirror a setting (flag -> the table's entry). The entry gives the flag its type
+# (the table's parser and bounds: a flag takes nothing the variable refuses), the allowed
+# values and default in its help, and its default: tests/test_settings_numbers.py parses an
+# empty command line against the table, so the two cannot drift apart again.
+MIRRORS: dict[str, str] = {
+    "--spares": C.SPARES, "--store": C.STORE, "--progress-timeout": C.PROGRESS_TIMEOUT_S,
+    "--persist-every": C.PERSIST_EVERY, "--pool-spares": C.POOL_SPARES,
+    "--pool-reservation": C.POOL_RESERVATION, "--on-no-spare": C.ON_NO_SPARE,
+    "--on-few-spares": C.ON_FEW_SPARES,
+    "--active": C.ACTIVE_NODES, "--want-spares": C.SPARE_NODES,
+    "--tasks-per-node": C.TASKS_PER_NODE,
+}
+# ... whose default on the command line is None: `run` reads the variable, then the table
+# (config.py's precedence rule: the flag, the sbatch option the SPANK plugin exports, the table)
+FROM_ENVIRON = ("--spares", "--store", "--progress-timeout")
+# ... range-checked by their entry, with a default of their own: the templates always pass
+# them, and left out by hand they mean what no template value does (no fixed number of active
+# nodes, no spares expected; tasks: the table's unset is "the step's own" to the rendezvous,
+# but the controller launches the steps and must give a number). Flag -> (default, in words).
+OWN_DEFAULT: dict[str, tuple[int | None, str]] = {
+    "--active": (None, "none: every node that is not a spare"),
+    "--want-spares": (None, "none expected"), "--tasks-per-node": (1, "1")}
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("controller", help="run a training command with warm spares and "
                                           "in-memory recovery (inside an sbatch job)")
-    p.add_argument("--spares", type=int, default=None,
-                   help="nodes of the allocation kept as warm spares (default: $HPCT_SPARES, "
-                        "which the SPANK option --hpct-spares sets, else 1)")
-    p.add_argument("--active", type=int, default=None,
-                   help="fixed number of active nodes; every other node is a spare (use with "
-                        "sbatch --nodes=A-(A+S) so a requeued job keeps its world size)")
-    p.add_argument("--persist-every", type=int, default=10,
-                   help="steps between asynchronous disk snapshots (the requeue fallback)")
-    p.add_argument("--pool-spares", type=int, default=0,
-                   help="warm spares the job may borrow from the cluster spare pool (a "
-                        "companion job in the pool reservation) once its own are used up")
-    p.add_argument("--pool-reservation", default="hpct_spares")
-    p.add_argument("--tasks-per-node", type=int, default=1)
+
+    def mirror(flag: str, lead: str | None = None) -> None:
+        kw: dict = {}
+        setting = C.BY_NAME[MIRRORS[flag]]
+        if setting.kind == "choice":
+            kw["choices"] = list(setting.choices)
+        elif setting.kind != "str":
+            kw["type"] = C.arg_type(setting.name)
+        environ = flag in FROM_ENVIRON
+        default, words = OWN_DEFAULT.get(flag, (setting.default, None))
+        kw["default"] = None if environ else default
+        p.add_argument(flag, help=C.flag_help(setting.name, lead, environ, words), **kw)
+
+    mirror("--spares", "nodes of the allocation kept as warm spares; the SPANK option "
+                       "--hpct-spares sets $HPCT_SPARES")
+    mirror("--active", "fixed number of active nodes; every other node is a spare: use with "
+                       "sbatch --nodes=A-(A+S) so a requeued job keeps its world size")
+    mirror("--persist-every", "steps between asynchronous disk snapshots, what a requeued job "
+                              "resumes from; 0: none, a requeued job starts over")
+    mirror("--pool-spares", "warm spares the job may borrow from the cluster spare pool (a "
+                            "companion job in the pool reservation) once its own are used up")
+    mirror("--pool-reservation")
+    mirror("--tasks-per-node", "tasks (ranks) on each node")
     p.add_argument("--run-dir", default=None, help="events, logs, secret, persisted "
                                                    "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
-    p.add_argument("--store", choices=["rootless", "tcpstore"], default=None,
-                   help="rendezvous store (default: $HPCT_STORE, which the SPANK option "
-                        "--hpct-rendezvous sets, else rootless)")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                   help="seconds without a heartbeat before a rank counts as hung")
-    p.add_argument("--progress-timeout", type=float, default=None,
-                   help="seconds a running rank may go without completing a step before it "
-                        "counts as hung (its heartbeats go on from a healthy thread); "
-                        "default $HPCT_PROGRESS_TIMEOUT_S or 300")
-    p.add_argument("--on-no-spare", choices=["requeue", "shrink", "fail"], default="requeue",
-                   help="no warm spare left: requeue (restart from the disk snapshot), shrink "
-                        "(survivors take over the lost data shards; needs Job.run(micro_step=))"
-                        ", or fail")
-    p.add_argument("--want-spares", type=int, default=None,
-                   help="warm spares expected from the allocation (with --active); fewer is "
-                        "an event and a status line, or the end of the job with "
-                        "--on-few-spares refuse")
-    p.add_argument("--on-few-spares", choices=["warn", "refuse"], default="warn",
-                   help="fewer spares than --want-spares on a first start: warn, or refuse "
-                        "to start (a requeued job always starts)")
+    mirror("--store", "rendezvous store; the SPANK option --hpct-rendezvous sets "
+                      "$HPCT_STORE")
+    p.add_argument("--heartbeat-timeout", type=C.number_type("seconds"), default=3.0,
+                   help="seconds without a heartbeat before a rank counts as hung (default 3)")
+    mirror("--progress-timeout", "seconds a running rank may go without completing a step "
+                                 "before it counts as hung (its heartbeats go on from a healthy "
+                                 "thread)")
+    mirror("--on-no-spare", "no warm spare left: requeue (restart from the disk snapshot), "
+                            "shrink (survivors take over the lost data shards; needs "
+                            "Job.run(micro_step=)), or fail")
+    mirror("--want-spares", "warm spares expected from the allocation (with --active); fewer "
+                            "is an event and a status line, or the end of the job with "
+                            "--on-few-spares refuse")
+    mirror("--on-few-spares", "fewer spares than --want-spares on a first start: warn, or "
+                              "refuse to start (a requeued job always starts)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 
@@ -53,12 +82,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "warm spare at the next step boundary (no fault, no "
                                     "lost step)")
     m.add_argument("node", help="the active node to leave")
-    m.add_argument("job_id", nargs="?", type=int, default=None, metavar="JOBID",
+    m.add_argument("job_id", nargs="?", type=_job_id, default=None, metavar="JOBID",
                    help="the job (its run dir is WorkDir/hpct-JOBID unless --run-dir)")
     m.add_argument("--run-dir", default=None, help="the job's run dir (default: $HPCT_RUN_DIR, "
                                                    "else the job's WorkDir/hpct-JOBID)")
     m.add_argument("--reason", default="asked by the user")
     m.set_defaults(func=run_move)
+
+
+def _job_id(text: str) -> int:
+    from ..slurm.env import check_job_id  # the one rule for job ids from outside
+
+    try:
+        return check_job_id(text)
+    except HpctError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def run_move(args: argparse.Namespace) -> int:
@@ -90,10 +128,6 @@ def run(args: argparse.Namespace) -> int:
     progress_timeout = args.progress_timeout
     if progress_timeout is None:
         progress_timeout = C.read(os.environ, C.PROGRESS_TIMEOUT_S)
-    elif not progress_timeout > 0:
-        raise HpctError(f"--progress-timeout {progress_timeout:g} must be positive")
-    if args.want_spares is not None and args.want_spares < 0:
-        raise HpctError(f"--want-spares {args.want_spares} is negative")
     return main_from_env(cmd, args.run_dir, spares, args.tasks_per_node, store,
                          args.heartbeat_timeout, args.on_no_spare, args.active,
                          args.persist_every, args.pool_spares, args.pool_reservation,
@@ -109,6 +143,4 @@ def defaults_from_spank(spares: int | None, store: str | None,
         spares = C.read(environ, C.SPARES)
     if store is None:
         store = C.read(environ, C.STORE)
-    if spares < 0:
-        raise HpctError(f"--spares {spares} is negative")
     return spares, store

@@ -34,6 +34,7 @@ from .sharding import MeshSpec, infer_replicate
 from .state import TrainState
 
 if TYPE_CHECKING:
+    from .inject import TakerFault
     from .snapshot_policy import SnapshotPolicy
 
 TEARDOWN_TIMEOUT_S = 20.0
@@ -122,9 +123,10 @@ class Generation:
         client.abort_timeout_s = self.settings.abort_timeout_s
 
     # ---- forming --------------------------------------------------------------------------
-    def form(self, a: P.Assign) -> None:
+    def form(self, a: P.Assign, fault: "TakerFault | None" = None) -> None:
         """This generation's group, once the last one's teardown is done; then a sharded job's
-        mesh and model, and the hooks that abandon a step the next STOP dooms."""
+        mesh and model, and the hooks that abandon a step the next STOP dooms. `fault`: test
+        fault injection (inject.py), told each phase it reaches."""
         s, client = self.settings, self.standing.client
         self.await_teardown()
         info = rdv.derive(self.slurm, a.generation, members=a.member_nodes(),
@@ -139,6 +141,8 @@ class Generation:
         if s.store == "rootless" and info.local_rank == 0:
             shard = serve_shard(info, self.secret, events=self.events)
         store = make_store(s.store, info, self.secret)
+        if fault is not None:
+            fault.at("store", a.rank)
         # A STOP while the group forms (a member lost meanwhile) must interrupt the formation,
         # as it interrupts a collective: the rootless store aborts its pending requests. (Stock
         # TCPStore cannot be interrupted: such a rank waits out the init timeout.)
@@ -149,7 +153,8 @@ class Generation:
             backend, device_id = self.backend()
             pg.init(info, store, backend, shard=shard, device_id=device_id,
                     init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
-                    collective_timeout=datetime.timedelta(seconds=s.collective_timeout_s))
+                    collective_timeout=datetime.timedelta(seconds=s.collective_timeout_s),
+                    on_exchanged=(lambda: fault.at("connect", a.rank)) if fault else None)
         finally:
             client.on_stop = None
         if self._build is not None:

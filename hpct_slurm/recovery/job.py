@@ -53,6 +53,7 @@ from ..slurm.env import SlurmEnv
 from .client import ControllerAddress, CoordinationClient
 from .controller_loss import ControllerLoss
 from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
+from .inject import TakerFault
 from .health import health_check
 from .loop import StepLoop
 from .persist import DiskPersister
@@ -183,6 +184,8 @@ class Job:
             self._policy.snapshots, self._policy.rank_snaps, self._policy.replicas)
         # Test fault injection: the ranks whose served copies rot in memory.
         self._corrupt_serve = s.corrupt_serve
+        # Test fault injection: a taker that dies in a named phase of its adoption (inject.py)
+        self._fault = TakerFault(s.taker_dies_at, self.run_dir, self.events)
         self.rank = -1
         self.world_size = 0
         self.generation = -1
@@ -516,11 +519,15 @@ class Job:
         elif self.client.stop_event.is_set():
             raise _Stopped(self.client.stop_reason)
         self.client.state = "forming"
+        self._fault.arm(newcomer=not held_state, generation=a.generation)
+        self._fault.at("assigned", a.rank)
         self.transfer.rank = a.rank
         self.transfer.corrupt_on_serve = a.rank in self._corrupt_serve
         # A newcomer pulls its state from every source at once while the group forms.
         prefetch = self._restorer.prefetch(a, held_state)
-        self._group.form(a)
+        if prefetch is not None:
+            self._fault.at("pull", a.rank)
+        self._group.form(a, self._fault)
         self._updating = False
         t_formed = time.time()
         source = "creation"
@@ -542,6 +549,7 @@ class Job:
         self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)
+        self._fault.at("first_step", a.rank)
 
     def _shutdown(self, reason: str) -> None:
         self.events.emit(Ev.RANK_EXIT, rank=self.rank, reason=reason)

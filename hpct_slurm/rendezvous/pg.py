@@ -17,6 +17,7 @@ import gc
 import os
 import sys
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -92,10 +93,13 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
          init_timeout: datetime.timedelta | None = None,
          collective_timeout: datetime.timedelta | None = None, *,
          shard: ShardServer | None = None,
-         device_id: "int | None" = None) -> dist.ProcessGroup:
+         device_id: "int | None" = None,
+         on_exchanged: "Callable[[], None] | None" = None) -> dist.ProcessGroup:
     """Form the default group of `info`'s generation over `store`.
 
     `shard`: this node's shard server, if this process runs it; teardown() stops it.
+    `on_exchanged`: called once this process has read the members' addresses (gloo's exchange
+    through a gathering store), before its pairs connect (test fault injection: inject.py).
     """
     global _formed
     if dist.is_initialized():
@@ -119,6 +123,15 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     # gloo's address exchange in one round trip instead of 2N (gather.py), during init only.
     gathering = gather.FormationStore(store, info.rank, info.world_size) if gather.wraps(
         store) else None
+    if gathering is not None and on_exchanged is not None:
+        fetch = gathering._fetch
+
+        def fetch_then_tell(*args: object) -> list[bytes]:
+            out = fetch(*args)
+            on_exchanged()
+            return out
+
+        gathering._fetch = fetch_then_tell  # type: ignore[method-assign]
     prefixed = dist.PrefixStore(generation_prefix(info.generation), gathering or store)
     kwargs = {} if device_id is None else {"device_id": device_id}
     # gloo's pairs get a short timeout wherever our store carries the long wait for a slow

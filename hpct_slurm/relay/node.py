@@ -24,10 +24,21 @@ node lost, and a rank's own loss reaches it as `Left` while the relay lives.
 
 The other local ranks find the relay's port in a file the first one writes into the private
 run directory (`relay_file`): only the job's user can write there, and a stranger who
-connects to the port anyway cannot authenticate.
+connects to the port anyway cannot authenticate. Another user on the node can still connect,
+so a connection is a stranger until its first frame authenticates, like the transfer server's
+and the store's: it has AUTH_TIMEOUT_S to send it, at most MAX_STRANGERS are held (the oldest
+makes room for a newcomer), and running out of descriptors pauses accepting, never ends it.
+
+What the relay cannot forward it refuses, cutting the one local rank that sent it (the
+controller hears that rank's loss as Left) rather than the node's link: a message too big to
+wrap in a Batch, or one of the relay's own messages (a Batch, a RelayHello, a Left) from a
+rank. An unexpected error in one of its threads is recorded (`relay.failed`) and takes the
+relay down, so that the node's ranks and the controller see their connections end instead of
+waiting on a relay that silently stopped forwarding.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -36,7 +47,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import config as C
 from .. import protocol as P
@@ -51,8 +62,15 @@ from .coalesce import WINDOW_S, Coalescer
 if TYPE_CHECKING:
     from ..recovery.client import ControllerAddress
 
-# A local rank that connected must register within this long (it is on the same node).
-REGISTER_TIMEOUT_S = 30.0
+# A new connection is a stranger until its first frame (a local rank's Register) authenticates:
+# that frame must arrive within AUTH_TIMEOUT_S, and at MAX_STRANGERS the oldest stranger makes
+# room for a newcomer. The node's ranks are on the same node and register as they connect;
+# each connection is a thread and a descriptor of the training process, which another user's
+# crowd of idle connections must not use up.
+AUTH_TIMEOUT_S = 5.0
+MAX_STRANGERS = 64
+# Longest pause between accept retries while the process is out of descriptors or memory.
+ACCEPT_BACKOFF_MAX = 1.0
 # How long the relay waits, when its own rank leaves, for the node's other ranks to leave
 # first (the Goodbyes it fans out must reach them before this process ends).
 CLOSE_WAIT_S = 5.0
@@ -62,6 +80,10 @@ CLOSE_WAIT_S = 5.0
 # rank is cut off, and its loss goes up as Left, as if its connection had failed.
 DELIVER_TIMEOUT_S = 10.0
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+# The relay's own messages: a local rank that sends one is refused (the controller would take a
+# nested Batch or RelayHello for a broken relay and drop the node's link, a Left for that rank's
+# loss while it lives).
+_RELAY_OWN = (P.Batch, P.RelayHello, P.Left)
 
 
 def relay_file(run_dir: Path, job_id: str, restart_count: int, step_id: int | None,
@@ -110,7 +132,8 @@ class NodeRelay:
     def __init__(self, controller: ControllerAddress, secret: bytes, job_id: str, node: str,
                  role: str, own_local_rank: int, events: EventLog | None = None,
                  tick_s: float | None = None, window_s: float = WINDOW_S,
-                 connect_timeout: float = 60.0):
+                 connect_timeout: float = 60.0, auth_timeout: float = AUTH_TIMEOUT_S,
+                 max_strangers: int = MAX_STRANGERS):
         from ..recovery.client import HEARTBEAT_S, CoordinationClient  # see the imports above
         self.secret, self.job_id, self.node, self.own = secret, job_id, node, own_local_rank
         self.events = events or EventLog()
@@ -120,6 +143,11 @@ class NodeRelay:
         self._cond = threading.Condition()
         self._local: dict[int, _Local] = {}
         self.closed = threading.Event()
+        self.auth_timeout, self.max_strangers = auth_timeout, max_strangers
+        # Connections not authenticated yet, oldest first; a paused accept waits on _freed.
+        self._strangers: dict[socket.socket, None] = {}
+        self._lock = threading.Lock()
+        self._freed = threading.Event()
         self._up, self._up_chan = CoordinationClient._connect(controller, secret, job_id,
                                                               connect_timeout)
         self._up_chan.send(self._up, P.RelayHello(job_id, node, role, os.getpid()))
@@ -130,9 +158,40 @@ class NodeRelay:
         for target, name in ((self._accept_loop, "hpct-relay-accept"),
                              (self._read_up, "hpct-relay-rx"),
                              (self._flush_loop, "hpct-relay-tx")):
-            threading.Thread(target=target, daemon=True, name=name).start()
-        self.events.emit(Ev.RELAY_START, node=node,
-                         address=f"{self.address[0]}:{self.address[1]}")
+            threading.Thread(target=self._guarded, args=(target, name), daemon=True,
+                             name=name).start()
+        self._emit(Ev.RELAY_START, address=f"{self.address[0]}:{self.address[1]}")
+
+    def _emit(self, event: str, **fields: Any) -> bool:
+        """Record an event; False when it could not be written. The log is a file opened per
+        event, which fails while the process is out of descriptors: that must never end the
+        thread that was only saying so."""
+        try:
+            self.events.emit(event, node=self.node, **fields)
+            return True
+        except (HpctError, OSError):
+            return False
+
+    def _guarded(self, target: Callable[[], None], name: str) -> None:
+        """One of the relay's own threads. Each handles what a peer can do to it; anything else
+        is a bug, and a relay with a dead thread would go on looking alive (no more heartbeats
+        up, or no STOP down) until the controller fenced the node as hung: fail loudly."""
+        try:
+            target()
+        except Exception as exc:
+            self._fail(name, exc)
+
+    def _fail(self, thread: str, exc: Exception) -> None:
+        """Take the relay down: the controller sees the node's link end, the reader thread cuts
+        every local rank's connection as it ends (each rank sees its own end), and no new rank
+        gets in."""
+        self._emit(Ev.RELAY_FAILED, thread=thread, error=f"{type(exc).__name__}: {exc}")
+        with self._cond:
+            self.closed.set()
+            self._cond.notify_all()
+        self._freed.set()
+        _shutdown(self._listener)
+        _shutdown(self._up)
 
     @property
     def upstream_fd(self) -> int:
@@ -142,20 +201,69 @@ class NodeRelay:
 
     # ---- the node's ranks -> the controller ----------------------------------------------
     def _accept_loop(self) -> None:
+        backoff = 0.0
+        failed: tuple[OSError, float] | None = None  # accepting failed since then, unrecorded
         while not self.closed.is_set():
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+                sock, peer = self._listener.accept()
+            except OSError as exc:
+                if self.closed.is_set():
+                    return
+                # Out of descriptors (EMFILE/ENFILE: another user's connections, or the
+                # training's own files) or memory, or a connection that died in the backlog:
+                # the listener itself is fine. Returning would leave the node's ranks unable
+                # to reach the relay for good; wait a little and accept again.
+                if backoff == 0.0 and exc.errno != errno.ECONNABORTED and failed is None:
+                    failed = (exc, time.monotonic())
+                    if self._emit(Ev.RELAY_ACCEPT_FAILED, error=_accept_error(exc)):
+                        failed = None
+                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2 or 0.01)
+                self._freed.wait(backoff)
+                self._freed.clear()
+                continue
+            backoff = 0.0
+            # Its event could not be written then (out of descriptors), nor perhaps now (this
+            # connection may have taken the one freed): each accept tries until it is.
+            if failed is not None and self._emit(
+                    Ev.RELAY_ACCEPT_FAILED, error=_accept_error(failed[0]),
+                    accepting_again_after_s=round(time.monotonic() - failed[1], 3)):
+                failed = None
+            self._admit(sock, f"{peer[0]}:{peer[1]}")
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        """Give `sock` a thread, making room at the cap by dropping the oldest connection that
+        has not authenticated: strangers holding connections open cannot lock out the node's
+        ranks, nor use up the process's threads and descriptors."""
+        with self._lock:
+            full = len(self._strangers) >= self.max_strangers
+            if full:
+                oldest = next(iter(self._strangers))
+                del self._strangers[oldest]
+                _shutdown(oldest)  # its thread sees the connection end, and closes it
+            self._strangers[sock] = None
+        if full:
+            self._emit(Ev.RELAY_CONNECTION_EVICTED, peer=peer,
+                       error=f"at the cap of {self.max_strangers} connections not "
+                             f"authenticated: dropped the oldest one")
+        try:
             threading.Thread(target=self._serve_local, args=(sock,), daemon=True,
                              name="hpct-relay-local").start()
+        except RuntimeError as exc:  # no thread could be started
+            with self._lock:
+                self._strangers.pop(sock, None)
+            sock.close()
+            self._emit(Ev.RELAY_REJECTED, peer=peer, error=str(exc))
 
     def _serve_local(self, sock: socket.socket) -> None:
         lr: int | None = None
+        authentic = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            chan = P.server_hello(sock, self.secret, self.job_id, timeout=5)
-            r = chan.recv(sock, timeout=REGISTER_TIMEOUT_S).msg
+            chan = P.server_hello(sock, self.secret, self.job_id, timeout=self.auth_timeout)
+            r = chan.recv(sock, timeout=self.auth_timeout).msg
+            authentic = True
+            with self._lock:
+                self._strangers.pop(sock, None)
             if not isinstance(r, P.Register) or r.node != self.node:
                 raise P.ProtocolError(f"the first message on a relay of {self.node} must be a "
                                       f"Register of that node, got {r.TYPE} "
@@ -172,21 +280,47 @@ class NodeRelay:
                 self._add(lr, r)
             while True:
                 msg = chan.recv(sock).msg
+                if isinstance(msg, _RELAY_OWN):
+                    self._refuse(lr, msg, f"a {msg.TYPE} is the relay's own message: a local "
+                                          f"rank's connection carries only that rank's")
+                    return
                 with self._cond:
                     self._add(lr, msg)
         except P.ConnectionClosed:
             pass
         except (HpctError, OSError) as exc:
             # A registered rank's connection failing is its loss, which goes up as Left; a
-            # connection refused before it registered is the relay's to record.
-            if lr is None and not self.closed.is_set():
-                self.events.emit(Ev.RELAY_REJECTED, node=self.node, error=str(exc))
+            # connection refused before it registered is the relay's to record (not one
+            # evicted at the cap: that was recorded then).
+            with self._lock:
+                evicted = not authentic and sock not in self._strangers
+            if lr is None and not evicted and not self.closed.is_set():
+                self._emit(Ev.RELAY_REJECTED, error=str(exc))
+        except Exception as exc:  # a bug: this connection ends (its rank's Left goes up)
+            self._emit(Ev.RELAY_FAILED, thread="hpct-relay-local", local_rank=lr,
+                       error=f"{type(exc).__name__}: {exc}")
         finally:
+            with self._lock:
+                self._strangers.pop(sock, None)
             sock.close()
+            self._freed.set()
             if lr is not None:
                 with self._cond:
                     self._local.pop(lr, None)
                     self._add(lr, P.Left("connection lost"))
+
+    def _refuse(self, lr: int, msg, why: str) -> None:
+        """A message from local rank `lr` that must not go up: record it and cut that rank's
+        connection (its thread sends its Left up: the controller hears the rank's loss, and
+        the rank its connection end); the node's link and other ranks go on."""
+        self._emit(Ev.RELAY_RANK_REFUSED, local_rank=lr, type=msg.TYPE, error=why)
+        with self._cond:
+            loc = self._local.get(lr)
+        if loc is not None:
+            # Without loc.lock: a send to it may hold that for DELIVER_TIMEOUT_S, and the
+            # shutdown fails such a send at once anyway.
+            loc.cut = True
+            _shutdown(loc.sock)
 
     def _add(self, lr: int, msg) -> None:
         """Under self._cond."""
@@ -204,12 +338,37 @@ class NodeRelay:
                     self._cond.wait(left)
                 if left is None:
                     return  # closed, and nothing left to send
-                frames = self._up_chan.encode_batch(self._co.take(time.monotonic()))
+                frames, refused = self._encode(self._co.take(time.monotonic()))
+            for lr, msg, why in refused:
+                self._refuse(lr, msg, why)
             try:
                 for frame in frames:
                     self._up.sendall(frame)
             except OSError:
-                return  # the reader sees the controller connection fail
+                # The stream may end half-way into a frame: cut it, so that the reader sees
+                # the controller connection fail (and the node's ranks hear it).
+                _shutdown(self._up)
+                return
+
+    def _encode(self, pairs: list[tuple[int, Any]]
+                ) -> tuple[list[bytes], list[tuple[int, Any, str]]]:
+        """Under self._cond: `pairs` as Batch frames, less each message that does not fit in
+        a Batch even alone (a rank's frame just under HEADER_MAX is over it once wrapped, and
+        the controller takes nothing but Batches from a relay): those come back, with why, to
+        be refused. Each one tried alone skips a sequence number, which is allowed (they must
+        only increase)."""
+        try:
+            return self._up_chan.encode_batch(pairs), []
+        except P.HeaderTooLarge:
+            pass
+        fits, refused = [], []
+        for lr, msg in pairs:
+            try:
+                self._up_chan.encode(P.Batch.of([(lr, msg)]))
+                fits.append((lr, msg))
+            except P.HeaderTooLarge as exc:
+                refused.append((lr, msg, f"too big to go up in a batch: {exc}"))
+        return (self._up_chan.encode_batch(fits) if fits else []), refused
 
     # ---- the controller -> the node's ranks ----------------------------------------------
     def _read_up(self) -> None:
@@ -226,7 +385,7 @@ class NodeRelay:
             pass
         except (HpctError, OSError) as exc:
             if not self.closed.is_set():
-                self.events.emit(Ev.RELAY_CONTROLLER_LOST, node=self.node, error=str(exc))
+                self._emit(Ev.RELAY_CONTROLLER_LOST, error=str(exc))
         finally:
             # The ranks behind a lost link hear it as their own connection ending (a rank
             # then checks whether the controller itself is gone, as it would without us).
@@ -251,8 +410,7 @@ class NodeRelay:
                 # cut it, so that its reader thread ends and reports it Left.
                 loc.cut = True
                 _shutdown(loc.sock)
-                self.events.emit(Ev.RELAY_RANK_CUT, node=self.node, local_rank=lr,
-                                 error=str(exc))
+                self._emit(Ev.RELAY_RANK_CUT, local_rank=lr, error=str(exc))
 
     # ---- the end -------------------------------------------------------------------------
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
@@ -264,6 +422,8 @@ class NodeRelay:
                 self._cond.wait(0.05)
             self.closed.set()
             self._cond.notify_all()
+        self._freed.set()
+        _shutdown(self._listener)  # wakes the accept loop (closing alone does not)
         self._listener.close()
         _shutdown(self._up)
         self._up.close()
@@ -273,6 +433,10 @@ def _timeval(seconds: float) -> bytes:
     """A struct timeval, as SO_SNDTIMEO takes it."""
     whole = int(seconds)
     return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
+
+
+def _accept_error(exc: OSError) -> str:
+    return f"{exc.strerror or exc} (errno {exc.errno}); retrying"
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -312,6 +312,46 @@ def test_installed_hook_scripts_run_the_cli(tmp_path):
         install_hooks(tmp_path / "h3", "python3")
 
 
+def test_hooks_install_writes_the_tmpfiles_line_that_makes_the_shm_root_at_boot(tmp_path,
+                                                                               capsys):
+    """Issue 30: any user could create /dev/shm/hpct (a link, a directory of theirs) before
+    the first Prolog after boot, and the Prolog then drains the node (test above). `hooks
+    install` ships the boot-time creation: a tmpfiles.d line, in the dir --tmpfiles-dir
+    names (default /etc/tmpfiles.d), for the shm root the hooks are set to use."""
+    import shutil
+
+    from hpct_slurm.cli import main
+
+    etc = tmp_path / "etc" / "tmpfiles.d"
+    assert main(["hooks", "install", str(tmp_path / "hooks"), "--tmpfiles-dir", str(etc)]) == 0
+    conf = etc / "hpct-slurm.conf"
+    assert conf.read_text().splitlines()[-1] == "d /dev/shm/hpct 0755 root root -"
+    assert stat.S_IMODE(os.stat(conf).st_mode) == 0o644
+    out = capsys.readouterr()
+    assert f"wrote {conf}" in out.err and "Prolog=" in out.out
+    # the root the hooks are set to use, quoted the way systemd-tmpfiles reads a path
+    odd = "/dev/shm/it's 100% \"ours\""
+    assert main(["hooks", "install", str(tmp_path / "hooks"), "--tmpfiles-dir", str(etc),
+                 "--set", f"HPCT_SHM_ROOT={odd}"]) == 0
+    assert conf.read_text().splitlines()[-1] == \
+        'd "/dev/shm/it\'s 100%% \\"ours\\"" 0755 root root -'
+    assert main(["hooks", "install", str(tmp_path / "h2"), "--no-tmpfiles",
+                 "--tmpfiles-dir", str(tmp_path / "not-written")]) == 0
+    assert not (tmp_path / "not-written").exists()
+    if shutil.which("systemd-tmpfiles") and os.geteuid() == 0:
+        # what boot does, under another root: the directory the Prolog then accepts
+        boot = tmp_path / "boot"
+        subprocess.run(["systemd-tmpfiles", "--create", f"--root={boot}", str(conf)],
+                       check=True, capture_output=True, timeout=60)
+        made = boot / odd.lstrip("/")
+        st_ = os.stat(made, follow_symlinks=False)
+        assert stat.S_ISDIR(st_.st_mode) and stat.S_IMODE(st_.st_mode) == 0o755
+        assert st_.st_uid == 0
+        res = prolog(_job(), HookConfig(shm_root=made, min_free_shm_mb=1), RecordingSlurm(),
+                     _log(tmp_path))
+        assert res.healthy and res.job_dir == made / "42"
+
+
 def test_plugstack_line_refuses_whitespace():
     assert plugstack_line(Path("/p.so"), hpct="/b/hpct-slurm", max_spares=4) == \
         "required /p.so max_spares=4 hpct=/b/hpct-slurm"

@@ -641,7 +641,7 @@ def test_a_snapshot_file_of_the_sha256_format_is_refused_by_name(tmp_path, snap)
     old.parent.mkdir(parents=True)
     old.write_bytes(head + persist._mac(SECRET, head) + data)
     with pytest.raises(HpctError, match="format HPCTSNP2 with a SHA-256 tree digest.*reads only "
-                                        "HPCTSNP3 .*cannot verify it"):
+                                        "HPCTSNP4 .*cannot verify it"):
         persist.read_snapshot(old, 0, key=SECRET)
     with pytest.raises(HpctError, match="no intact snapshot of rank 0 .*newest: .*HPCTSNP2"):
         persist.load_latest(tmp_path, 0, key=SECRET)

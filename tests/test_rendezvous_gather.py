@@ -9,8 +9,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hpct_slurm.rendezvous.gather import FormationStore, GatherPlan, split_rank_key, wraps
-from hpct_slurm.rendezvous.store import RootlessStore
+from hpct_slurm.rendezvous.gather import (FormationStore, GatherPlan, SplitViewError,
+                                          split_rank_key, wraps)
+from hpct_slurm.rendezvous.grid import Grid
+from hpct_slurm.rendezvous.store import RootlessStore, shard_of
 
 from _ranks import run_ranks, shard_servers
 
@@ -108,8 +110,10 @@ def servers():
 
 def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers):
     """N ranks each: set own key, then wait + get every rank's key (gloo's connectFullMesh).
-    Every value arrives right, and each rank sends its set to its grid row and one request per
-    row (grid.py) instead of 2N+1 requests, over 3 of the 4 shards' connections."""
+    Every value arrives right, and each rank sends its set to its grid row, one request per
+    row (grid.py) and the check of its row's copies against their owners' (one multi_get to
+    the other shard of its row) instead of 2N+1 requests, over 3 of the 4 shards'
+    connections."""
     n = 8
     endpoints = [s.address for s in servers]
     def rank(r: int) -> list[bytes]:
@@ -129,11 +133,67 @@ def test_formation_store_answers_gloos_calls_with_one_request_per_shard(servers)
     got = run_ranks(n, rank)
     assert all(got[r] == [f"addr-{i}".encode() for i in range(n)] for r in range(n))
     stats = [s.stats() for s in servers]
-    # 4 shards: 2 rows of 2. A set to each shard of the row, a multi_get to one shard a row.
-    assert sum(s.requests for s in stats) == n * (2 + 2)  # not n * (2n + 1) = 136
+    # 4 shards: 2 rows of 2. A set to each shard of the row, a multi_get to one shard a row,
+    # and one to the other shard of its row (the owners' copies it checks).
+    assert sum(s.requests for s in stats) == n * (2 + 2 + 1)  # not n * (2n + 1) = 136
     # Its row and its column: 3 shards of 4 (every shard: 4 rank-to-shard connections).
     assert sum(s.connections for s in stats) == n * 3
     assert sorted(s.connections for s in stats) == [6, 6, 6, 6]
+
+
+def test_a_key_overwritten_on_one_shard_of_its_row_fails_the_formation(servers):
+    """Issue 30: a member (trusted, holding the secret) overwrites another rank's gathered key
+    on one shard of that key's row. The readers of that shard would connect to another address
+    than everyone else; the ranks whose home that shard is hold the copy against its owner's,
+    and the formation fails with a named error instead of forming on a split view."""
+    n = len(servers)
+    endpoints = [s.address for s in servers]
+    keys = [f"{HEAD}{r}" for r in range(n)]
+    homes = [shard_of(k, n) for k in keys]
+    grid = Grid(n)
+    victim = 0
+    [tampered] = [s for s in grid.write_shards(homes[victim]) if s != homes[victim]]
+    [resident] = [r for r in range(n) if homes[r] == tampered]  # one rank key per shard
+    for r in range(n):  # every rank's key written over the grid, as gloo's init does
+        writer = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=5))
+        writer.gather(keys[r], f"addr-{r}".encode(), [])
+        writer.close()
+    member = RootlessStore([servers[tampered].address], SECRET)  # that one shard only
+    member.set(keys[victim], b"elsewhere")
+    member.close()
+
+    def form(r: int) -> list[bytes]:
+        inner = RootlessStore(endpoints, SECRET, datetime.timedelta(seconds=5))
+        store = FormationStore(inner, r, n)
+        try:
+            store.set(keys[r], f"addr-{r}".encode())
+            store.wait(keys)
+            return [store.get(k) for k in keys]
+        finally:
+            inner.close()
+
+    with pytest.raises(SplitViewError, match=(
+            f"split view of gathered key '{keys[victim]}' \\(its copy on shard {tampered}, "
+            f"which this rank read, differs from its owner's copy on its home shard "
+            f"{homes[victim]}\\)")):
+        form(resident)
+    assert form(victim)[victim] == b"addr-0"  # its own row's copies, on its home, are intact
+
+
+def test_a_rank_whose_own_key_holds_another_value_fails_the_formation():
+    """Two processes claiming one rank: what this rank reads back of its own key is not
+    what it wrote."""
+    class Other:
+        timeout = datetime.timedelta(seconds=1)
+
+        def gather(self, own, value, keys):
+            return [b"theirs" for _ in keys]
+
+    store = FormationStore(Other(), 0, 1)
+    store.set(HEAD + "0", b"mine")
+    with pytest.raises(SplitViewError, match="this rank's own: its home shard holds another "
+                                             "value than this rank wrote"):
+        store.get(HEAD + "0")
 
 
 def test_a_held_set_goes_out_before_any_other_request(servers):

@@ -51,6 +51,27 @@ def test_a_rank_talks_to_about_two_root_n_shards_and_the_load_is_even(n):
     assert max(load.values()) <= 1.25 * (sum(load.values()) / n)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.integers(0, 3), st.data())
+def test_every_row_copy_anyone_reads_is_checked_by_the_ranks_of_its_shard(n, extra, data):
+    """Issue 30: the split-view check (gather.FormationStore) holds the copies of a reader's
+    own row that it reads on its home shard against their owners'. Any copy a reader reads
+    that is not its owner's lies on a shard of the key's row, and the ranks whose home that
+    shard is check it: with rank keys on consecutive shards (shard_of) and at least one rank
+    per shard, every shard has such ranks."""
+    grid = Grid(n)
+    world = n + extra * data.draw(st.integers(0, n))
+    homes = [shard_of(f"{HEAD}{r}", n) for r in range(world)]
+    assert set(homes) == set(range(n))  # every shard is some rank's home
+    reader = data.draw(st.integers(0, world - 1))
+    for k, home in enumerate(homes):
+        shard = grid.read_shard(homes[reader], home)
+        if shard != home:
+            assert k in grid.own_row(shard, homes)
+    row = grid.write_shards(homes[reader])
+    assert all(homes[k] in row for k in grid.own_row(homes[reader], homes))
+
+
 def test_grid_rejects_a_shard_outside_it():
     with pytest.raises(ValueError, match="outside 0..3"):
         Grid(4).write_shards(4)

@@ -1,5 +1,6 @@
 """`hpct-slurm prolog|epilog|task-prolog` (what the hook scripts run), `hpct-slurm hooks
-install DIR`, and `hpct-slurm spank build`."""
+install DIR` (the scripts, and the tmpfiles.d line that makes the shm root at boot), and
+`hpct-slurm spank build`."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a setting the hooks run with (HPCT_SHM_ROOT, HPCT_HOOKS_LOG, "
                         "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB; "
                         "`hpct-slurm settings` lists all) or SLURM_CONF")
+    i.add_argument("--tmpfiles-dir", type=Path, default=Path("/etc/tmpfiles.d"), metavar="DIR",
+                   help="where to write hpct-slurm.conf, the systemd-tmpfiles line that makes "
+                        "the shm root at boot, before any user can take its name (default: "
+                        "%(default)s; run `systemd-tmpfiles --create` on it, or reboot)")
+    i.add_argument("--no-tmpfiles", action="store_true",
+                   help="do not write it (the shm root is made some other way)")
     i.set_defaults(func=_hooks_install)
 
     p = sub.add_parser("spank", help="the SPANK plugin")
@@ -83,7 +90,7 @@ def _task_prolog(args: argparse.Namespace) -> int:
 
 def _hooks_install(args: argparse.Namespace) -> int:
     from ..errors import HpctError
-    from .install import install_hooks, slurm_conf_lines
+    from .install import install_hooks, install_tmpfiles, slurm_conf_lines
 
     settings = {}
     for item in args.set:
@@ -92,6 +99,10 @@ def _hooks_install(args: argparse.Namespace) -> int:
             raise HpctError(f"--set {item!r} is not NAME=VALUE")
         settings[name] = value
     scripts = install_hooks(args.dest.absolute(), args.python, settings)
+    if not args.no_tmpfiles:
+        path = install_tmpfiles(args.tmpfiles_dir, settings)
+        print(f"wrote {path}: run `systemd-tmpfiles --create {path}` now (it runs at every "
+              f"boot), on every node", file=sys.stderr)
     print("\n".join(slurm_conf_lines(scripts)))
     return 0
 

@@ -1,4 +1,5 @@
-"""Install-time artifacts: the hook scripts slurm.conf points at, and the SPANK plugin."""
+"""Install-time artifacts: the hook scripts slurm.conf points at, the boot-time creation of
+the shm root (a systemd tmpfiles.d line), and the SPANK plugin."""
 from __future__ import annotations
 
 import os
@@ -10,10 +11,14 @@ from typing import Mapping
 
 from .. import config as C
 from ..errors import HpctError
+from .shm import shm_root
 
 HOOK_COMMANDS = {"prolog": "prolog", "epilog": "epilog", "task_prolog": "task-prolog"}
 SLURM_CONF_KEYS = {"prolog": "Prolog", "epilog": "Epilog", "task_prolog": "TaskProlog"}
 SPANK_SOURCES = Path(__file__).resolve().parents[2] / "spank"
+TMPFILES_NAME = "hpct-slurm.conf"
+# What systemd-tmpfiles would read as a quote, an escape, a specifier or a field break.
+_TMPFILES_SPECIAL = set(" \t\"'\\%")
 
 
 def install_hooks(dest: Path, python: str = sys.executable,
@@ -39,13 +44,44 @@ def install_hooks(dest: Path, python: str = sys.executable,
     for name, command in HOOK_COMMANDS.items():
         text = (template.replace("@SETTINGS@", "".join(lines))
                 .replace("@PYTHON@", shlex.quote(python)).replace("@COMMAND@", command))
-        path = dest / f"{name}.sh"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-        written[name] = path
+        written[name] = _write(dest / f"{name}.sh", text, 0o755)
     return written
+
+
+def _write(path: Path, text: str, mode: int) -> Path:
+    """`path` replaced whole (a reader never sees half of it), with `mode`."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    return path
+
+
+def tmpfiles_line(root: Path) -> str:
+    """The tmpfiles.d line that makes the shm root at boot: a directory owned by root, mode
+    0755 (what the Prolog checks and keeps), never aged (the jobs' warm caches live there).
+    `/dev/shm` is world-writable and emptied at every boot: left to the first Prolog, the name
+    could be taken first by any user (a link, a directory of theirs), and the Prolog would then
+    refuse it and drain the node."""
+    path = str(root)
+    if not path.isprintable():
+        raise HpctError(f"shm root {path!r} cannot be written as a tmpfiles.d line")
+    if _TMPFILES_SPECIAL.intersection(path):
+        path = '"' + path.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%") + '"'
+    return f"d {path} 0755 root root -\n"
+
+
+def install_tmpfiles(etc_dir: Path, settings: Mapping[str, str] | None = None) -> Path:
+    """Write `<etc_dir>/hpct-slurm.conf` (mode 0644) with the tmpfiles line of the shm root
+    the hooks use (HPCT_SHM_ROOT among `settings`, else its default)."""
+    line = tmpfiles_line(shm_root(settings or {}))
+    try:
+        etc_dir.mkdir(parents=True, exist_ok=True)
+        return _write(etc_dir / TMPFILES_NAME, "# the hpct-slurm shm root, made at boot before "
+                      "any user can take its name (`hpct-slurm hooks install`)\n" + line, 0o644)
+    except OSError as exc:
+        raise HpctError(f"cannot write {etc_dir / TMPFILES_NAME} ({exc.strerror}): install as "
+                        f"root, or pass --tmpfiles-dir (or --no-tmpfiles)") from None
 
 
 def slurm_conf_lines(scripts: Mapping[str, Path]) -> list[str]:

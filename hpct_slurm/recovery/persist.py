@@ -2,8 +2,8 @@
 
 One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
 
-    "HPCTSNP3" | u32 big-endian meta length | meta JSON {"rank", "step", "digest", "layout"}
-    | 32-byte MAC | flat data
+    "HPCTSNP4" | u32 big-endian meta length
+    | meta JSON {"kind", "rank", "step", "digest", "layout"} | 32-byte MAC | flat data
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
 either the old file or the new one. `digest` is the snapshot's own (hex, the BLAKE3 tree of
@@ -13,9 +13,16 @@ job's secret: a plain digest anyone can compute would let whoever can write a fi
 the job a training state. Sizes are checked against the file before anything is allocated.
 The last two are kept; `load_latest` falls back to the older if the newer fails its checks.
 
-The magic is the format version. "HPCTSNP2" files carry a SHA-256 tree digest, which this
-version no longer computes: they are refused by name (restore from a peer, or with the release
-that wrote them), never checked against the wrong hash.
+Where a file lies says what it must hold, and the MAC binds that too: `kind` is "shared" under
+`persist/` (a shard key's shared state, `rank` being that key) and "rank" under `persist-rank/`
+(a rank's own state: its sampler position), `rank` and `step` are those of the file's name. A
+file whose MACed header disagrees with its place (a shared-state file copied into
+`persist-rank/`, which an unbound header let load as a rank's own state; another rank's or
+step's file renamed) is refused, naming what disagreed.
+
+The magic is the format version. Older formats are refused by name (restore from a peer, or
+with the release that wrote them), never half-checked: "HPCTSNP2" files carry a SHA-256 tree
+digest, which this version no longer computes; "HPCTSNP3" files do not bind their kind.
 """
 from __future__ import annotations
 
@@ -38,9 +45,16 @@ from .state import Layout, as_memoryview
 from .worker import BackgroundQueue
 
 KEEP = 2
-MAGIC = b"HPCTSNP3"
+MAGIC = b"HPCTSNP4"
 # Older formats, named when refused: what they hold that this version cannot check.
-_OLD_FORMATS = {b"HPCTSNP2": "a SHA-256 tree digest (hpct-slurm before BLAKE3 part digests)"}
+_OLD_FORMATS = {b"HPCTSNP2": "a SHA-256 tree digest (hpct-slurm before BLAKE3 part digests)",
+                b"HPCTSNP3": "no kind (shared or rank state) bound by its MAC (an older "
+                             "hpct-slurm): it could be a file of the other kind moved here"}
+# The kind of state a persist root holds, by the root's name (recovery/snapshot_policy.py
+# writes the shared state under `persist/`, a rank's own under `persist-rank/`); any other
+# root holds shared state.
+SHARED, RANK = "shared", "rank"
+_KIND_OF_ROOT = {"persist-rank": RANK}
 _LEN = struct.Struct(">I")
 _MAC_LEN = hashlib.sha256().digest_size
 _HEADER = len(MAGIC) + _LEN.size
@@ -53,6 +67,11 @@ EV_CORRUPT = Ev.PERSIST_CORRUPT
 
 def rank_dir(root: str | os.PathLike, rank: int) -> Path:
     return Path(root) / f"rank{rank}"
+
+
+def kind_of(root: str | os.PathLike) -> str:
+    """The kind of state the files under persist root `root` hold: SHARED or RANK."""
+    return _KIND_OF_ROOT.get(Path(root).name, SHARED)
 
 
 def _mac(key: bytes, head: bytes) -> bytes:
@@ -69,8 +88,9 @@ def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout
     d = rank_dir(root, rank)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = d / f"step{step}.bin"
-    meta = json.dumps({"rank": rank, "step": step, "digest": digest.hex(),
-                       "layout": json.loads(layout.to_json())}, separators=(",", ":")).encode()
+    meta = json.dumps({"kind": kind_of(root), "rank": rank, "step": step,
+                       "digest": digest.hex(), "layout": json.loads(layout.to_json())},
+                      separators=(",", ":")).encode()
     head = MAGIC + _LEN.pack(len(meta)) + meta
     with replacing(final, durable=True) as f:
         f.write(head)
@@ -89,9 +109,10 @@ def list_steps(root: str | os.PathLike, rank: int) -> list[int]:
 
 
 def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, bytearray, bytes]:
-    """(step, layout, data, digest) of `rank`'s snapshot file; raises HpctError if it is
-    damaged, not written with `key`, or another rank's. Nothing is allocated beyond what the
-    file holds."""
+    """(step, layout, data, digest) of `rank`'s snapshot file `<root>/rank<R>/step<S>.bin`;
+    raises HpctError if it is damaged, not written with `key`, or its MACed header names
+    another kind, rank or step than its place. Nothing is allocated beyond what the file
+    holds."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -100,7 +121,7 @@ def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, by
             if old is not None:
                 raise HpctError(f"snapshot file '{path}' is format {head[:len(MAGIC)].decode()} "
                                 f"with {old}; this version reads only {MAGIC.decode()} "
-                                f"(BLAKE3 tree digest) and cannot verify it")
+                                f"and cannot verify it")
             if len(head) < _HEADER or not head.startswith(MAGIC):
                 raise HpctError(f"snapshot file '{path}' is not an hpct snapshot of this "
                                 f"version (it does not start with {MAGIC!r})")
@@ -117,9 +138,7 @@ def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, by
             layout = Layout.from_json(json.dumps(meta["layout"]))
             digest = bytes.fromhex(meta["digest"])
             step = int(meta["step"])
-            if meta["rank"] != rank:
-                raise HpctError(f"snapshot file '{path}' holds rank {meta['rank']}'s state, "
-                                f"not rank {rank}'s")
+            _check_place(path, rank, meta)
             have = size - (_HEADER + mlen + _MAC_LEN)
             if layout.nbytes != have:
                 raise HpctError(f"snapshot file '{path}' is damaged: its layout needs "
@@ -133,6 +152,23 @@ def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, by
     if not hmac.compare_digest(P.part_digest(data), digest):
         raise HpctError(f"snapshot file '{path}' fails its digest")
     return step, layout, data, digest
+
+
+def _check_place(path: Path, rank: int, meta: dict) -> None:
+    """The kind, rank and step the MACed header binds must be those of the file's place."""
+    kind = kind_of(path.parent.parent)
+    named = _NAME.fullmatch(path.name)
+    want = {"kind": kind, "rank": rank, "step": int(named.group(1)) if named else meta["step"]}
+    for field, value in want.items():
+        if meta[field] != value:
+            raise HpctError(f"snapshot file '{path}' holds {_what(meta)} where {_what(want)} "
+                            f"belongs: its {field} disagrees with its place (it was moved or "
+                            f"copied here); not loaded")
+
+
+def _what(meta: dict) -> str:
+    whose = "shard key" if meta["kind"] == SHARED else "rank"
+    return f"{meta['kind']} state of {whose} {meta['rank']} at step {meta['step']}"
 
 
 def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,

@@ -22,6 +22,16 @@ waits for nobody, and its pairs get only a short timeout (pg._pair_timeout). The
 kept, and a pair's first wait-then-get is answered from them, no round trip (`late_read`).
 Without the barrier such a wait is answered by one `get` that itself waits for the key.
 
+A split view fails the formation (SplitViewError): a member that overwrote another rank's key
+on one shard of its row would hand the readers of that shard another address than everyone
+else. Each rank holds the copies of its own row's keys it read on its own home shard against
+their owners' copies (grid.Grid.own_row): one more multi_get, a second round trip (the keys
+exist by then, so nothing waits) on shards it already wrote its key to, so no new connection;
+its own key is held against what it wrote. Reading every key's owner's copy would have every
+rank talk to every shard, what the grid exists to avoid; and this much already covers every
+copy anyone reads, since every shard is some rank's home. What it does not see: a copy
+overwritten after the ranks of its shard compared it.
+
 Why only heads this rank has set its own key under: those keys are, by that pattern, one per
 rank and each written once before anybody reads them (gloo's addresses). A key that merely
 ends in a number (NCCL's unique-id key `<head>/0`, set by rank 0 alone) must not make a rank
@@ -33,9 +43,13 @@ from __future__ import annotations
 import datetime
 import re
 import threading
+import typing
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
+
+from .grid import Grid
+from .store_wire import shard_of
 
 _MAX_RANK_DIGITS = 9
 # gloo's own heads end in its device prefix, e.g. "hpct/gen3/0//cpu//0/". Only a set under such a
@@ -45,6 +59,10 @@ _MAX_RANK_DIGITS = 9
 _GLOO_HEAD = re.compile(r"//[a-z]+//[0-9]+/$")
 # (this rank's held set or None, the keys) -> the keys' values
 Fetch = Callable[[tuple[str, bytes] | None, list[str]], Sequence[bytes]]
+
+
+class SplitViewError(dist.DistStoreError):
+    """Two copies of a gathered key disagree: the formation is refused, not formed on it."""
 
 
 def split_rank_key(key: str) -> tuple[str, int] | None:
@@ -193,10 +211,42 @@ class FormationStore(dist.Store):
         # over the shard grid (grid.py), and its head is read back the same way.
         own = keys[self.plan.rank]
         if self.plan.gridded(own):
-            return self.inner.gather(own, None if held is None else held[1], keys)
+            values = self.inner.gather(own, None if held is None else held[1], keys)
+            self._check_view(keys, values, held)
+            return values
         if held is None:
             return self.inner.multi_get(keys)
         return self.inner.set_then_multi_get(held[0], held[1], keys)
+
+    def _check_view(self, keys: list[str], values: Sequence[bytes],
+                    held: tuple[str, bytes] | None) -> None:
+        """SplitViewError where a row copy read by `gather` is not its owner's copy (see the
+        module doc), or this rank's own key is not what it wrote."""
+        rank = self.plan.rank
+        if held is not None and values[rank] != held[1]:
+            self._split(keys[rank], "this rank's own: its home shard holds another value than "
+                                    "this rank wrote")
+        endpoints = getattr(self.inner, "endpoints", None)
+        if endpoints is None:
+            return  # a wrapper that does not say where its shards are: no grid to check
+        n = len(endpoints)
+        homes = [shard_of(k, n) for k in keys]
+        check = Grid(n).own_row(homes[rank], homes)
+        if not check:
+            return
+        owners = self.inner.multi_get([keys[i] for i in check])
+        for i, owner in zip(check, owners):
+            if owner != values[i]:
+                self._split(keys[i], f"its copy on shard {homes[rank]}, which this rank read, "
+                                     f"differs from its owner's copy on its home shard "
+                                     f"{homes[i]}")
+
+    @staticmethod
+    def _split(key: str, what: str) -> typing.NoReturn:
+        raise SplitViewError(
+            f"split view of gathered key '{key}' ({what}): a member wrote it on some shards "
+            f"of its row only, or two processes claim that rank. The group is not formed on "
+            f"addresses that not every rank sees alike")
 
     def _send_held(self) -> None:
         held = self.plan.release()

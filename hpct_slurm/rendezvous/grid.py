@@ -18,6 +18,10 @@ one at most).
 Every writer of a gathered key must write it this way, and only its owner writes it (gloo's
 addresses: gather.GatherPlan holds exactly those). The key's home shard always has a copy, so
 a plain get of one key still finds it where shard_of says.
+
+A member that overwrites another's key on one shard of its row would split the view: the
+readers of that shard see another address than the rest. `own_row` says which copies a reader
+can hold against their owner's without a new connection (gather.FormationStore compares them).
 """
 from __future__ import annotations
 
@@ -59,6 +63,17 @@ class Grid:
             # (one from each longer row) go to different shards of it, not all to its first.
             column = reader_row + column
         return row.start + column % len(row)
+
+    def own_row(self, reader_home: int, key_homes: Iterable[int]) -> list[int]:
+        """Indices into `key_homes` of the keys of this reader's own row homed on another shard
+        of it. The reader reads them on its own home shard (`read_shard`), a row copy, and
+        their owner's copy is on a shard of its row, which it writes its own key to anyway.
+
+        Every shard is some reader's home in a gathering (rank keys land on consecutive shards,
+        store.shard_of, and a generation has a rank on every shard's node), so every row copy
+        that any reader reads is also read this way by that shard's own ranks."""
+        row = self.write_shards(reader_home)
+        return [i for i, home in enumerate(key_homes) if home in row and home != reader_home]
 
     def reads(self, reader_home: int, key_homes: Iterable[int]) -> dict[int, list[int]]:
         """Indices into `key_homes`, by the shard this reader reads them from."""

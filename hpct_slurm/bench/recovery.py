@@ -11,8 +11,9 @@ same step, recovered by
 and both compared bit for bit with one uninterrupted reference run. Repeated; medians reported.
 
 Yardstick for both (the demo's, made robust): seconds from the crash (the first SIGKILL) until
-every rank of the recovered job has completed the step after the highest step reached before
-the crash. Each method's phases are cut from its event logs so that they add up to exactly
+every rank of the recovered job has completed a step after the highest step reached before
+the crash (any later one: a replacement that restored the state captured at the fault starts
+past the next). Each method's phases are cut from its event logs so that they add up to exactly
 that time:
   hpct      detect (crash → fault.detected), stop (→ STOP sent), fence (→ node fenced),
             survivors_ready (→ ranks torn down, health-checked, ready: recovery.assign),
@@ -40,8 +41,8 @@ from typing import Callable, Sequence
 
 from ..errors import HpctError
 from ..localcluster import LocalCluster
-from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, RunResult, bitwise_equal, cancel,
-                                 collect, controller_events, crash_at, ready_cluster,
+from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, RunResult, back_at, bitwise_equal,
+                                 cancel, collect, controller_events, crash_at, ready_cluster,
                                  recomputed_steps, submit, submit_baseline, wait_job)
 from .common import write_result
 
@@ -104,20 +105,13 @@ def _first(events: Sequence[dict], name: str, after: float) -> dict:
 
 def back_to_speed(steps: Sequence[dict], new: Callable[[dict], bool]) -> tuple[float, int]:
     """When the recovered job is back to speed, and the last step reached before the crash:
-    every rank of the new incarnation (`new(event)`) has completed the step after the highest
-    step any rank of the old one completed. Deciding old/new by incarnation instead of by the
-    crash's timestamp keeps a step that a dying rank finished a millisecond after the kill
-    signal from counting as progress."""
+    every rank of the new incarnation (`new(event)`) has completed a step after the highest
+    step any rank of the old one completed (the demo's yardstick, jobs.back_at). Deciding
+    old/new by incarnation instead of by the crash's timestamp keeps a step that a dying rank
+    finished a millisecond after the kill signal from counting as progress."""
     old = [e["step"] for e in steps if e["event"] == "rank.step" and not new(e)]
     k_last = max(old, default=-1)
-    firsts: dict[int, float] = {}
-    for e in steps:
-        if e["event"] == "rank.step" and e["step"] == k_last + 1 and new(e):
-            firsts[e["rank"]] = min(firsts.get(e["rank"], e["t"]), e["t"])
-    if len(firsts) < WORLD:
-        raise HpctError(f"only ranks {sorted(firsts)} completed step {k_last + 1} after the "
-                        f"recovery")
-    return max(firsts.values()), k_last
+    return back_at(steps, k_last, range(WORLD), new), k_last
 
 
 def _cut(marks: Sequence[tuple[str, float]], start: float) -> dict[str, float]:

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..errors import HpctError
 from ..events import read_events
@@ -291,18 +291,52 @@ def recomputed_steps(run_dir: Path) -> int:
 
 
 def back_to_speed(run_dir: Path, t_kill: float) -> tuple[float, int]:
-    """Seconds from the crash until every rank completed the step after the last one reached
-    before the crash (same yardstick for both recoveries), and that last step."""
+    """Seconds from the crash until every rank of the group that trains after it completed a
+    step after the last one reached before the crash (same yardstick for both recoveries), and
+    that last step. Any later step counts, not only the next one: a replacement that restored
+    the state captured at the fault, after that next step, goes on from the step after it."""
     evs = step_events(run_dir)
-    before = [e["step"] for e in evs if e["t"] < t_kill]
-    k_last = max(before, default=-1)
+    k_last = max((e["step"] for e in evs if e["t"] < t_kill), default=-1)
+    ranks, new = group_after(controller_events(run_dir), t_kill, run_dir)
+    return back_at(evs, k_last, ranks, new) - t_kill, k_last
+
+
+def group_after(controller: Sequence[dict], t_kill: float,
+                run_dir: Path | str = "the run") -> tuple[range, Callable[[dict], bool]]:
+    """The ranks of the group that trains after the crash, and which step events are its: the
+    first generation that starts after it (its members x the controller's tasks per node; its
+    steps are those of that generation or a later one), or the restart-all driver's first
+    relaunch after it (one rank per node; every step logged since)."""
+    per_node = 1
+    for e in sorted(controller, key=lambda e: e["t"]):
+        if e["event"] == "controller.start":
+            per_node = int(e.get("tasks_per_node", 1))
+        elif e["t"] <= t_kill:
+            continue
+        elif e["event"] == "generation.start":
+            g = int(e["generation"])
+            return range(len(e["members"]) * per_node), lambda s: s.get("generation", -1) >= g
+        elif e["event"] == "baseline.launch":
+            t = e["t"]
+            return range(len(e["nodes"])), lambda s: s["t"] >= t
+    raise HpctError(f"no new generation and no relaunch started after the crash in {run_dir}")
+
+
+def back_at(steps: Sequence[dict], k_last: int, ranks: Iterable[int],
+            new: Callable[[dict], bool]) -> float:
+    """When every one of `ranks` completed, in the group after the crash (`new(event)`), a
+    step after `k_last`: the latest of each rank's first such completion. A rank missing is an
+    error, never a rank that drops out of the yardstick."""
+    want = set(ranks)
     firsts: dict[int, float] = {}
-    for e in evs:
-        if e["step"] == k_last + 1 and e["t"] > t_kill:
+    for e in steps:
+        if e["event"] == "rank.step" and e["step"] > k_last and new(e):
             firsts[e["rank"]] = min(firsts.get(e["rank"], e["t"]), e["t"])
-    if not firsts:
-        raise HpctError(f"no rank completed step {k_last + 1} after the crash in {run_dir}")
-    return max(firsts.values()) - t_kill, k_last
+    missing = sorted(want - set(firsts))
+    if missing or not want:
+        raise HpctError(f"rank(s) {missing} completed no step from step {k_last + 1} on "
+                        f"after the recovery")
+    return max(firsts[r] for r in want)
 
 
 def baseline_recomputed(run_dir: Path, k_last: int) -> int:

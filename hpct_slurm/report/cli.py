@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from .. import config as C
 from ..errors import HpctError
-from .model import PHASES, Report, RunEvents, Status, build_report, build_status, parse_jsonl
+from .model import (PHASES, FaultStatus, Report, RunEvents, Status, build_report,
+                    build_status, parse_jsonl)
 
 if TYPE_CHECKING:
     from ..slurm.client import SlurmClient
@@ -194,12 +195,41 @@ def format_status(st: Status) -> str:
              f"members: {','.join(st.members) or '-'}  spares: {','.join(st.spares) or '-'}",
              f"controller: {st.last_controller_event} {st.last_controller_event_s:.1f} s ago"]
     for r in st.ranks:
-        lines.append(f"  {r.process:12} rank {'-' if r.rank is None else r.rank:>3}  "
-                     f"gen {'-' if r.generation is None else r.generation:>2}  step "
-                     f"{'-' if r.step is None else r.step:>6}  {r.last_event} "
-                     f"{r.last_seen_s:.1f} s ago")
+        seen = f"{r.last_event} {r.last_seen_s:.1f} s ago"
+        if r.state in ("member", "spare"):
+            lines.append(f"  {r.process:12} rank {_d(r.rank):>3}  gen {_d(r.generation):>2}  "
+                         f"step {_d(r.step):>6}  {seen}")
+        else:  # not a live rank beside the one that holds its rank now
+            what = f"replaced by {r.replaced_by}" if r.state == "replaced" else r.state
+            held = "never held a rank" if r.rank is None else \
+                f"held rank {r.rank}, gen {_d(r.generation)}, step {_d(r.step)}"
+            lines.append(f"  {r.process:12} {what} ({held})  {seen}")
     for f in st.faults:
         lines.append(f"  fault at {_clock(st.start_unix + f.t_s)} ({f.t_s:.2f} s after the "
                      f"job started)  {f.node}: {f.reason}")
+        lines.append(f"    {_fault_outcome(st, f)}")
     lines.extend(st.notes)
     return "\n".join(lines)
+
+
+def _d(x: int | None) -> str:
+    return "-" if x is None else str(x)
+
+
+def _fault_outcome(st: Status, f: FaultStatus) -> str:
+    """What became of a fault: its replacement, recovery time, recomputed steps, and where
+    each rank's state came from."""
+    if f.recovered_in is None:
+        if f.role == "spare":
+            return "a warm spare: nothing to replace"
+        return "recovering" if st.state == "recovering" and f.attempt == st.attempt \
+            else "not recovered in place"
+    by_kind: dict[str, list[int]] = {}
+    for rank, kind in sorted(f.state_sources.items()):
+        by_kind.setdefault(kind, []).append(rank)
+    sources = ", ".join(f"{k} (rank{'s' if len(v) > 1 else ''} {','.join(map(str, v))})"
+                        for k, v in by_kind.items())
+    back = "not back yet" if f.recovery_s is None else f"back in {f.recovery_s:.3f} s"
+    return (f"{f.node} {f'replaced by {f.replaced_by}' if f.replaced_by else 'not replaced'}, "
+            f"{back} (generation {f.recovered_in}): restored step {f.restore_step}, "
+            f"{f.recomputed_steps} step(s) recomputed; state from {sources or '-'}")

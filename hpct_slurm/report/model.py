@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..controller.policy import PHASES  # recovery.done's `phases`, in the order they happen
@@ -59,6 +59,8 @@ class Fault:
     role: str                 # "active" or "spare"
     fenced: str | None        # how the controller fenced it (`node down`, `step cancelled`, ...)
     during_recovery: bool     # a second fault folded into a recovery already running
+    recovered_in: int | None = None  # the generation whose recovery took an active node's
+                                     # fault in (None: a spare's, or no recovery (yet))
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Recovery:
     max_reform_s: float | None     # every rank: form the new process group
     max_restore_s: float | None    # every rank: load the restore step (own memory, peer, disk)
     restore_sources: dict[int, str]  # rank -> `own`, `host:port` of a peer, `disk:...`
+    source_kinds: dict[int, str]     # rank -> own, peer, ring, disk or creation
+    recomputed_steps: int     # steps the group had completed past restore_step: trained again
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,25 @@ class RankStatus:
     step: int | None          # its latest completed step
     last_event: str
     last_seen_s: float        # seconds before `now`
+    # member (its node is in the current generation), spare, lost (its node failed and no
+    # other took its place yet), replaced (another node took its node's place), gone (its
+    # node left the job otherwise: an earlier attempt's allocation)
+    state: str = "member"
+    replaced_by: str | None = None  # the node that took its node's place
+
+
+@dataclass(frozen=True)
+class FaultStatus(Fault):
+    """A fault as `status` shows it: the report's Fault and what the recovery that took it in
+    did (None, empty: no recovery took it in, or it has not finished yet)."""
+
+    replaced_by: str | None = None       # the spare that took the node's place
+    recovery_s: float | None = None      # the fault's detection -> every rank of the new
+                                         # generation completed its first step (recovery.done)
+    restore_step: int | None = None      # the step the new generation restored
+    recomputed_steps: int | None = None  # steps completed past restore_step: trained again
+    state_sources: dict[int, str] = field(default_factory=dict)  # rank -> own, peer, ring,
+                                                                 # disk or creation
 
 
 @dataclass(frozen=True)
@@ -166,7 +189,7 @@ class Status:
     spares: list[str]
     step: int | None          # the newest step every current member has completed
     ranks: list[RankStatus]
-    faults: list[Fault]
+    faults: list[FaultStatus]
     recoveries_done: int
     last_controller_event: str
     last_controller_event_s: float  # seconds before `now`
@@ -316,7 +339,7 @@ def build_report(run: RunEvents) -> Report:
                                       int(e["restore_step"]), min(mine, default=None),
                                       max(mine, default=None), len(mine)))
 
-    faults, recoveries, escalations = _faults_and_recoveries(run, ctl, att, t0)
+    faults, recoveries, escalations = _faults_and_recoveries(run, ctl, att, t0, generations)
     warnings = list(run.warnings)
     if not run.ranks:
         warnings.append(f"run dir {run.run_dir!r} has no rank events (events/*.jsonl): "
@@ -345,7 +368,8 @@ def _outcome(ctl: list[dict], att: _Attempts) -> str:
     return "ended" if exits else "running"
 
 
-def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: float
+def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: float,
+                           generations: list[Generation]
                            ) -> tuple[list[Fault], list[Recovery], list[Escalation]]:
     fenced: dict[tuple[int, str], list[str]] = {}
     for e in ctl:
@@ -354,13 +378,14 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
     faults: list[Fault] = []
     escalations: list[Escalation] = []
     pending: list[dict] = []       # faults detected since the last recovery.assign
-    assigns: list[tuple[dict, list[dict]]] = []
+    took: list[int] = []           # ... and their places in `faults`
+    assigns: list[tuple[dict, list[dict], list[int]]] = []
     in_recovery, stopped_gen = False, -1
     seen_fenced: dict[tuple[int, str], int] = {}
     for e in ctl:
         ev, a = e["event"], att.of(e["t"])
         if ev == Ev.CONTROLLER_START:
-            pending, in_recovery = [], False
+            pending, took, in_recovery = [], [], False
         elif ev == Ev.FAULT_DETECTED:
             key = (a, e["node"])
             hows = fenced.get(key, [])
@@ -370,6 +395,7 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
                                 int(e.get("generation", -1)), e.get("role", "active"),
                                 hows[n] if n < len(hows) else None, in_recovery))
             pending.append(e)
+            took.append(len(faults) - 1)
         elif ev == Ev.FAULT_STOP_SENT:
             in_recovery, stopped_gen = True, int(e.get("generation", -1))
         elif ev == Ev.FAULT_SECOND:
@@ -382,9 +408,10 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
                                         stopped_gen, "active", None, True))
                     pending.append({"t": e["t"], "node": node,
                                     "reason": "not ready after fault"})
+                    took.append(len(faults) - 1)
         elif ev == Ev.RECOVERY_ASSIGN:
-            assigns.append((e, pending))
-            pending, in_recovery = [], False
+            assigns.append((e, pending, took))
+            pending, took, in_recovery = [], [], False
         elif ev in (Ev.RECOVERY_FAILED, Ev.ESCALATE_REQUEUE, Ev.ESCALATE_FAIL):
             escalations.append(Escalation(a, e["t"] - t0, ev,
                                           e.get("reason") or e.get("error") or ""))
@@ -406,8 +433,11 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
         adopted.setdefault((att.of(e["t"]), int(e["generation"])), []).append(e)
 
     recoveries = []
-    for e, detected in assigns:
+    for e, detected, fault_ids in assigns:
         a, g = att.of(e["t"]), int(e["generation"])
+        for i in fault_ids:
+            if faults[i].role == Role.ACTIVE:
+                faults[i] = replace(faults[i], recovered_in=g)
         d = done.get((a, g))
         taken = dict(e.get("taken") or {})
         if d is not None:
@@ -419,6 +449,11 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
             reasons = {f["node"]: f.get("reason", "") for f in detected if f["node"] in taken}
         ranks = adopted.get((a, g), [])
         tear = teardown.get((a, g - 1), [])
+        planned = e.get("sources") or {}
+        # where the group before stood: its last step, or its restore step if it completed none
+        prev = [x for x in generations if x.attempt == a and x.generation < g][-1:]
+        stood = max([-1] + [x.restore_step for x in prev]
+                    + [x.last_step for x in prev if x.last_step is not None])
         recoveries.append(Recovery(
             attempt=a, generation=g, detect_s=detect_t - t0,
             done_s=d["t"] - t0 if d is not None else None, lost=lost, taken=taken,
@@ -429,22 +464,42 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
             max_teardown_s=max(tear, default=None),
             max_reform_s=max((float(r["reform_s"]) for r in ranks), default=None),
             max_restore_s=max((float(r["restore_s"]) for r in ranks), default=None),
-            restore_sources={int(r["rank"]): str(r.get("source", "")) for r in ranks}))
+            restore_sources={int(r["rank"]): str(r.get("source", "")) for r in ranks},
+            source_kinds={int(r["rank"]): source_kind(str(r.get("source", "")),
+                                                      planned.get(str(r["rank"])))
+                          for r in sorted(ranks, key=lambda r: int(r["rank"]))},
+            recomputed_steps=max(0, stood - int(e["restore_step"]))))
     return faults, recoveries, escalations
+
+
+def source_kind(source: str, planned: str | None = None) -> str:
+    """Where a rank's restored state came from, from its `rank.adopted` `source`: own, peer,
+    ring, disk or creation. An address (several, comma-separated, for a striped pull) is
+    another process's memory: a ring replica where the controller planned one (recovery.assign's
+    `sources`), else a peer's copy."""
+    if source in ("", "own", "creation"):
+        return source
+    if source == "fresh":       # what older versions called a start at creation
+        return "creation"
+    if source.startswith("disk:"):
+        return "disk"
+    return "ring" if planned == "ring" else "peer"
 
 
 # ---- status of a running job -------------------------------------------------------------
 
 def build_status(run: RunEvents, now: float) -> Status:
-    """Where a (possibly running) job stands at unix time `now`."""
-    check_run(run)
+    """Where a (possibly running) job stands at unix time `now`: the report's model (faults,
+    recoveries) and the current attempt's members, spares and processes."""
+    rep = build_report(run)
     att = _Attempts(run.controller)
-    t0 = _origin(run)
     ctl = sorted(run.controller, key=lambda e: e["t"])
     current = len(att) - 1
     mine = [e for e in ctl if att.of(e["t"]) == current]
     members: list[str] = []
     spares: list[str] = []
+    lost: set[str] = set()            # nodes failed and not (yet) back in a generation
+    taken: dict[str, str] = {}        # node -> the node that took its place
     generation = None
     recovering = False
     for e in mine:
@@ -454,20 +509,25 @@ def build_status(run: RunEvents, now: float) -> Status:
         elif ev == Ev.STEP_LAUNCH and e.get("role") == Role.SPARE and e["node"] not in spares:
             spares.append(e["node"])
         elif ev == Ev.FAULT_DETECTED:
+            lost.add(e["node"])
             if e["node"] in spares:
                 spares.remove(e["node"])
             else:
                 recovering = True
-        elif ev == Ev.RECOVERY_ASSIGN:
+        elif ev == Ev.FAULT_SECOND:
+            lost.update(e.get("nodes", []))
+        elif ev in (Ev.RECOVERY_ASSIGN, Ev.MOVE_ASSIGN):
+            taken.update(e.get("taken") or {})
             spares = [s for s in spares if s not in (e.get("taken") or {}).values()]
         elif ev == Ev.GENERATION_START:
             generation, members = int(e["generation"]), list(e["members"])
+            lost -= set(members)
+            taken = {a: b for a, b in taken.items() if a not in members}
         elif ev == Ev.RECOVERY_DONE:
             recovering = False
     names = [e["event"] for e in mine]
-    outcome = _outcome(ctl, att)
-    if outcome != "running":
-        state = outcome
+    if rep.outcome != "running":
+        state = rep.outcome
     elif recovering:
         state = "recovering"
     elif generation is None:
@@ -484,23 +544,40 @@ def build_status(run: RunEvents, now: float) -> Status:
         own = [e for e in evs if e["event"].startswith("rank.") and "rank" in e]
         last_step = [e for e in evs if e["event"] == Ev.RANK_STEP]
         rank = int(own[-1]["rank"]) if own and own[-1]["rank"] >= 0 else None
+        node = node or name
+        where = "replaced" if node in taken else "lost" if node in lost else \
+            "member" if node in members else "spare" if node in spares else "gone"
         ranks.append(RankStatus(
-            process=name, node=node or name, rank=rank,
+            process=name, node=node, rank=rank,
             generation=int(last_step[-1]["generation"]) if last_step else None,
             step=int(last_step[-1]["step"]) if last_step else None,
-            last_event=evs[-1]["event"], last_seen_s=now - evs[-1]["t"]))
+            last_event=evs[-1]["event"], last_seen_s=now - evs[-1]["t"],
+            state=where, replaced_by=taken.get(node)))
     in_gen = [r for r in ranks
               if r.node in members and r.generation == generation and r.step is not None]
     every_member = set(members) <= {r.node for r in in_gen}
-    report_faults, _, _ = _faults_and_recoveries(run, ctl, att, t0)
     return Status(
-        run_dir=run.run_dir, job_id=_job_id(run), start_unix=t0, state=state, attempt=current,
-        generation=generation, members=members, spares=spares,
+        run_dir=run.run_dir, job_id=rep.job_id, start_unix=rep.start_unix, state=state,
+        attempt=current, generation=generation, members=members, spares=spares,
         step=min(r.step for r in in_gen) if in_gen and every_member else None,
-        ranks=ranks, faults=report_faults,
+        ranks=ranks, faults=fault_statuses(rep),
         recoveries_done=names.count(Ev.RECOVERY_DONE),
         last_controller_event=mine[-1]["event"], last_controller_event_s=now - mine[-1]["t"],
         notes=_notes(mine))
+
+
+def fault_statuses(rep: Report) -> list[FaultStatus]:
+    """Each fault of the report with what the recovery that took it in did."""
+    recoveries = {(r.attempt, r.generation): r for r in rep.recoveries}
+    out = []
+    for f in rep.faults:
+        r = recoveries.get((f.attempt, f.recovered_in))
+        done = {} if r is None else dict(
+            replaced_by=r.taken.get(f.node), recovery_s=r.recovery_s,
+            restore_step=r.restore_step, recomputed_steps=r.recomputed_steps,
+            state_sources=dict(r.source_kinds))
+        out.append(FaultStatus(**vars(f), **done))
+    return out
 
 
 def _notes(ctl: list[dict]) -> list[str]:

@@ -132,6 +132,26 @@ def test_replicated_mode_needs_the_ranks_own_copy():
                      mode="replicated", rank_state=False)
 
 
+def test_replicated_mode_falls_back_to_disk_when_a_rank_and_its_ring_holder_are_lost():
+    """Issue 30.2: FSDP (replicated), ranks 1 and 3 lost together (3 held 1's ring copy, 1 held
+    3's): memory cannot serve them, but every key's step 30 is on disk. The group restores
+    30 in place, every rank from disk where memory no longer has it, instead of a requeue
+    that would restore the same files ("no copy in memory or on disk" was false)."""
+    needs = {r: r for r in range(4)}
+    held = {0: _held([33, 34], replicas={2: [33, 34]}), 2: _held([33, 34], replicas={0: [34]})}
+    disk = {k: {20, 30} for k in range(4)}
+    plan = plan_restore(needs, held, mode="replicated", rank_state=False, disk_shared=disk,
+                        shard_keys=[0, 1, 2, 3])
+    assert plan.step == 30 and set(plan.sources.values()) == {"disk"}
+    # with per-rank state, its file must be there too
+    plan = plan_restore(needs, held, mode="replicated", rank_state=True, disk_shared=disk,
+                        disk_rank={r: {30} for r in range(4)}, shard_keys=[0, 1, 2, 3])
+    assert plan.step == 30
+    with pytest.raises(HpctError, match="no step is held for every rank"):
+        plan_restore(needs, held, mode="replicated", rank_state=True, disk_shared=disk,
+                     disk_rank={0: {30}, 2: {30}, 3: {30}}, shard_keys=[0, 1, 2, 3])
+
+
 @given(st.integers(2, 6), st.integers(0, 20), st.data())
 def test_the_plan_is_reachable_by_every_rank(world, newest, data):
     """Property: whatever is held, the chosen step is one every rank has a copy of."""

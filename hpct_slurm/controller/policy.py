@@ -168,8 +168,8 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     last push: counting only the holder would lose that step).
 
     A rank reaches step s from its own snapshot, from a peer (any process's own snapshot for
-    the shared state in jit mode; a ring replica of its rank otherwise), or from disk (jit mode:
-    shared state on disk, per-rank state on disk). A newcomer (a process that never trained)
+    the shared state in jit mode; a ring replica of its rank otherwise), or from disk (its
+    shard key's file, and its own state's file where it has per-rank state), in either mode. A newcomer (a process that never trained)
     stands at the state at creation (step -1) by itself: its script built the same model from
     the same seed, and nothing has moved its per-rank state yet. Raises when no step is
     reachable by every rank: the job must escalate (never train on from mixed state)."""
@@ -201,7 +201,15 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
                 return "own"
             if step in replicas.get(old, ()):
                 return "ring"  # its ring copy: no other process holds this rank's state
-            return "creation" if step == CREATION and mine is None else None
+            if step == CREATION and mine is None:
+                return "creation"
+            # Its own and its ring copy both lost (a rank and its ring holder together): the
+            # key's file on disk (the rank's own state beside it, where it has any), as in
+            # jit mode, rather than a requeue that would restore the very same files.
+            if step in disk_by_key.get(key(old), ()) and \
+                    (not rank_state or step in disk_rank.get(old, ())):
+                return "disk"
+            return None
         if mine is not None and step in mine.own:
             shared = "own"
         elif step == CREATION and mine is None:

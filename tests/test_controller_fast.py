@@ -247,8 +247,13 @@ class FakeSlurmRunner:
                 return ""
             case ["scontrol", "requeue", job] if job == str(JOB):
                 return ""
+            case ["scontrol", "update", job_arg, start] if job_arg == f"JobId={JOB}" \
+                    and start.startswith("StartTime="):
+                c.begins.append(start.removeprefix("StartTime="))
+                return ""
             case ["scontrol", "update", job_arg, comment] if job_arg == f"JobId={JOB}" \
                     and comment.startswith("Comment="):
+                time.sleep(c.comment_delay_s)
                 if c.comment_refusals:
                     c.comment_refusals -= 1
                     return ("fail", "Job update not available right now, the DB index is "
@@ -281,6 +286,8 @@ class FakeCluster:
         self.reason: dict[str, str] = {}  # node -> its Slurm Reason (a drain's)
         self.comments: list[str] = []  # the job's Slurm Comment, each update
         self.comment_refusals = 0  # so many comment updates fail first ("try again")
+        self.comment_delay_s = 0.0  # each comment update takes this long (a slurmctld waiting)
+        self.begins: list[str] = []  # the job's StartTime, each update (after a requeue)
         self.reservations: list[str] = []  # `scontrol show reservation -o` lines
         self.job_end = "2099-01-01T00:00:00"
         self.on_stop: dict[str, object] = {}
@@ -840,3 +847,46 @@ def test_a_node_lost_while_the_new_generation_restores_costs_one_more_generation
             assert await c.finish() == 0
             assert c.ctl.world.generation == 2
     run(scenario)
+
+
+def test_move_requests_are_read_without_blocking_or_following_links(tmp_path):
+    """Issue 30, section 3: `requests/` is read in the controller's loop. A fifo there froze
+    the loop (a blocking open and read), a symlink was followed. Only regular files of at most
+    REQUEST_MAX_BYTES are read; anything else is refused unread, said once
+    (move.request_refused), and removed (a link as the link it is)."""
+    import threading
+    from types import SimpleNamespace
+
+    from hpct_slurm.controller.lifecycle import REQUEST_MAX_BYTES, Lifecycle
+    from hpct_slurm.events import EventLog
+
+    run_dir = tmp_path / "run"
+    d = run_dir / "requests"
+    d.mkdir(parents=True, mode=0o700)
+    os.mkfifo(d / "move-n9")  # nobody ever writes to it
+    target = tmp_path / "elsewhere"
+    target.write_text("swap the NIC")
+    os.symlink(target, d / "move-n8")
+    (d / "move-n7").write_bytes(b"x" * (REQUEST_MAX_BYTES + 1))
+    (d / "move-n6").mkdir()
+    (d / "move-n5").write_text("not a member")
+    ctl = SimpleNamespace(run_dir=run_dir, world=SimpleNamespace(members=["n1"]),
+                          events=EventLog(path=tmp_path / "events.jsonl"))
+    life = Lifecycle(ctl)
+    t = threading.Thread(target=lambda: [life._user_requests() for _ in range(2)], daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "reading requests/ blocked the controller's loop"
+    events = list(read_events(tmp_path / "events.jsonl"))
+    refused = {e["file"]: e["why"] for e in events if e["event"] == "move.request_refused"}
+    assert refused == {
+        "move-n9": "request move-n9 is not a regular file (a fifo)",
+        "move-n8": "request move-n8 is a symlink (never followed)",
+        "move-n7": f"request move-n7 holds {REQUEST_MAX_BYTES + 1} bytes, more than the "
+                   f"{REQUEST_MAX_BYTES} a request may",
+        "move-n6": "request move-n6 is not a regular file (a directory)"}
+    assert len([e for e in events if e["event"] == "move.request_refused"]) == 4  # once each
+    [skipped] = [e for e in events if e["event"] == "move.skipped"]
+    assert skipped["node"] == "n5" and "not an active member" in skipped["why"]
+    assert sorted(p.name for p in d.iterdir()) == ["move-n6"]  # a directory stays
+    assert target.read_text() == "swap the NIC"

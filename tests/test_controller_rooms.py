@@ -19,7 +19,7 @@ from hpct_slurm.controller.connections import (STALE, Conn, Connections, check_r
 from hpct_slurm.controller.detection import IN_PROCESS
 from hpct_slurm.controller.ending import ScriptError
 from hpct_slurm.controller.options import Options
-from hpct_slurm.controller.policy import Held, World, initial_shards
+from hpct_slurm.controller.policy import Held, RecoveryRecord, World, initial_shards
 from hpct_slurm.controller.recovery_round import RecoveryRound
 from hpct_slurm.errors import HpctError
 from hpct_slurm.events import Ev, RankState
@@ -237,6 +237,23 @@ def test_a_loss_beyond_the_spares_is_raised_for_the_round_loop_to_escalate(tmp_p
     assert not isinstance(err.value, ScriptError)  # the infrastructure's, not the script's
     assert not [e for e in host.log if e[0] == "assign"]
     assert host.world.members == ["n1", "n2"] and host.world.generation == 0
+
+
+def test_a_round_that_cuts_the_open_one_short_keeps_its_faults_in_the_record(tmp_path):
+    """Issue 30, "Records": n0 was lost and n2 took its place, and before the new generation
+    completed its first step n2 is lost too. The round's record holds both faults, each with
+    its cause, from the first one's detection (recovery.done, the Slurm comment)."""
+    host = RoundHost(tmp_path, ["n1", "n2", "n3"], ["s1"])
+    host.recovery = RecoveryRecord(t_detect=1.0, generation=0, restore_step=5, lost=["n0"],
+                                   taken={"n0": "n2"}, reasons={"n0": "connection lost"},
+                                   newest_done=7)
+    host.lose("n2", "step exited (1)")
+    recover(host)
+    rec = host.recovery
+    assert rec is not None and rec.generation == 1
+    assert rec.lost == ["n0", "n2"] and rec.taken == {"n0": "n2", "n2": "s1"}
+    assert rec.reasons == {"n0": "connection lost", "n2": "step exited (1)"}
+    assert (rec.t_detect, rec.newest_done) == (1.0, 7)
 
 
 # ---- the pieces' imports -------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import pytest
 
 from hpct_slurm.errors import HpctError
 from hpct_slurm.slurm.client import (
-    SlurmClient, SlurmCommandError, parse_job_record, parse_node_record, parse_node_state,
-    parse_sbatch_parsable, parse_scontrol_record, parse_sinfo_json, parse_squeue_json,
-    parse_version, srun_argv)
+    REQUEUE_BEGIN_S, SlurmClient, SlurmCommandError, parse_job_record, parse_node_record,
+    parse_node_state, parse_sbatch_parsable, parse_scontrol_record, parse_sinfo_json,
+    parse_squeue_json, parse_version, srun_argv)
 from hpct_slurm.slurm.pyslurm_backend import choose_backend, select_backend
 
 T = TypeVar("T")
@@ -340,6 +340,29 @@ def test_release_now_starts_a_held_job_at_once(cluster, tmp_path: Path) -> None:
         done = _until("job COMPLETED", lambda: (j := client.show_job(job_id)).finished and j,
                       timeout=60)
         assert done.state == "COMPLETED", done
+    finally:
+        client.cancel(job_id)
+
+
+@pytest.mark.cluster
+def test_a_requeued_job_runs_again_well_before_slurms_hold(cluster, tmp_path: Path) -> None:
+    """SlurmClient.requeue sets the requeued job's StartTime REQUEUE_BEGIN_S ahead, while it is
+    PENDING and still COMPLETING: Slurm 22.05 keeps a BeginTime that is still ahead when the old
+    run has completed (batch_requeue_fini), instead of holding the job for the credential
+    lifetime (120 s by default). The job runs again within that plus a scheduler pass
+    (backfill: every 30 s), not after two minutes."""
+    client = cluster.client()
+    job_id = _submit(client, tmp_path, 300, "--no-kill", "--requeue")
+    try:
+        _until("job RUNNING", lambda: client.show_job(job_id).state == "RUNNING", timeout=30)
+        requeued_at = time.monotonic()
+        assert client.requeue(job_id) is None  # Slurm took the StartTime
+        again = _until("job RUNNING again", lambda: (j := client.show_job(job_id)).state
+                       == "RUNNING" and j.restart_count == 1 and j, timeout=90)
+        took = time.monotonic() - requeued_at
+        print(f"requeued job {job_id} RUNNING again after {took:.1f} s")
+        assert took < REQUEUE_BEGIN_S + 40, took
+        assert again.restart_count == 1
     finally:
         client.cancel(job_id)
 

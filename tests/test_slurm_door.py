@@ -13,10 +13,11 @@ import pytest
 
 import hpct_slurm
 from hpct_slurm.errors import HpctError
-from hpct_slurm.slurm.client import (FINISHED_JOB_STATES, SlurmClient, SlurmCommandError,
-                                     StepInfo, parse_job_record, parse_job_state,
-                                     parse_node_record, parse_node_states, parse_sinfo_json,
-                                     parse_squeue_json, parse_steps, srun_nodes_argv)
+from hpct_slurm.slurm.client import (FINISHED_JOB_STATES, REQUEUE_BEGIN_S, SlurmClient,
+                                     SlurmCommandError, StepInfo, parse_job_record,
+                                     parse_job_state, parse_node_record, parse_node_states,
+                                     parse_sinfo_json, parse_squeue_json, parse_steps,
+                                     srun_nodes_argv)
 
 PACKAGE = Path(hpct_slurm.__file__).parent
 DOOR = PACKAGE / "slurm"
@@ -298,6 +299,41 @@ def test_set_node_features() -> None:
         with pytest.raises(HpctError, match=match):
             client.set_node_features(**bad)
     assert len(runner.calls) == 2  # refused before running anything
+
+
+# ---- a requeue --------------------------------------------------------------------------------
+
+DB_INDEX = ("Job update not available right now, the DB index is being set, try again in a "
+            "bit for job 7\n")
+
+
+def test_requeue_sets_the_jobs_start_time_ahead_and_retries_a_refusal_for_now() -> None:
+    """Slurm 22.05 holds a requeued job for the credential lifetime (120 s) after its old run
+    completed, unless its BeginTime is still ahead then: the requeue sets it REQUEUE_BEGIN_S
+    ahead, the same moment on a second try."""
+    answers = iter(["", failed(DB_INDEX), ""])
+    client, runner = client_answering(lambda argv: next(answers))
+    said: list[SlurmCommandError] = []
+    assert client.requeue(7, on_refused=said.append) is None
+    assert runner.argvs == [
+        ["scontrol", "requeue", "7"],
+        ["scontrol", "update", "JobId=7", f"StartTime=now+{REQUEUE_BEGIN_S}"],
+        ["scontrol", "update", "JobId=7", f"StartTime=now+{REQUEUE_BEGIN_S - 1}"]]
+    assert len(said) == 1 and "DB index is being set" in said[0].stderr
+
+
+def test_a_start_time_slurm_will_not_take_is_said_and_the_requeue_stands() -> None:
+    client, runner = client_answering(lambda argv: "" if argv[1] == "requeue" else failed(
+        "scontrol: error: Access/permission denied"))
+    late = client.requeue(7, on_refused=lambda exc: pytest.fail("asked again"))
+    assert late is not None and "permission denied" in late
+    assert len(runner.calls) == 2
+    plain, runner = client_answering()
+    assert plain.requeue(7, begin_in_s=None) is None
+    assert runner.argvs == [["scontrol", "requeue", "7"]]
+    broken, _ = client_answering(lambda argv: failed("Invalid job id specified"))
+    with pytest.raises(SlurmCommandError, match="scontrol requeue 7"):
+        broken.requeue(7)
 
 
 # ---- reservations -----------------------------------------------------------------------------

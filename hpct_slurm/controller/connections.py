@@ -166,6 +166,16 @@ def _not_current(conn: Conn, msg) -> tuple[str, str] | None:
     return None
 
 
+def _broken(exc: BaseException) -> bool:
+    """Whether reading a connection failed because the connection broke (reset by the peer,
+    timed out by the kernel, or closed half-way through a frame: its process was killed), not
+    because of what came over it. The protocol's reader reports a break inside a frame as a
+    ProtocolError raised while handling the socket's error, which is then its context."""
+    broken = (OSError, asyncio.IncompleteReadError)
+    return isinstance(exc, broken) or (isinstance(exc, P.ProtocolError)
+                                       and isinstance(exc.__context__, broken))
+
+
 class Connections:
     """The controller's connection handling (a piece of Controller, controller.py)."""
 
@@ -213,9 +223,17 @@ class Connections:
         except P.ConnectionClosed:
             pass
         except (HpctError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
-            # Unauthenticated or malformed input never gets further than this line.
-            self.events.emit(Ev.PROTOCOL_REJECTED, peer=str(peer), error=describe(exc),
-                             node=conn.node if conn else link.node if link else None)
+            node = conn.node if conn else link.node if link else None
+            if node is not None and _broken(exc):
+                # a registered rank's (or relay's) process or node died under it: a loss, with
+                # its cause, not something a stranger sent
+                self.events.emit(Ev.CONNECTION_LOST, node=node, peer=str(peer),
+                                 local_rank=conn.local_rank if conn else None,
+                                 error=describe(exc))
+            else:
+                # Unauthenticated or malformed input never gets further than this line.
+                self.events.emit(Ev.PROTOCOL_REJECTED, peer=str(peer), error=describe(exc),
+                                 node=node)
         finally:
             self.unregistered.pop(writer, None)
             writer.close()

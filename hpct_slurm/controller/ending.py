@@ -8,15 +8,17 @@ itself fails (never requeued: it would only fail again). Every way says goodbye 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog, RankState
-from ..slurm.client import SlurmClient, SlurmCommandError
+from ..slurm.client import REQUEUE_BEGIN_S, SlurmClient, SlurmCommandError, sigterm_ignored
 from .connections import Conn
 from .lifecycle import Lifecycle
 from .options import Options
-from .policy import World
+from .policy import RecoveryRecord, World
 
 # How long an escalation before the first step waits for more nodes failing the same way.
 START_FAILURE_GRACE_S = 3.0
@@ -45,6 +47,7 @@ class Ending:
     lifecycle: Lifecycle  # the job's Slurm comment says how it ended
     trained: bool  # some rank completed a step: failures since are not start-up's
     recovering: bool
+    recovery: RecoveryRecord | None  # a round whose first step the run may end before
     finished: asyncio.Event  # set last: Controller.run returns exit_code
     exit_code: int
     done_sent: bool
@@ -62,27 +65,51 @@ class Ending:
             await asyncio.sleep(START_FAILURE_GRACE_S)
         if self.finished.is_set():
             return
-        # Say it in the job's Slurm record too: requeued (the infrastructure) or not (a bug).
-        await self.lifecycle.record(
-            f"failed, not requeued: the script's own error: {why[:80]}" if script else
-            f"requeued: infrastructure: {why[:80]}" if self.o.on_no_spare == "requeue" else
-            f"failed: infrastructure: {why[:80]}")
-        if script:
-            self.events.emit(Ev.JOB_FAILED, cause="script", reason=why)
-        elif self.o.on_no_spare == "requeue":
-            self.events.emit(Ev.ESCALATE_REQUEUE, cause="infrastructure", reason=why)
-            try:
-                await asyncio.to_thread(self.slurm.requeue, self.o.job_id)
-            except SlurmCommandError as exc:
-                self.events.emit(Ev.SLURM_ERROR, error=exc.message)
-        else:
-            self.events.emit(Ev.ESCALATE_FAIL, cause="infrastructure", reason=why)
-        # only a requeued infrastructure failure says "retry": a script's error would fail
-        # again, and --on-no-spare fail is the user's choice not to retry
-        self.exit_code = (EXIT_RETRY if not script and self.o.on_no_spare == "requeue"
-                          else EXIT_FAILED)
-        await self._goodbye_all(f"job escalated: {why}")
+        requeue = not script and self.o.on_no_spare == "requeue"
+        if self.recovery is not None:
+            # a round the run ends before its first step: its faults are in the record too
+            self.lifecycle.count(self.recovery, self.recovery.done_fields(time.time()))
+            self.recovery = None
+        # A requeue makes Slurm signal every process of the job, this one and the scontrol
+        # commands it starts included: what follows it runs with SIGTERM ignored (bounded:
+        # Slurm's KillWait ends it anyway), and the run ends on its own right after.
+        with sigterm_ignored() if requeue else contextlib.nullcontext():
+            # The job's Slurm record says it too: requeued (the infrastructure) or not (a
+            # bug). Written beside the requeue, never in its way.
+            self.lifecycle.record(
+                f"failed, not requeued: the script's own error: {why[:80]}" if script else
+                f"requeued: infrastructure: {why[:80]}" if requeue else
+                f"failed: infrastructure: {why[:80]}")
+            if script:
+                self.events.emit(Ev.JOB_FAILED, cause="script", reason=why)
+            elif requeue:
+                self.events.emit(Ev.ESCALATE_REQUEUE, cause="infrastructure", reason=why)
+                await self._requeue()
+            else:
+                self.events.emit(Ev.ESCALATE_FAIL, cause="infrastructure", reason=why)
+            # only a requeued infrastructure failure says "retry": a script's error would fail
+            # again, and --on-no-spare fail is the user's choice not to retry
+            self.exit_code = EXIT_RETRY if requeue else EXIT_FAILED
+            await self._goodbye_all(f"job escalated: {why}")
+            await self.lifecycle.settle()  # bounded: COMMENT_WAIT_S
         self.finished.set()
+
+    async def _requeue(self) -> None:
+        """`scontrol requeue`, and the requeued job eligible REQUEUE_BEGIN_S later instead of
+        after Slurm's hold of about two minutes (SlurmClient.requeue)."""
+        def refused(exc: SlurmCommandError) -> None:  # a try Slurm refused for now
+            self.events.emit(Ev.SLURM_ERROR, error=exc.message, again=True)
+
+        try:
+            late = await asyncio.to_thread(self.slurm.requeue, self.o.job_id, REQUEUE_BEGIN_S,
+                                           refused)
+        except SlurmCommandError as exc:
+            self.events.emit(Ev.SLURM_ERROR, error=exc.message)
+            return
+        if late is not None:
+            self.events.emit(Ev.SLURM_ERROR, error=late, begin="Slurm's hold")
+        else:
+            self.events.emit(Ev.ESCALATE_ELIGIBLE, begin_in_s=REQUEUE_BEGIN_S)
 
     async def _terminate(self, why: str) -> None:
         if self.finished.is_set():

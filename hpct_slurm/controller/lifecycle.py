@@ -9,7 +9,9 @@
 * Grow back: after an elastic shrink, a spare that is ready again takes back a data shard a
   survivor took over (policy.decide_grow), restoring the world the job started with.
 * The record in Slurm: after every round the job's own Comment carries a one-line summary
-  (`scontrol show job`, `squeue -O comment`), and so does an escalation.
+  (`scontrol show job`, `squeue -O comment`), and so does an escalation. A round cut short by
+  another fault (before every rank completed its first step) is folded into the round that
+  follows it (`fold`), so that every fault is in the record, with its cause.
 
 The pure parts (what is drained, the summary text, the reason) are functions here and in
 policy.py; `Lifecycle` does the I/O through the controller it belongs to, seen through
@@ -18,8 +20,10 @@ policy.py; `Lifecycle` does the I/O through the controller it belongs to, seen t
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +34,8 @@ from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog, RankState
 from ..rundir import private_dir, write_private
-from ..slurm.client import NodeInfo, ReservationInfo, SlurmClient
+from ..slurm.client import (NodeInfo, ReservationInfo, SlurmClient, SlurmCommandError,
+                            printable_line, refused_for_now)
 from .connections import Conn
 from .options import Options
 from .policy import (Action, RecoveryDecision, RecoveryRecord, SurvivorReport, World,
@@ -42,13 +47,26 @@ RESERVATION_POLL_S = 60.0
 # whoever can write there holds the job's secret already); the controller picks it up at its
 # next Slurm poll.
 REQUESTS = "requests"
+# A request holds one reason of at most 200 characters (ask_move): anything much bigger is
+# not one of ours, and is refused unread.
+REQUEST_MAX_BYTES = 1024
+# Read in the controller's loop: never block (a fifo), never follow a link, never a file the
+# run dir's owner did not write as a request (a directory, a device).
+_REQUEST_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 COMMENT_MAX = 250  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
-COMMENT_RETRY_S = 60.0  # how long a comment refused with "try again in a bit" is retried
-# how long the caller of record() waits for it: one scontrol update (slurmctld itself waits up
-# to 5 s for a job's DB index before it says "try again")
-COMMENT_WAIT_S = 6.0
+# A comment refused with "try again in a bit" is tried again after a pause, at most so many
+# times and for so long (slurmctld itself waits up to 5 s for a job's DB index before it says
+# "try again", so a refused try takes that long).
+COMMENT_TRIES = 10
+COMMENT_RETRY_S = 60.0
+COMMENT_PAUSE_S = 2.0
+# How long an escalation waits for its record once the requeue is done, before the run ends:
+# one scontrol update that Slurm answers at once. The requeue never waits for the record, and
+# Slurm ends the job's processes within KillWait of the requeue anyway.
+COMMENT_WAIT_S = 2.0
 REASON_TAG = "hpct:"
+MOVED = "planned move"  # a moved node's reason in its round's record
 
 
 @dataclass
@@ -73,8 +91,22 @@ def summary(t: Tally, outcome: str = "") -> str:
     parts += [f"pause {t.pause_s:.2f}s", f"lost steps {t.lost_steps}"]
     if outcome:
         parts.append(outcome)
-    text = ", ".join(parts).replace("=", ":")
+    # an outcome quotes errors: a tab, a newline or a bidi control in one is cleaned, so that
+    # Slurm takes the line (set_job_comment refuses what does not print)
+    text = printable_line(", ".join(parts).replace("=", ":"))
     return text if len(text) <= COMMENT_MAX else text[:COMMENT_MAX - 3] + "..."
+
+
+def fold(earlier: RecoveryRecord, rec: RecoveryRecord) -> None:
+    """`rec`, a round that began before every rank completed the first step of `earlier` (a
+    fault cut `earlier` short), takes in `earlier`'s record: its lost nodes with their reasons,
+    who took their places (`n3>n5` then `n5>n6`), the steps it lost, and its start (the job has
+    not trained since). Its recovery.done and the job's comment then hold every fault."""
+    rec.lost = earlier.lost + [n for n in rec.lost if n not in earlier.lost]
+    rec.taken = {**earlier.taken, **rec.taken}
+    rec.reasons = {**earlier.reasons, **rec.reasons}
+    rec.newest_done = max(earlier.newest_done, rec.newest_done)
+    rec.t_detect = min(earlier.t_detect, rec.t_detect)
 
 
 def drained(nodes: Sequence[NodeInfo], members: Sequence[str]) -> list[tuple[str, str]]:
@@ -120,20 +152,49 @@ def ask_move(run_dir: Path, node: str, reason: str) -> Path:
     return write_private(d / f"move-{node}", reason.encode())
 
 
-def read_requests(run_dir: Path) -> list[tuple[Path, str, str]]:
-    """The move requests waiting: (file, node, reason); malformed ones are dropped with the
-    reason saying so, so they are answered (move.skipped) rather than retried forever."""
+def read_request(f: Path) -> bytes:
+    """What one request file holds; HpctError saying why when the entry is not a regular
+    file of at most REQUEST_MAX_BYTES (a fifo froze the controller's loop; a link was
+    followed)."""
+    try:
+        fd = os.open(f, _REQUEST_FLAGS)
+    except OSError as exc:
+        what = "a symlink (never followed)" if exc.errno == errno.ELOOP else \
+            f"not openable ({exc.strerror})"
+        raise HpctError(f"request {f.name} is {what}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            mode = stat.filemode(st.st_mode)
+            what = {"p": "a fifo", "d": "a directory"}.get(mode[0], f"mode {mode}")
+            raise HpctError(f"request {f.name} is not a regular file ({what})")
+        data = os.read(fd, REQUEST_MAX_BYTES + 1)
+        if st.st_size > REQUEST_MAX_BYTES or len(data) > REQUEST_MAX_BYTES:
+            raise HpctError(f"request {f.name} holds {max(st.st_size, len(data))} bytes, more "
+                            f"than the {REQUEST_MAX_BYTES} a request may")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_requests(run_dir: Path) -> list[tuple[Path, str, str, str]]:
+    """The move requests waiting: (file, node, reason, refused). Malformed ones have an
+    empty reason, so they are answered (move.skipped) rather than retried forever; `refused`
+    says why an entry was not read at all (move.request_refused)."""
     d = run_dir / REQUESTS
     out = []
     for f in sorted(d.glob("move-*")) if d.is_dir() else []:
         node = f.name[len("move-"):]
+        reason = refused = ""
         try:
-            reason = f.read_bytes()[:200].decode()
-        except (OSError, UnicodeDecodeError):
-            reason = ""
+            reason = read_request(f).decode()[:200]
+        except UnicodeDecodeError:
+            pass
+        except HpctError as exc:
+            refused = exc.message
         if not reason.isprintable() or not NODE_NAME_RE.fullmatch(node):
             reason = ""
-        out.append((f, node, reason))
+        out.append((f, node, reason, refused))
     return out
 
 
@@ -187,6 +248,7 @@ class Lifecycle:
         self.tally = Tally()
         self.requested: set[str] = set()   # nodes whose move was started (once each)
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
+        self.refused: set[str] = set()     # request entries refused that stay (said once)
         self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
         self.grow_refused = False
         self.task: asyncio.Task | None = None
@@ -227,7 +289,15 @@ class Lifecycle:
 
     def _user_requests(self) -> None:
         c = self.ctl
-        for f, node, reason in read_requests(c.run_dir):
+        for f, node, reason, refused in read_requests(c.run_dir):
+            if refused:
+                if f.name not in self.refused:
+                    c.events.emit(Ev.MOVE_REQUEST_REFUSED, file=f.name[:80], why=refused)
+                try:
+                    f.unlink(missing_ok=True)  # a link goes as the link it is
+                except OSError:
+                    self.refused.add(f.name)  # a directory stays: said once
+                continue
             if not reason or node not in c.world.members:
                 c.events.emit(Ev.MOVE_SKIPPED, node=node[:64], reason="user request",
                               why="not an active member of this job" if reason
@@ -377,7 +447,7 @@ class Lifecycle:
                         for x in staying})
         rec.generation, rec.restore_step = rep.generation, plan.step
         rec.lost, rec.taken = d.lost, rep.taken
-        rec.reasons = {n: "planned move" for n in d.lost}
+        rec.reasons = {n: MOVED for n in d.lost}
         rec.t_assigned = time.time()
         c.recovery = rec
         c.events.emit(event, generation=rep.generation, restore_step=plan.step,
@@ -391,22 +461,31 @@ class Lifecycle:
         (a move), the tally and the job's Slurm comment."""
         c = self.ctl
         fields = rec.done_fields(now)
-        t = self.tally
         if rec.kind == "move":
             c.events.emit(Ev.MOVE_DONE, **fields)
-            t.moves += 1
             for node in rec.lost:
                 asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
+        else:
+            c.events.emit(Ev.GROW_DONE if rec.kind == "grow" else Ev.RECOVERY_DONE, **fields)
+        self.count(rec, fields)
+        self.record()
+
+    def count(self, rec: RecoveryRecord, fields: dict) -> None:
+        """A round in the tally: a done one (`fields`: its done_fields), or one the run ended
+        before it was (an escalation)."""
+        t = self.tally
+        if rec.kind == "move":
+            t.moves += 1
         elif rec.kind == "grow":
-            c.events.emit(Ev.GROW_DONE, **fields)
             t.grows += 1
         else:
-            c.events.emit(Ev.RECOVERY_DONE, **fields)
-            t.faults += max(1, len(rec.lost))
+            # a move cut short by this round's fault is in its record too (fold)
+            moved = sum(1 for n in rec.lost if rec.reasons.get(n) == MOVED)
+            t.faults += max(1, len(rec.lost) - moved)
+            t.moves += moved
         t.replaced += [f"{a}>{b}" for a, b in rec.taken.items()]
         t.pause_s += fields["recovery_s"]
         t.lost_steps += fields["lost_steps"]
-        asyncio.ensure_future(self.record())
 
     async def _release(self, node: str, spare: str) -> None:
         """The moved node's ranks leave (their state is no longer needed); the node stays
@@ -446,29 +525,39 @@ class Lifecycle:
             return
         c.events.emit(Ev.NODE_REBOOT, node=node, reason=why, next_state="RESUME")
 
-    async def record(self, outcome: str = "", wait_s: float = COMMENT_WAIT_S) -> None:
-        """Write the summary into the job's Slurm Comment (best effort: a refused update is an
-        event, never a failure of the job). One writer at a time, always the newest text;
-        waits at most `wait_s` for it (an escalation must not wait out the retries)."""
+    def record(self, outcome: str = "") -> None:
+        """Write the summary into the job's Slurm Comment, in the background (best effort: a
+        refused update is an event, never a failure of the job, and nothing waits for it but
+        an escalation's end: `settle`). One writer at a time, always the newest text."""
         self.comment_wanted = summary(self.tally, outcome)
         if self.comment_task is None or self.comment_task.done():
             self.comment_task = asyncio.create_task(self._write_comment())
-        await asyncio.wait([self.comment_task], timeout=wait_s)
+
+    async def settle(self, wait_s: float = COMMENT_WAIT_S) -> None:
+        """Wait at most `wait_s` for the comment being written (the run is about to end)."""
+        if self.comment_task is not None:
+            await asyncio.wait([self.comment_task], timeout=wait_s)
 
     async def _write_comment(self) -> None:
         c = self.ctl
         deadline = time.monotonic() + COMMENT_RETRY_S
+        tries = 0
         while self.comment_wanted != self.comment_written:
             text = self.comment_wanted
+            tries += 1
             try:
                 await asyncio.to_thread(c.slurm.set_job_comment, c.o.job_id, text)
             except HpctError as exc:
-                c.events.emit(Ev.SLURM_ERROR, error=describe(exc))
                 # slurmctld refuses job updates until the job has its DB index ("try again
                 # in a bit"); anything else will not get better by asking again
-                if "try again" not in describe(exc) or time.monotonic() > deadline:
+                again = (isinstance(exc, SlurmCommandError) and refused_for_now(exc)
+                         and tries < COMMENT_TRIES
+                         and time.monotonic() + COMMENT_PAUSE_S < deadline)
+                c.events.emit(Ev.SLURM_ERROR, error=describe(exc), comment_try=tries,
+                              again_in_s=COMMENT_PAUSE_S if again else None)
+                if not again:
                     return
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(COMMENT_PAUSE_S)
                 continue
             self.comment_written = text
             c.events.emit(Ev.SLURM_COMMENT, comment=text)

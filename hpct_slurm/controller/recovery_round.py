@@ -33,7 +33,7 @@ from ..events import Ev, EventLog, RankState, Role
 from .connections import Conn
 from .detection import IN_PROCESS
 from .ending import ScriptError
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, fold
 from .options import Options
 from .pacing import AssignView, compact_members
 from .policy import (RecoveryDecision, RecoveryRecord, SurvivorReport, World, data_ranks,
@@ -216,6 +216,10 @@ class RecoveryRound:
         rec.lost, rec.taken = lost_active, rep.taken
         rec.reasons = {n: lost[n] for n in lost_active}
         rec.t_assigned = time.time()
+        if self.recovery is not None:
+            # the round before never saw its first step (this round's fault cut it short):
+            # its faults and what took their places go on in this round's record
+            fold(self.recovery, rec)
         self.recovery = rec
         self.events.emit(Ev.RECOVERY_ASSIGN, generation=rep.generation, restore_step=restore,
                          taken=rep.taken, members=rep.members,

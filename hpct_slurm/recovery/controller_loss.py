@@ -44,12 +44,13 @@ class ControllerLoss:
     def requeue(self) -> None:
         """The controller is gone: its node (the batch host) died, and with it the job's batch
         script. Slurm keeps such a --no-kill job RUNNING on the other nodes, so the ranks
-        requeue it themselves; the restarted job resumes from the last persisted snapshot.
-        Lowest rank first; the others find the job already requeued and leave it alone."""
-        make = self._slurm_client
-        if make is None:
-            from ..slurm.client import SlurmClient
-            make = SlurmClient
+        requeue it themselves; the restarted job resumes from the last persisted snapshot,
+        eligible at once rather than after Slurm's hold of about two minutes
+        (SlurmClient.requeue). Lowest rank first; the others find the job already requeued and
+        leave it alone."""
+        from ..slurm.client import REQUEUE_BEGIN_S, SlurmClient, sigterm_ignored
+
+        make = self._slurm_client or SlurmClient
 
         rank = self.standing.rank
         time.sleep(0.5 * max(rank, 0))
@@ -57,8 +58,13 @@ class ControllerLoss:
         try:
             job = slurm.show_job(self.slurm.job_id)
             if job.state == "RUNNING" and job.restart_count == self.slurm.restart_count:
-                slurm.requeue(self.slurm.job_id)
+                # the requeue has Slurm signal this process and its scontrol at once: the
+                # command that makes the job eligible early must outlive that
+                with sigterm_ignored():
+                    late = slurm.requeue(self.slurm.job_id)
                 self.events.emit(Ev.RANK_REQUEUED_JOB, rank=rank, job_id=str(self.slurm.job_id),
-                                 reason="controller lost")
+                                 reason="controller lost",
+                                 **({"begin_error": late} if late else
+                                    {"begin_in_s": REQUEUE_BEGIN_S}))
         except HpctError as exc:
             self.events.emit(Ev.RANK_REQUEUE_FAILED, rank=rank, error=exc.message)

@@ -14,13 +14,18 @@ Two Slurm habits shape this module:
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
+import signal
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import HpctError
 from .hostlist import compress, expand
@@ -44,6 +49,20 @@ _NODE_TEXT_TAIL_RE = re.compile(
 _NODE_COMMENT_RE = re.compile(r" Comment=(?P<comment>.*?)(?= Extra=|$)")
 _RESERVATION_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _NULLS = {"", "(null)", "N/A", "None"}
+# Slurm 22.05 holds a requeued batch job back once its old run has finished completing: it
+# moves the job's BeginTime to now + the credential lifetime (AuthInfo cred_expire, 120 s by
+# default), unless that BeginTime is still ahead then (slurmctld/job_mgr.c,
+# batch_requeue_fini). From the requeue on the job is PENDING (and COMPLETING), and its owner
+# may set its StartTime: one this far after the requeue, past the old run's completion, makes
+# it eligible then. (StartTime=now would not do: it is in the past when the completion ends.)
+# An old run that takes longer to complete (a process that waits out KillWait) falls back to
+# Slurm's hold.
+REQUEUE_BEGIN_S = 10
+REQUEUE_BEGIN_TRIES = 3
+# slurmctld refuses a job update while the job's accounting record is being made: "Job update
+# not available right now, the DB index is being set, try again in a bit" (after waiting 5 s
+# for the index itself). Asking again later can work; any other refusal will not get better.
+REFUSED_FOR_NOW = "try again"
 
 
 class SlurmCommandError(HpctError):
@@ -406,6 +425,38 @@ def _one_line(value: str, what: str) -> str:
     return value
 
 
+def printable_line(text: str) -> str:
+    """`text` as one printable line that Slurm takes as a comment or reason, character for
+    character: whitespace other than ' ' (a tab, a newline, U+2028) becomes ' ', any other
+    character that does not print (control characters, the bidi overrides and isolates
+    U+202A-U+202E and U+2066-U+2069, other format characters) becomes '?'. A record with such
+    a character in it is written cleaned, never refused."""
+    return "".join(ch if ch.isprintable() else " " if ch.isspace() else "?" for ch in text)
+
+
+def refused_for_now(exc: SlurmCommandError) -> bool:
+    """Whether Slurm refused a job update only for now (REFUSED_FOR_NOW): worth asking again."""
+    return REFUSED_FOR_NOW in exc.stderr
+
+
+@contextlib.contextmanager
+def sigterm_ignored() -> Iterator[None]:
+    """SIGTERM ignored meanwhile, by this process and by the Slurm commands it starts (an
+    ignored signal stays ignored across exec). A requeue makes Slurm signal every process of
+    the job at once, the one that asked and its `scontrol` included: what has to follow the
+    requeue (the job's BeginTime, its record) runs in here. Only the main thread may change a
+    signal's handling: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        # None: a handler not installed from Python; SIG_DFL is what Python starts with
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
 def _reservation_name(name: str) -> str:
     if not _RESERVATION_NAME_RE.fullmatch(name):
         raise HpctError(f"reservation name {name!r} is not letters, digits, '_', '.', '-'")
@@ -667,8 +718,35 @@ class SlurmClient:
         self.run(["scontrol", "reboot", "ASAP", f"nextstate={next_state}",
                   f"reason={_one_line(reason, 'reboot reason')}", hostlist])
 
-    def requeue(self, job_id: int) -> None:
+    def requeue(self, job_id: int, begin_in_s: float | None = REQUEUE_BEGIN_S,
+                on_refused: Callable[[SlurmCommandError], None] | None = None) -> str | None:
+        """`scontrol requeue J`, then the job eligible again `begin_in_s` seconds from now
+        instead of after Slurm's hold (REQUEUE_BEGIN_S says why): `scontrol update JobId=J
+        StartTime=now+N`, the same moment on every try. A refusal for now is tried again, at
+        most REQUEUE_BEGIN_TRIES times and only while that moment is ahead; each refused try
+        that is tried again goes to `on_refused` (the caller's event). Returns None when the
+        BeginTime is set, else why not (Slurm's message: the job is requeued all the same, it
+        then waits out Slurm's hold). Raises SlurmCommandError when the requeue itself fails.
+        Run it inside `sigterm_ignored()`: the requeue signals the caller's job."""
         self.run(["scontrol", "requeue", str(int(job_id))])
+        if begin_in_s is None:
+            return None
+        at = time.monotonic() + begin_in_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.run(["scontrol", "update", f"JobId={int(job_id)}",
+                          f"StartTime=now+{max(1, math.ceil(at - time.monotonic()))}"])
+                return None
+            except SlurmCommandError as exc:
+                # tried again after a pause of 1 s, while the moment is still ahead after it
+                if not refused_for_now(exc) or attempt >= REQUEUE_BEGIN_TRIES or \
+                        at - time.monotonic() < 2.0:
+                    return exc.message
+                if on_refused is not None:
+                    on_refused(exc)
+                time.sleep(1.0)
 
     def release_now(self, job_id: int) -> None:
         """Make a pending job eligible now: Slurm holds a requeued job back for about two

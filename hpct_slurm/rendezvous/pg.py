@@ -134,16 +134,23 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
         gathering._fetch = fetch_then_tell  # type: ignore[method-assign]
     prefixed = dist.PrefixStore(generation_prefix(info.generation), gathering or store)
     kwargs = {} if device_id is None else {"device_id": device_id}
-    # gloo's pairs get a short timeout wherever our store carries the long wait for a slow
+    # gloo's pairs get a shorter timeout wherever our store carries the long wait for a slow
     # rank: the gathered address exchange waits for every rank under the store's (init)
     # timeout, abortable by a STOP, before any pair connects (full mesh), or the barrier
-    # below does (lazy pairs). A pair's connect then waits for its peer at most 5x that
-    # (tcp/pair.h), the collective timeout, for a member that died after it wrote its
-    # address: with the init timeout there, survivors sat 150 s in connectFullMesh, past
-    # the controller's wait for them (issue 30: healthy nodes fenced "not ready (forming)").
+    # below does (lazy pairs). A pair's connect then waits for its peer at most 5x its
+    # timeout on the listening side (tcp/pair.h), for a member that died after it wrote its
+    # address: with the init timeout there (30 s), survivors sat 150 s in connectFullMesh,
+    # past the controller's 60 s wait for them (issue 30: healthy nodes fenced "not ready
+    # (forming)"). Full mesh: the collective timeout (at most 50 s there; every pair of a
+    # rank connects in turn, so a loaded node needs more than lazy pairs' fifth of it, which
+    # failed formations on 2 busy cores). Lazy pairs: see _pair_timeout.
     lazy = backend == "gloo" and gathering is not None and gloo_lazy()
-    short = backend == "gloo" and gathering is not None
-    group_timeout = _pair_timeout(collective_timeout) if short else init_timeout
+    if lazy:
+        group_timeout = _pair_timeout(collective_timeout)
+    elif backend == "gloo" and gathering is not None:
+        group_timeout = min(init_timeout, collective_timeout)
+    else:
+        group_timeout = init_timeout
     try:
         dist.init_process_group(backend, store=prefixed, rank=info.rank,
                                 world_size=info.world_size, timeout=group_timeout, **kwargs)

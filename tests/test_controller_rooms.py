@@ -280,3 +280,68 @@ def test_no_module_of_the_controller_package_imports_another_in_a_circle():
         return None
 
     assert [c for m in sorted(modules) if (c := circle([m]))] == []
+
+
+# ---- fencing -------------------------------------------------------------------------------------
+
+class FenceHost:
+    """Fencing (controller/fencing.py) with in-process fakes around it: a live node whose
+    step cancel takes as long as scancel does against a stopped slurmstepd."""
+
+    from hpct_slurm.controller.fencing import Fencing as _F
+    _fence = _F._fence
+    _cancel_then_spare = _F._cancel_then_spare
+
+    def __init__(self, cancel_s: float):
+        from test_hostile_network import Events
+
+        self.o = Options(command=["true"], run_dir=Path("/nonexistent"), job_id=int(JOB),
+                         nodes=["n1", "n2", "n3"], batch_host="n1")
+        self.ev = Events()
+        self.events = self.ev.log
+        self.steps: dict = {}
+        self.dead_nodes: set[str] = set()
+        self.expected_exits: set[int] = set()
+        self.fencing: dict = {}
+        self.cancel_s, self.cancelled, self.replenished = cancel_s, [], []
+        self.slurm = None
+
+    def _live(self, node):
+        return []
+
+    def _slurmd_reachable(self, node):
+        return True
+
+    def _usable_in_slurm(self, node):
+        return True
+
+    def _cancel_steps_on(self, node):
+        import time
+        time.sleep(self.cancel_s)
+        self.cancelled.append(node)
+
+    def _replenish(self, node):
+        self.replenished.append((node, list(self.cancelled)))
+
+
+def test_fencing_a_stopped_step_does_not_hold_the_round_up():
+    """Issue 30.2: scancel of a step whose slurmstepd is SIGSTOPped waits out slurmd's
+    MessageTimeout (10 s here, 1.5 s in this fake); the round waited with it. Now the round
+    goes on at once; the node comes back as a spare only after its step is gone."""
+    host = FenceHost(cancel_s=1.5)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await host._fence("n3", "no heartbeat for 3.0 s")
+        fenced_after = loop.time() - t0
+        assert host.ev.named("fault.fenced")[0]["how"] == "step cancelled"
+        assert host.cancelled == [] and "n3" in host.fencing  # still under way
+        await host.fencing["n3"]
+        await asyncio.sleep(1.1)  # the spare comes back a second after the cancel
+        return fenced_after
+
+    fenced_after = asyncio.run(scenario())
+    assert fenced_after < 0.5
+    assert host.cancelled == ["n3"] and host.fencing == {}
+    assert host.replenished == [("n3", ["n3"])]  # never before its step was gone

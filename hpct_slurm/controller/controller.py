@@ -99,6 +99,7 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         self.steps: dict[str, asyncio.subprocess.Process] = {}
         self.dead_nodes: set[str] = set()
         self.expected_exits: set[int] = set()  # pids of steps we cancelled ourselves
+        self.fencing: dict[str, asyncio.Future[None]] = {}  # live nodes: step cancel under way
         self.borrowed: list[int] = []  # companion jobs submitted into the spare pool
         self.pool_nodes: set[str] = set()
         self.pending_faults: dict[str, str] = {}

@@ -40,6 +40,7 @@ class Fencing:
     dead_nodes: set[str]
     expected_exits: set[int]
     lifecycle: Lifecycle  # the admin's policy for a node fenced DOWN
+    fencing: dict[str, "asyncio.Future[None]"]  # live nodes whose step cancel is under way
     # What it uses of the other pieces: _live (connections.py), _cancel_steps_on (steps.py),
     # _replenish (spares.py).
 
@@ -61,10 +62,12 @@ class Fencing:
         if alive and not reason.startswith("srun: node failure"):
             if node in self.steps:
                 self.expected_exits.add(self.steps[node].pid)
-            await loop.run_in_executor(None, self._cancel_steps_on, node)
+            # The round goes on while the cancel completes: the node's connections are cut
+            # above and anything it still sends carries a dead generation, so it can change
+            # nothing; but scancel of a step whose slurmstepd is stopped (SIGSTOP) waits out
+            # slurmd's MessageTimeout (10 s), which the whole round used to wait for.
+            self.fencing[node] = asyncio.ensure_future(self._cancel_then_spare(node))
             self.events.emit(Ev.FAULT_FENCED, node=node, how="step cancelled", reason=reason)
-            # the node is healthy: it becomes a warm spare again
-            asyncio.get_running_loop().call_later(1.0, self._replenish, node)
             return
         self.dead_nodes.add(node)
         try:
@@ -75,6 +78,16 @@ class Fencing:
         self.events.emit(Ev.FAULT_FENCED, node=node, how="node down", reason=reason)
         # the admin's policy (leave or reboot), off the recovery's path
         asyncio.ensure_future(self.lifecycle.after_down(node, reason))
+
+    async def _cancel_then_spare(self, node: str) -> None:
+        """Cancel a fenced live node's step; once it is gone, the healthy node becomes a warm
+        spare again (never before: a new step beside the stopped one would be refused)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self._cancel_steps_on, node)
+        finally:
+            self.fencing.pop(node, None)
+        loop.call_later(1.0, self._replenish, node)
 
     def _usable_in_slurm(self, node: str) -> bool:
         try:

@@ -115,6 +115,24 @@ def test_steps_between_full_commits_are_held_lazily_only_where_live_state_restor
         assert policy.snapshots.every == 1, blocked  # every step a full commit
     policy, _ = _policy(tmp_path, snapshot_every=4)
     assert policy.snapshots.every == 4  # given: kept, lazily held between
+    # per-rank state (a sampler) with persistence: lazily held too (issue 26.3); a fault in a
+    # step's update then rolls back to the last persisted step, its position read from disk
+    policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=10)
+    assert policy.snapshots.every == LAZY_FULL_EVERY
+
+
+def test_with_per_rank_state_a_lazy_step_still_commits_and_pushes_the_ranks_own(tmp_path,
+                                                                               monkeypatch):
+    calls: list = []
+    policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=10)
+    _spy(monkeypatch, policy.snapshots, calls)
+    rank_calls: list = []
+    _spy(monkeypatch, policy.rank_snaps, rank_calls)
+    for step in (0, 1, 2):
+        policy.end_step(step)
+    assert calls == [("commit", 0), ("prepare_lazy", 1), ("prepare_lazy", 2)]
+    assert rank_calls == [("commit", 0), ("commit", 1), ("commit", 2)]
+    assert policy.rank_snaps.slots.steps() == [1, 2]
 
 
 def test_end_step_commits_fully_lazily_or_in_the_background(tmp_path, monkeypatch):

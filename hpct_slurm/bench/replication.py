@@ -4,11 +4,18 @@ An MLP with Adam trains in this process; a child process plays the ring peer (a
 `TransferServer` holding replicas). Blocks of steps alternate between the variants in one run,
 so all see the same machine; overheads are relative to `off` (no snapshots):
 
-- `jit_lazy`: what `Job` does by default for data parallelism without per-rank state: a full
+- `jit_lazy_rank`: the documented adoption (a sampler registered: per-rank state), what `Job`
+  does for it: the shared state as in `jit_lazy`, and the rank's own small state (the sampler
+  position, the RNG states) committed every step and pushed to the ring peer at once. The
+  headline `overhead_pct`.
+- `jit_lazy_rank_persist`: the same with the templates' disk persistence (every 10 steps a
+  full commit, its file written by one rank, every rank's own file; background threads).
+- `jit_lazy`: what `Job` does for data parallelism without per-rank state: a full
   commit every 16 steps, and every step in between held where it lies and copied only if a
   fault comes before the next optimizer step (`prepare_lazy`).
-- `jit_k1_sync`: what `Job` does on CPU with per-rank state registered: a full commit (a copy;
-  the digest is left to its first reader) after every step, before the step returns.
+- `jit_k1_sync`: what `Job` does on CPU with per-rank state registered and no disk
+  persistence (HPCT_PERSIST_EVERY=0): a full commit (a copy; the digest is left to its first
+  reader) after every step, before the step returns.
 - `jit_k1`: the same copy overlapping the next step's forward and backward (the next optimizer
   step waits for it only if it is not done): `Job`'s default where the state is on a GPU.
 - `jit_k1_sealed`: the same with `background_seal=True` (each commit hashed right away).
@@ -16,10 +23,10 @@ so all see the same machine; overheads are relative to `off` (no snapshots):
 - `replicated_k1` / `replicated_kK`: commit + push to the peer every 1 / K steps (sharded setups).
 
 Each block pays for what it started: pushes are flushed and, with background sealing, the last
-commit's seal awaited before the clock stops. The summary's `overhead_pct` is the default mode
-(`jit_k1`); `min_k_for_3pct` is the smallest commit interval whose measured per-commit cost
-fits in 3%. Every figure is the median of the per-block overheads against the `off` block of
-the same round (>= 5 rounds outside --smoke); `overhead_pct` is `Job`'s default (`jit_lazy`), with the lowest and highest next to it.
+commit's seal awaited before the clock stops. `min_k_for_3pct` is the smallest commit
+interval whose measured per-commit cost fits in 3%. Every figure is the median of the per-block overheads against the `off` block of
+the same round (>= 5 rounds outside --smoke); `overhead_pct` is the documented adoption's
+(`jit_lazy_rank`), with the lowest and highest next to it.
 
 Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
 their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
@@ -39,6 +46,20 @@ from .common import plot_bars, write_result
 
 JOB = "bench"
 BUDGET_PCT = 3.0
+PERSIST_EVERY = 10  # the settings table's default (HPCT_PERSIST_EVERY): the templates' jobs
+
+
+class _Position:
+    """A sampler's position: the per-rank state of the documented adoption."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed = int(sd["consumed"])
 
 
 def _peer(conn: Any, secret: bytes) -> None:
@@ -55,6 +76,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     import torch
 
     from ..recovery.job import LAZY_FULL_EVERY
+    from ..recovery.persist import DiskPersister
     from ..recovery.snapshot import Snapshot, SnapshotStore
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher
@@ -74,6 +96,10 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     x = torch.randn(64, width)
     # (store, push?) per variant; jit keeps the shared scope only, as `Job` does.
     stores = {"jit_lazy": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY), False),
+              "jit_lazy_rank": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY),
+                                False),
+              "jit_lazy_rank_persist": (SnapshotStore(state, ("shared",),
+                                                      every=LAZY_FULL_EVERY), False),
               "jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sync": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sealed": (SnapshotStore(state, ("shared",), every=1, background_seal=True),
@@ -82,7 +108,14 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
               "replicated_k1": (SnapshotStore(state, every=1), True),
               f"replicated_k{k}": (SnapshotStore(state, every=k), True)}
     variants = ["off", *stores]
-    default = "jit_lazy"
+    # the documented adoption: a sampler registered (per-rank state), what Job then does
+    default = "jit_lazy_rank"
+    # Per-rank state: a sampler position (and the RNG states), its own snapshot every step,
+    # pushed to the ring peer at once, as Job does for a script that registers a sampler.
+    position = _Position()
+    rank_state = TrainState(sampler=position)
+    rank_stores = {v: SnapshotStore(rank_state, ("rank",), every=1)
+                   for v in ("jit_lazy_rank", "jit_lazy_rank_persist")}
 
     overlapped = {"store": None}
 
@@ -113,6 +146,15 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
         peer = tuple(parent.recv())
         pushers = {v: ReplicaPusher(store, 0, peer, secret, JOB)
                    for v, (store, push) in stores.items() if push}
+        rank_pushers = {v: ReplicaPusher(rs, 0, peer, secret, JOB)
+                        for v, rs in rank_stores.items()}
+        # the template's disk persistence (every PERSIST_EVERY steps, the shared state's file
+        # written by one rank per key, every rank's own file), on background threads as in Job
+        disk = out_dir / "replication-persist"
+        persisters = [DiskPersister(stores["jit_lazy_rank_persist"][0], disk / "persist", 0,
+                                    PERSIST_EVERY, key=secret),
+                      DiskPersister(rank_stores["jit_lazy_rank_persist"], disk / "persist-rank",
+                                    0, PERSIST_EVERY, key=secret)]
         train_step()
         for v, (store, _) in stores.items():  # warm-up: both slots and the peer's buffers
             for _ in range(2):
@@ -129,13 +171,25 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                 store, push = stores.get(variant, (None, False))
                 last = None
                 overlap = variant == "jit_k1"
-                lazy = variant == "jit_lazy"
+                lazy = variant.startswith("jit_lazy")
+                rank_store = rank_stores.get(variant)
+                persist = variant == "jit_lazy_rank_persist"
                 overlapped["store"] = store if overlap or lazy else None
                 t_block = time.perf_counter()
                 for _ in range(block):
                     train_step()
                     step += 1
-                    if variant == "jit_lazy" and not store.due(step):  # type: ignore[union-attr]
+                    position.consumed += 64
+                    if rank_store is not None:  # SnapshotPolicy._commit_rank_state
+                        rank_store.commit(step)
+                        if persist:
+                            persisters[1].after_commit(step)
+                        rank_pushers[variant].after_commit(step)
+                        rank_pushers[variant].flush()
+                    if persist and step % PERSIST_EVERY == 0:  # a persist step: a full commit
+                        store.commit(step)  # type: ignore[union-attr]
+                        persisters[0].after_commit(step)
+                    elif lazy and not store.due(step):  # type: ignore[union-attr]
                         store.prepare_lazy(step)  # type: ignore[union-attr]
                     elif store is not None and store.due(step):
                         t0 = time.perf_counter()
@@ -147,6 +201,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                             commit_s.append(time.perf_counter() - t0)
                         if push:
                             pushers[variant].after_commit(step)
+                        if persist:
+                            persisters[0].after_commit(step)
                 if (overlap or lazy) and store is not None:
                     store.wait()
                     store.drop_pending()
@@ -157,8 +213,10 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                 if rnd:
                     times[variant].append((time.perf_counter() - t_block) / block)
         acked = {v: p.acked_step for v, p in pushers.items()}
-        for p in pushers.values():
+        for p in [*pushers.values(), *rank_pushers.values()]:
             p.close()
+        for persister in persisters:
+            persister.close()
         parent.send("stop")
     finally:
         proc.join(30)

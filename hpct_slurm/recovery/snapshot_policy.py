@@ -90,10 +90,10 @@ class SnapshotPolicy:
         # Between full commits, hold each step's shared state where it lies and copy it only
         # at a fault (see _lazy); 0 makes every step a full commit.
         self.lazy = s.snapshot_lazy
+        self.persist_every = persist_every  # read by _lazy
         self.set_mode(self.mode)
         self.replicas = ReplicaStore()
         self.pusher: ReplicaPusher | None = None
-        self.persist_every = persist_every
         self.persister: DiskPersister | None = None
         self.rank_persister: DiskPersister | None = None
         self._peers: dict[int, tuple[str, int]] = {}
@@ -118,10 +118,19 @@ class SnapshotPolicy:
     def _lazy(self) -> bool:
         """Whether the shared state of a step between full commits is held without a copy
         (SnapshotStore.prepare_lazy). Only where every survivor's live state at a fault is
-        a state the group can restore: jit mode (a replicated ring push needs the bytes) and
-        no per-rank state (a lost rank's position may exist only at the step before, which
-        live state no longer is)."""
-        return self.lazy and self.mode == "jit" and self.rank_snaps is None
+        a state the group can restore: jit mode (a replicated ring push needs the bytes).
+
+        With per-rank state (a sampler position) as well, only where it is persisted: its
+        own small snapshot is still taken and pushed to the ring holder every step, so a
+        fault before the next optimizer update restores the held step exactly as without
+        it; but a fault inside a step's update (from the update's start to the step's end)
+        finds the survivors' held step dropped, and a lost rank's position exists in memory
+        only at its last two steps, not at the last full commit. Those faults roll back to
+        the last persisted step instead (its position read from `persist-rank/`), the
+        recomputed steps counted; without persistence they would escalate, so there every
+        step stays a full commit."""
+        return self.lazy and self.mode == "jit" and (
+            self.rank_snaps is None or self.persist_every > 0)
 
     def _overlap(self) -> bool:
         if self._overlap_given is not None:
@@ -141,6 +150,9 @@ class SnapshotPolicy:
             else:
                 self._after_shared_commit(self.snapshots.commit(step))
         elif self._lazy():
+            # this rank's own small state, every step: a fault before the next update restores
+            # the held step, and the ring holder must have this rank's position at it
+            self._commit_rank_state(step)
             self.snapshots.prepare_lazy(step)
 
     def _commit_rank_state(self, step: int) -> None:

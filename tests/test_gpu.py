@@ -81,14 +81,21 @@ def test_nccl_forms_aborts_tears_down_and_forms_again():
         assert not dist.is_initialized() and c10d._world.group_count == 0
 
 
-def test_an_overlapped_commit_holds_its_step_while_the_next_update_is_queued():
+def _watched():
+    """A model, its optimizer and a snapshot store wired as Job wires them."""
     from hpct_slurm.recovery.snapshot import SnapshotStore
     from hpct_slurm.recovery.state import TrainState
 
     model, opt = _model()
-    state = TrainState(model=model, optimizer=opt)
-    store = SnapshotStore(state, scopes=("shared",))
+    store = SnapshotStore(TrainState(model=model, optimizer=opt), scopes=("shared",))
     opt.register_step_pre_hook(lambda *_: store.before_optimizer_step())
+    return model, opt, store
+
+
+def test_an_overlapped_commit_holds_its_step_while_the_next_update_is_queued():
+    from hpct_slurm.recovery.state import TrainState
+
+    model, opt, store = _watched()
     _train(model, opt, 2)
     torch.cuda.synchronize()
     expected = _flat(model, opt)
@@ -104,13 +111,9 @@ def test_an_overlapped_commit_holds_its_step_while_the_next_update_is_queued():
 
 
 def test_a_lazy_hold_captured_at_a_fault_is_the_step_it_claims():
-    from hpct_slurm.recovery.snapshot import SnapshotStore
     from hpct_slurm.recovery.state import TrainState
 
-    model, opt = _model()
-    state = TrainState(model=model, optimizer=opt)
-    store = SnapshotStore(state, scopes=("shared",))
-    opt.register_step_pre_hook(lambda *_: store.before_optimizer_step())
+    model, opt, store = _watched()
     _train(model, opt, 2)
     store.prepare_lazy(1)
     torch.cuda.synchronize()

@@ -95,6 +95,23 @@ def _worker(node: str, job_id: int, secret_file: str, lazy: str, conn: Connectio
             conn.send((node, "error", traceback.format_exc()))
 
 
+def _start_nodes(tmp_path, worker, nodes: list[str]) -> tuple[dict, dict]:
+    """One spawned process per node running `worker(node, job_id, secret_file, conn)`, with
+    a pipe each: the test's ends and the processes."""
+    from hpct_slurm.rendezvous.store import write_secret
+
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    job_id = random.randrange(1000, 1_000_000)
+    ctx = mp.get_context("spawn")
+    pipes = {n: ctx.Pipe() for n in nodes}
+    procs = {n: ctx.Process(target=worker, daemon=True,
+                            args=(n, job_id, str(secret_file), pipes[n][1])) for n in nodes}
+    for p in procs.values():
+        p.start()
+    return {n: pipes[n][0] for n in nodes}, procs
+
+
 def _collect(conns: dict[str, Connection], nodes: list[str], what: str) -> dict[str, object]:
     got: dict[str, object] = {}
     while len(got) < len(nodes):
@@ -242,19 +259,8 @@ def test_lazy_first_connect_to_a_dead_peer_fails_within_the_collective_timeout(t
     import socket
     import time
 
-    from hpct_slurm.rendezvous.store import write_secret
-
-    secret_file = tmp_path / "secret"
-    write_secret(secret_file)
-    job_id = random.randrange(1000, 1_000_000)
-    ctx = mp.get_context("spawn")
     nodes = JOB_NODES[:4]
-    pipes = {n: ctx.Pipe() for n in nodes}
-    conns = {n: pipes[n][0] for n in nodes}
-    procs = {n: ctx.Process(target=_first_connect_worker, daemon=True,
-                            args=(n, job_id, str(secret_file), pipes[n][1])) for n in nodes}
-    for p in procs.values():
-        p.start()
+    conns, procs = _start_nodes(tmp_path, _first_connect_worker, nodes)
     try:
         formed = _collect(conns, nodes, "formed")
         assert all(lazy == "1" and len(ports) == 1 for lazy, ports in formed.values()), formed
@@ -397,19 +403,8 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
 
 def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the_collective_timeout(
         tmp_path):
-    from hpct_slurm.rendezvous.store import write_secret
-
-    secret_file = tmp_path / "secret"
-    write_secret(secret_file)
-    job_id = random.randrange(1000, 1_000_000)
-    ctx = mp.get_context("spawn")
     nodes = JOB_NODES[:3]
-    pipes = {n: ctx.Pipe() for n in nodes}
-    conns = {n: pipes[n][0] for n in nodes}
-    procs = {n: ctx.Process(target=_dies_after_its_address_worker, daemon=True,
-                            args=(n, job_id, str(secret_file), pipes[n][1])) for n in nodes}
-    for p in procs.values():
-        p.start()
+    conns, procs = _start_nodes(tmp_path, _dies_after_its_address_worker, nodes)
     try:
         _collect(conns, nodes, "ready")
         for n in nodes:

@@ -30,7 +30,8 @@ from ..events import Ev, EventLog
 
 __all__ = ["PHASES", "TakerFault"]
 # `connect`: the others finish reading this node's shard before it dies (their reads take
-# milliseconds), so the formation fails in the pair connects, not at the store.
+# milliseconds), so the formation fails in the pair connects, not at the store: those that
+# wait for its connect give up after 5 x a pair's timeout (pg.init), the worst of the phases.
 CONNECT_GRACE_S = 0.5
 # `pull`: the prefetch's connections are open and its first stripes under way
 PULL_GRACE_S = 0.05
@@ -58,14 +59,14 @@ class TakerFault:
             return  # a taker died already: this one takes over for good
         os.close(fd)
         self.events.emit(Ev.FAULT_INJECTED, rank=rank, phase=phase, pid=os.getpid())
-        grace = CONNECT_GRACE_S if phase == "connect" else PULL_GRACE_S if phase == "pull" \
-            else 0.0
-        if grace:
-            # from a thread: the caller (a store read, the prefetch) goes on meanwhile, as a
-            # node that dies mid-phase would
-            threading.Thread(target=_die_after, args=(grace,), daemon=True).start()
+        if phase == "pull":
+            # from a thread: the prefetch goes on meanwhile, as on a node that dies mid-pull
+            threading.Thread(target=_die_after, args=(PULL_GRACE_S,), daemon=True).start()
         else:
-            _die_after(0.0)
+            # `connect`: this thread stops where it would start connecting its pairs, while
+            # its shard server and gloo's listener still answer the others, who have read its
+            # address and connect to it or wait for it to connect; then it dies
+            _die_after(CONNECT_GRACE_S if phase == "connect" else 0.0)
 
 
 def _die_after(seconds: float) -> None:

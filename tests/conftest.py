@@ -14,6 +14,20 @@ from hpct_slurm.localcluster import LocalCluster
 CLUSTER_NODES = 5  # 4 active + 1 spare, the demo's shape
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Every test ends with the process environment it started with. pg.init exports the
+    backends' settings into os.environ (as a rank must: torch reads them there), so a test
+    forming a loopback group in this process left GLOO_SOCKET_IFNAME=lo behind; every later
+    real-cluster job inherited it through sbatch, its ranks' gloo bound loopback inside their
+    nodes' network namespaces and never formed."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(config, items):
     """The `gpu` tier runs wherever torch sees a CUDA device and is skipped, saying why,
     everywhere else (CI has none): the one kind of test this suite ever skips."""

@@ -141,9 +141,9 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     # timeout on the listening side (tcp/pair.h), for a member that died after it wrote its
     # address: with the init timeout there (30 s), survivors sat 150 s in connectFullMesh,
     # past the controller's 60 s wait for them (issue 30: healthy nodes fenced "not ready
-    # (forming)"). Full mesh: the collective timeout (at most 50 s there; every pair of a
-    # rank connects in turn, so a loaded node needs more than lazy pairs' fifth of it, which
-    # failed formations on 2 busy cores). Lazy pairs: see _pair_timeout.
+    # (forming)"). Full mesh: the collective timeout (at most 50 s there): a rank connects its
+    # pairs one after another, so a busy node gets more room than lazy pairs' fifth of it.
+    # Lazy pairs: see _pair_timeout.
     lazy = backend == "gloo" and gathering is not None and gloo_lazy()
     if lazy:
         group_timeout = _pair_timeout(collective_timeout)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
-                                 rank_events, ready_cluster, submit, wait_job)
+                                 rank_events, ready_cluster, submit, wait_job, wait_step)
 from ..recovery.inject import PHASES
 from .common import plot_bars, write_result
 from .recovery import BENCH_ROOT
@@ -32,15 +32,6 @@ def _submit(cluster, run_dir: Path, env: dict[str, str]) -> int:
     return submit(cluster, run_dir, TEMPLATE, TRAIN, nodes=ACTIVE + SPARES,
                   env={"HPCT_ACTIVE_NODES": str(ACTIVE), "HPCT_SPARE_NODES": str(SPARES),
                        **env})
-
-
-def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e["event"] == "rank.step" and e["step"] >= step for e in rank_events(run_dir)):
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"no rank reached step {step} within {timeout:.0f} s ({run_dir})")
 
 
 def survivor_waits(controller: list[dict], ranks: list[dict], lost: set[str]) -> float:
@@ -60,7 +51,7 @@ def survivor_waits(controller: list[dict], ranks: list[dict], lost: set[str]) ->
 
 def one_run(cluster, run_dir: Path, phase: str, reference: dict) -> dict:
     jid = _submit(cluster, run_dir, {"HPCT_FAULT_TAKER_DIES_AT": phase})
-    _wait_for_step(run_dir, 8)
+    wait_step(run_dir, 8)
     t_kill = time.time()
     cluster.kill_node("n2")
     wait_job(cluster, jid, run_dir, 300, label=f"second-fault-{phase}")

@@ -76,8 +76,9 @@ class SnapshotPolicy:
         self.snapshots.on_not_the_step = self._not_the_step
         # the optimizers this rank watches (Job's, each sharded build's) and, for every
         # other optimizer that steps in this process, whether it updates registered state
-        self._watched: set[int] = set()
-        self._updates_state: dict[int, bool] = {}
+        # (weak: an id() could be a later optimizer's once the first is collected)
+        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._updates_state: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._global_hook: Any = None
         self._pushed: SnapshotStore | None = None
         # Copy the parameters and optimizer state of step s while step s+1 computes (off the
@@ -187,7 +188,7 @@ class SnapshotPolicy:
         through torch's global step pre-hook, when it updates registered state (a GAN's
         discriminator passed to Job as extra state): its update must not race the copy."""
         optimizer.register_step_pre_hook(lambda *_: self.before_update())
-        self._watched.add(id(optimizer))
+        self._watched.add(optimizer)
         if self._global_hook is None:
             policy = weakref.ref(self)
 
@@ -200,15 +201,14 @@ class SnapshotPolicy:
                 any_optimizer)
 
     def _before_any_update(self, optimizer: Any) -> None:
-        if id(optimizer) in self._watched:
+        if optimizer in self._watched:
             return  # its own hook runs
-        key = id(optimizer)
-        if key not in self._updates_state:
+        if optimizer not in self._updates_state:
             stable = self.state.stable_ptrs()
-            self._updates_state[key] = any(
+            self._updates_state[optimizer] = any(
                 (p.to_local() if hasattr(p, "to_local") else p).data_ptr() in stable
                 for g in optimizer.param_groups for p in g["params"])
-        if self._updates_state[key]:
+        if self._updates_state[optimizer]:
             self.before_update()
 
     def _not_the_step(self, step: int, detail: str) -> None:

@@ -26,9 +26,13 @@ from hpct_slurm.recovery.loop import StepLoop
 from hpct_slurm.recovery.state import TrainState
 
 REPO = Path(__file__).resolve().parent.parent
-PLAIN = REPO / "hpct_slurm" / "examples" / "torchrun_ddp.py"
-ADOPTED = REPO / "hpct_slurm" / "examples" / "adopted_ddp.py"
+EXAMPLES = REPO / "hpct_slurm" / "examples"
+PLAIN = EXAMPLES / "torchrun_ddp.py"
+ADOPTED = EXAMPLES / "adopted_ddp.py"
 DOC = REPO / "docs" / "adoption.md"
+# (plain script, adopted script): the loop-function form, and the loop inline in main() (31)
+PAIRS = {"loop function": (PLAIN, ADOPTED),
+         "inline": (EXAMPLES / "torchrun_inline.py", EXAMPLES / "adopted_inline.py")}
 
 
 # ---- the diff ----------------------------------------------------------------------------
@@ -41,32 +45,38 @@ def _code(path: Path) -> list[str]:
     return text.splitlines()[doc.end_lineno:]
 
 
-def changed_lines(old: list[str], new: list[str]) -> int:
+def changed_lines(old: list[str], new: list[str], whitespace: bool = False) -> int:
     """Lines touched turning `old` into `new`: a replaced line counts once; blank lines and
-    changes of indentation alone do not count (the way issue 18 counted its 54)."""
-    a = [line.strip() for line in old if line.strip()]
-    b = [line.strip() for line in new if line.strip()]
+    changes of indentation alone do not count (the way issue 18 counted its 54), unless
+    `whitespace` (the way issue 31 counts: a re-indented or blank line is a change too)."""
+    a = [line if whitespace else line.strip() for line in old if whitespace or line.strip()]
+    b = [line if whitespace else line.strip() for line in new if whitespace or line.strip()]
     ops = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
     return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
 
 
-def adoption_diff() -> str:
-    return "\n".join(difflib.unified_diff(_code(PLAIN), _code(ADOPTED), "torchrun_ddp.py",
-                                          "adopted_ddp.py", n=1, lineterm=""))
+def adoption_diff(plain: Path = PLAIN, adopted: Path = ADOPTED) -> str:
+    return "\n".join(difflib.unified_diff(_code(plain), _code(adopted), plain.name,
+                                          adopted.name, n=1, lineterm=""))
 
 
-def test_the_adopted_ddp_script_changes_at_most_10_lines():
-    n = changed_lines(_code(PLAIN), _code(ADOPTED))
-    assert n <= 10, adoption_diff()
+@pytest.mark.parametrize("form", PAIRS)
+def test_the_adopted_ddp_script_changes_at_most_10_lines(form):
+    plain, adopted = PAIRS[form]
+    for whitespace in (False, True):
+        n = changed_lines(_code(plain), _code(adopted), whitespace)
+        assert n <= 10, adoption_diff(plain, adopted)
     # and it is the loop that is kept: every line of the loop body is unchanged
-    body = [ln.strip() for ln in _code(PLAIN)
-            if ln.startswith(" " * 12) and ln.strip()]
-    assert body and all(any(ln.strip() == b for ln in _code(ADOPTED)) for b in body)
+    body = [ln.strip() for ln in _code(plain) if ln.startswith(" " * 12) and ln.strip()]
+    assert body and all(any(ln.strip() == b for ln in _code(adopted)) for b in body)
+    if form == "inline":  # not even re-indented: the loop stays where it was
+        assert all(ln in _code(adopted) for ln in _code(plain) if ln.startswith(" " * 12))
 
 
-def test_adoption_md_shows_exactly_the_diff():
+@pytest.mark.parametrize("form", PAIRS)
+def test_adoption_md_shows_exactly_the_diff(form):
     blocks = re.findall(r"```diff\n(.*?)```", DOC.read_text(), re.S)
-    want = [line.rstrip() for line in adoption_diff().splitlines()]
+    want = [line.rstrip() for line in adoption_diff(*PAIRS[form]).splitlines()]
     assert want in [block.splitlines() for block in blocks], \
         "regenerate the ```diff block in docs/adoption.md: tests/test_adoption.py:adoption_diff()"
 
@@ -378,8 +388,9 @@ def test_every_hpct_name_adoption_md_uses_has_a_docstring():
     for shell, snippet in _snippets(DOC.read_text()):
         for module, names in _IMPORT.findall(snippet):
             mod = importlib.import_module(module)
-            for name in (n.strip() for n in names.split(",") if n.strip()):
-                imported[name] = getattr(mod, name)
+            for name, _, alias in (n.strip().partition(" as ") for n in names.split(",")
+                                   if n.strip()):
+                imported[alias.strip() or name.strip()] = getattr(mod, name.strip())
         kinds.setdefault("job", imported.get("Job") or importlib.import_module(
             "hpct_slurm.recovery").Job)
         for var, rhs in _ASSIGN.findall(snippet):

@@ -1,7 +1,8 @@
 """Rank side of recovery: the in-process restart wrapper (`Job`), the drop-in
-`DistributedSampler` for a script's own loop, snapshots, peer transfer, disk persistence,
-health checks and the coordination client."""
+`DistributedSampler` and `DistributedDataParallel` for a script's own loop, snapshots, peer
+transfer, disk persistence, health checks and the coordination client."""
+from .ddp import DistributedDataParallel
 from .job import Job
 from .loop import DistributedSampler
 
-__all__ = ["DistributedSampler", "Job"]
+__all__ = ["DistributedDataParallel", "DistributedSampler", "Job"]

@@ -62,9 +62,19 @@ class Standing(Protocol):
 
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
                  mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None,
-                 replicate: tuple[str, ...] | None) -> MeshSpec | None:
+                 replicate: tuple[str, ...] | None, late: bool = False) -> MeshSpec | None:
     """A sharded job's mesh (`build=...`), None for plain data parallelism; the arguments of
-    `Job` checked: one or the other, each complete."""
+    `Job` checked: one or the other, each complete. `late`: the inline form (Job.main),
+    where a sharded job gives only the mesh, and registers its model later (job.register)."""
+    if late and model is None and build is None:
+        if mesh_shape is None:
+            return None  # inferred from the model job.register(...) is given (adopt_built)
+        if mesh_dim_names is None:
+            raise HpctError("a sharded Job (mesh_shape=...) needs mesh_dim_names too")
+        if optimizer is not None or lr_scheduler is not None:
+            raise HpctError("a sharded Job made inside Job.main registers its optimizer and "
+                            "scheduler with job.register(model, optimizer, lr_scheduler)")
+        return MeshSpec(tuple(mesh_shape), tuple(mesh_dim_names), tuple(replicate or ()))
     if build is not None:
         if model is not None or optimizer is not None or lr_scheduler is not None:
             raise HpctError("Job takes either build=... (a sharded job) or model and "
@@ -90,19 +100,24 @@ class Generation:
                  model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
                  lr_scheduler: Any, build: Callable[[Any], Any] | None,
                  mesh_spec: MeshSpec | None, replicate: tuple[str, ...] | None,
-                 device_type: str, seed: int, shutdown: Callable[[str], None]):
+                 device_type: str, seed: int, shutdown: Callable[[str], None],
+                 late: bool = False):
         self.settings, self.slurm, self.secret, self.events = settings, slurm, secret, events
         self.state, self.policy, self.standing = state, policy, standing
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.mesh: Any = None
         self.mesh_spec = mesh_spec
         self._build = build
+        # The inline form with its state registered after the group forms (job.register):
+        # a sharded model is built on a mesh the script makes (or job.mesh, with mesh_shape)
+        self.late = late
         self._replicate_given = replicate
         self.device_type = device_type
         self.seed = seed
         self._shutdown = shutdown
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._want_ddp = False
+        self._ddp_options: dict[str, Any] = {}
         self.teardown_bg: Background | None = None  # the broken group's, since the fault
         # The model whose parameters carry the hooks that abandon a doomed step (_abandon)
         self._hooked: torch.nn.Module | None = None
@@ -159,12 +174,19 @@ class Generation:
             client.on_stop = None
         if self._build is not None:
             self.build()
+        elif self.late:
+            # The script makes its mesh's sub-groups itself after Job(...): they must take
+            # the collective timeout too, not torch's default (30 min for gloo).
+            dist.distributed_c10d.default_pg_timeout = datetime.timedelta(
+                seconds=self.settings.collective_timeout_s)
+            if self.mesh_spec is not None:
+                self.make_mesh()
         self.hook_model()
 
     def on_gpu(self) -> bool:
         """Whether this rank trains on a GPU: a sharded job built on "cuda", or a model whose
         parameters are on one."""
-        if self._build is not None:
+        if self._build is not None or self.late:
             return self.device_type == "cuda"
         model = self.model
         return model is not None and any(p.is_cuda for p in model.parameters())
@@ -185,9 +207,20 @@ class Generation:
     def build(self) -> None:
         """A sharded job's mesh, model, optimizer and scheduler for this generation's group,
         built the same way on every rank (the restore then overwrites their state)."""
+        assert self._build is not None
+        self.make_mesh()
+        seed_everything(self.seed)  # the same initial weights on every rank
+        built = self._build(self.mesh)
+        if not isinstance(built, tuple) or len(built) not in (2, 3):
+            raise HpctError("build(mesh) must return (model, optimizer) or "
+                            "(model, optimizer, lr_scheduler)")
+        self.adopt_built(built[0], built[1], built[2] if len(built) == 3 else None)
+
+    def make_mesh(self) -> None:
+        """This generation's DeviceMesh, its sub-groups with the collective timeout."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        assert self.mesh_spec is not None and self._build is not None
+        assert self.mesh_spec is not None
         spec = self.mesh_spec
         if spec.world_size != self.standing.world_size:
             raise HpctError(f"the mesh {spec.shape} needs {spec.world_size} ranks, the job "
@@ -204,13 +237,29 @@ class Generation:
                                          mesh_dim_names=spec.names)
         finally:
             c10d.default_pg_timeout = default
-        seed_everything(self.seed)  # the same initial weights on every rank
-        built = self._build(self.mesh)
-        if not isinstance(built, tuple) or len(built) not in (2, 3):
-            raise HpctError("build(mesh) must return (model, optimizer) or "
-                            "(model, optimizer, lr_scheduler)")
-        self.model, self.optimizer = built[0], built[1]
-        self.lr_scheduler = built[2] if len(built) == 3 else None
+
+    def adopt_built(self, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
+        """A sharded model built on this generation's mesh, its optimizer and scheduler:
+        registered, watched, and its replicate dimensions inferred where not given. In the
+        inline form (`late`) the mesh is the one its DTensor parameters live on; a model
+        without any is plain data parallelism."""
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        if self.late and self.mesh_spec is None:
+            self.mesh = model_mesh(model)
+            if self.mesh is None:  # plain data parallelism, registered late
+                self.state.register(model=model, optimizer=optimizer)
+                self.policy.watch_optimizer(optimizer)
+                if lr_scheduler is not None:
+                    self.state.register(lr_scheduler=lr_scheduler)
+                self.policy.set_mode(self.policy.data_parallel_mode())
+                self.hook_model(force=True)
+                return
+            self.mesh_spec = MeshSpec(tuple(self.mesh.shape),
+                                      tuple(self.mesh.mesh_dim_names or ()),
+                                      tuple(self._replicate_given or ()))
+            self.policy.set_mode(self.policy.sharded_mode(self.mesh_spec))
+        spec = self.mesh_spec
+        assert spec is not None
         self.state.register(model=self.model, optimizer=self.optimizer)
         self.policy.watch_optimizer(self.optimizer)
         if self.lr_scheduler is not None:
@@ -227,28 +276,45 @@ class Generation:
     def release(self) -> None:
         """Drop this generation's sharded model and mesh: they hold the broken group, which
         must go before a new one forms; the restore comes from the snapshots' bytes."""
-        if self._build is None:
+        if self._build is None and not self.late:
             return
         self.state.unregister("model", "optimizer", "lr_scheduler")
         self.model = self.optimizer = self.lr_scheduler = self.mesh = None
         self.state.mesh = None
 
+    def forget_model(self) -> None:
+        """Drop the model, optimizer and scheduler given (the inline form's main() builds
+        new ones when it runs again), and what is bound to them (DDP, the abandon hooks)."""
+        self.release()
+        self.model = self.optimizer = self.lr_scheduler = None
+        self._ddp = self._hooked = None
+
+    def rebuild_with(self, build: Callable[[Any], Any]) -> None:
+        """The build function of main()'s new run (it may close over that run's objects)."""
+        if self._build is None:
+            raise HpctError("main() passed build= to Job only when it ran again")
+        self._build = build
+
     # ---- DDP and gradients ----------------------------------------------------------------
-    def ddp(self) -> "torch.nn.parallel.DistributedDataParallel":
+    def ddp(self, **options: Any) -> "torch.nn.parallel.DistributedDataParallel":
         """The model in DDP for this generation (job.ddp), made at the first call; from then
-        on made again at every formation (`renew_ddp`)."""
+        on made again at every formation (`renew_ddp`). `options`: torch DDP's keyword
+        arguments (device_ids, find_unused_parameters, ...), given by the drop-in
+        `DistributedDataParallel` (ddp.py)."""
         self._want_ddp = True
+        if options:
+            self._ddp_options = options
         if self._ddp is None:
             if not dist.is_initialized():
                 raise HpctError("job.ddp is only available inside job.run(...)")
-            self._ddp = _fixed_order_ddp(self.model, self.standing.client)
+            self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options)
         return self._ddp
 
     def renew_ddp(self) -> None:
         """After a formation and its restore: a script that uses job.ddp gets a DDP module
         bound to the new group (one is bound to its process group)."""
-        if self._want_ddp:
-            self._ddp = _fixed_order_ddp(self.model, self.standing.client)
+        if self._want_ddp and self.model is not None:
+            self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options)
 
     def allreduce_gradients(self) -> None:
         with _collective(self.standing.client):
@@ -268,14 +334,15 @@ class Generation:
                 c.stop_generation >= self.standing.generation:
             raise _Stopped(c.stop_reason)
 
-    def hook_model(self) -> None:
+    def hook_model(self, force: bool = False) -> None:
         """Where _abandon is checked: before each module's forward, and as each trainable
         parameter's gradient is computed (a module backward hook would wrap the outputs and
         break in-place ops after them). Once per model; not for a model built per generation
         (a sharded job's modules carry FSDP's own hooks: left as they are, such a survivor
         leaves the step at its collective as before)."""
         model = self.model
-        if model is None or model is self._hooked or self._build is not None:
+        if model is None or model is self._hooked or self._build is not None or \
+                (self.late and not force):
             return
         for m in model.modules():
             m.register_forward_pre_hook(self._abandon_in_forward)
@@ -345,6 +412,16 @@ class Generation:
         os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
 
 
+def model_mesh(model: Any) -> Any:
+    """The DeviceMesh a model's DTensor parameters live on (its root mesh), None if none."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            root = getattr(mesh, "_get_root_mesh", None)
+            return root() if root is not None else mesh
+    return None
+
+
 class _collective:
     """Marks the rank's heartbeat state "collective" while it waits on its peers: a rank stuck
     there is waiting for someone else, so the controller's no-progress check blames only
@@ -372,8 +449,9 @@ def _per_parameter_allreduce(client, bucket):  # DDP checks hook annotations: le
     return fut
 
 
-def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient
+def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient,
+                     options: dict[str, Any] | None = None
                      ) -> "torch.nn.parallel.DistributedDataParallel":
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **(options or {}))
     ddp.register_comm_hook(client, _per_parameter_allreduce)
     return ddp

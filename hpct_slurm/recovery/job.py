@@ -68,6 +68,7 @@ from .striped import Prefetch
 from .transfer import TransferServer
 
 T = TypeVar("T")
+_SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes positionally
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
 
 
@@ -83,7 +84,24 @@ class Job:
     `lr_scheduler` (those given, or for a sharded job those `build(mesh)` returned for this
     generation: use them in the step, not ones kept from an earlier generation) and `mesh`
     (a sharded job's DeviceMesh of this generation).
+
+    The inline form (a script whose loop sits in `main()` itself): `Job.main(main)` runs the
+    script's `main`; a `Job(...)` made inside it takes its rank at once (warm spares wait
+    there), and after a fault `main` runs again from its top. Its `Job(...)` is then this same
+    object, the state just built registered in place of the last run's and restored, so the
+    loop's `job.epochs`/`job.steps` continue right after the restored step (see `main`).
     """
+
+    # The Job that `Job.main` runs the script's main around (one per process), and whether
+    # Job.main is running now: a Job made then is the inline form's.
+    _main: "Job | None" = None
+    _in_main = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Job":
+        current = Job._main
+        if current is not None and current._rerun:
+            return current  # main() running again after a fault: __init__ rebinds its state
+        return super().__new__(cls)
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
@@ -120,6 +138,10 @@ class Job:
         `relay` build the transfer server, the controller connection, the disk persisters
         and a node's relay (the real classes unless a test passes fakes); nothing binds a
         socket or talks to the controller before `run` (`_start`)."""
+        if self.__dict__.get("_rerun"):
+            self._rebind(model, optimizer, lr_scheduler, extra_state, seed, build)
+            self._enter_inline()
+            return
         env = os.environ if environ is None else environ
         self.settings = s = settings if settings is not None else JobSettings.from_environ(env)
         self.slurm = slurm if slurm is not None else SlurmEnv.from_environ(env)
@@ -137,7 +159,7 @@ class Job:
         # warm spares make a normal formation take well under a second.
         self.init_timeout_s = s.init_timeout_s
         mesh_spec = sharded_spec(model, optimizer, lr_scheduler, build, mesh_shape,
-                                 mesh_dim_names, replicate)
+                                 mesh_dim_names, replicate, late=Job._in_main)
         self.state = TrainState(**extra_state)
         if model is not None:
             self.state.register(model=model, optimizer=optimizer)
@@ -174,7 +196,8 @@ class Job:
             s, self.slurm, self.secret, self.events, self.state, self._policy, self,
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, build=build,
             mesh_spec=mesh_spec, replicate=replicate, device_type=device_type, seed=seed,
-            shutdown=self._shutdown)
+            shutdown=self._shutdown,
+            late=Job._in_main and model is None and build is None)
         if optimizer is not None:
             self._policy.watch_optimizer(optimizer)
         self._restorer = Restorer(self.state, self._policy, self._group, self,
@@ -201,6 +224,21 @@ class Job:
         self.client: CoordinationClient = None  # type: ignore[assignment]
         self.relay: NodeRelay | None = None  # the node's relay, in its first local rank
         self._started = False
+        self._trained = False
+        # The inline form (Job.main): the rank is taken here, not in run()
+        self._inline = Job._in_main
+        self._rerun = False                      # main() is to run again (a fault, a recovery)
+        self._next: P.Assign | None = None       # an assignment received before that run
+        # what the script registers (each run of main() registers the same names anew)
+        self._own_names = (*_SHARED_NAMES, *extra_state)
+        self._registered = {n: self.state.get(n) is not None for n in self._own_names}
+        self._formed: tuple | None = None  # a formation whose restore waits for register()
+        self._registered_once = False  # job.register was called in an earlier run of main()
+        if self._inline:
+            if Job._main is not None:
+                raise HpctError("Job.main runs one Job per process; this main() made a second")
+            Job._main = self
+            self._enter_inline()
 
     def _start(self) -> None:
         """Bind the transfer server, connect to the controller and register with it: from
@@ -377,17 +415,16 @@ class Job:
             def train(start: int) -> int:
                 self._train(step_fn, start, total)
                 return total - 1
+        if self._inline:
+            raise HpctError("Job.run is not for a Job made inside Job.main: there the script's "
+                            "own loop runs (job.epochs, job.steps)")
         self._start()
-        trained = False
         while True:
             msg = self.client.next_assignment()
             if isinstance(msg, P.Goodbye):
-                # A spare that never trained holds nothing the job needs: it just leaves.
-                if msg.reason == LOST and trained and self._controller_loss.gone():
-                    self._controller_loss.requeue()
-                self._shutdown(msg.reason)
-                return trained and msg.reason == "done"
-            trained = True
+                self._goodbye(msg)
+                return self._trained and msg.reason == "done"
+            self._trained = True
             failure = None
             try:
                 self._adopt(msg)
@@ -396,18 +433,158 @@ class Job:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 where = _where(exc)
             if failure is None:
-                self.snapshots.drop_pending()
-                self._policy.settle(follow_ups=True)
-                self.events.emit(Ev.RANK_FINISHED, rank=self.rank, step=last)
-                self.client.state = "done"  # report first: tearing down is local work
-                self.client.heartbeat_now()
-                try:
-                    self._group.teardown()
-                except _TeardownHung as exc:  # training is done: only worth a record
-                    self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.rank, error=str(exc))
+                self._done(last)
                 continue  # the controller says goodbye once every rank is done
             # Outside the except block from here on: the failed group can now really close.
             self._recover(failure, where)
+
+    def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any = None) -> None:
+        """The inline form of a sharded job: `Job(seed=...)` inside Job.main takes the rank
+        and forms the group where the script formed its own; the script makes its mesh and
+        builds its model on it (fully_shard) as before (or on `job.mesh`, given mesh_shape=
+        and mesh_dim_names=), with its optimizer and scheduler, and registers them here,
+        which restores their state (after a fault: the restored step's). The mesh and the
+        replicated dimensions are read from the parameters (DTensors); a model without
+        any is plain data parallelism."""
+        if not self._group.late or self._formed is None:
+            raise HpctError("job.register(model, optimizer[, lr_scheduler]) is for a Job "
+                            "made inside Job.main without a model, once per run of main(), "
+                            "after Job(...)")
+        given = {"model": True, "optimizer": True, "lr_scheduler": lr_scheduler is not None}
+        if self._registered_once and given != {n: self._registered[n] for n in _SHARED_NAMES}:
+            raise HpctError("main() registered other state when it ran again after a fault: "
+                            "it must register the same objects each run")
+        self._registered.update(given)
+        self._registered_once = True
+        self._group.adopt_built(model, optimizer, lr_scheduler)
+        formed, self._formed = self._formed, None
+        self._restore_adopted(*formed)
+        self.loop.enter(formed[0].restore_step)
+        self.client.state = "running"
+
+    # ---- the inline form: the script's main() around its own loop -----------------------
+    @staticmethod
+    def main(fn: Callable[[], T]) -> T | None:
+        """Run the script's `main()`, whose loop sits inline (over `job.epochs(n)` and
+        `job.steps(loader)`), and run it again after every fault: `Job.main(main)` in place
+        of `main()`. What main() returns is returned (None where this process left without
+        finishing: a spare that was never needed leaves from its `Job(...)` with exit 0).
+
+        The `Job(...)` main() makes takes this process's rank at once: a warm spare waits
+        there until it replaces a lost rank, and every process forms the group there. After
+        a fault the survivors run main() again from its top: what it builds before `Job(...)`
+        (the model, optimizer, data) is built again, `Job(...)` is this same Job, the new
+        objects are registered in place of the last run's, the group re-forms and the state
+        is restored into them; the loop then continues right after the restored step. So
+        keep what main() does before `Job(...)` cheap and free of collectives: it runs again
+        on every survivor in every recovery (`job.run(train)` re-enters a loop function
+        instead, and keeps the objects: no rebuild). Code after the loop runs once the last
+        step is done, with the group still formed (a final hash, a save); it runs again if a
+        fault comes before every rank is done."""
+        if Job._in_main:
+            raise HpctError("Job.main is already running: call it once, around the script's main")
+        Job._in_main = True
+        try:
+            while True:
+                failure = where = ""
+                try:
+                    result = fn()
+                except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
+                    job = Job._main
+                    if job is None or job.rank < 0:
+                        raise  # no rank held yet: nothing to recover, the error is the script's
+                    failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    where = _where(exc)
+                job = Job._main
+                if not failure:
+                    if job is None or not job._finish_inline():
+                        return result
+                    continue  # a recovery after this rank finished: main() runs again
+                # Outside the except block: the traceback (and the failed group) is gone.
+                assert job is not None
+                job._recover(failure, where)
+                job._release()
+        except _Left:
+            return None  # left from Job(...): a spare never needed, or the job ended
+        finally:
+            Job._in_main = False
+            Job._main = None
+
+    def _enter_inline(self) -> None:
+        """Job(...) inside Job.main: register with the controller (once), wait for this
+        process's next assignment, form the group and restore (or leave: SystemExit(0))."""
+        self._start()
+        msg, self._next = self._next or self.client.next_assignment(), None
+        if isinstance(msg, P.Goodbye):
+            self._goodbye(msg)
+            raise _Left(0)
+        self._trained = True
+        self._adopt(msg)
+        if self._formed is None:  # else job.register(...) restores (a sharded job)
+            self.loop.enter(msg.restore_step)
+            self.client.state = "running"
+
+    def _goodbye(self, msg: P.Goodbye) -> None:
+        # A spare that never trained holds nothing the job needs: it just leaves.
+        if msg.reason == LOST and self._trained and self._controller_loss.gone():
+            self._controller_loss.requeue()
+        self._shutdown(msg.reason)
+
+    def _finish_inline(self) -> bool:
+        """main() returned: this rank is done. True when main() must run again: the
+        controller started another generation (a rank lost before every rank was done)."""
+        self.loop.finish()  # the last step, if the loop left without asking for more
+        self._done(self.loop.step - 1)
+        msg = self.client.next_assignment()
+        if isinstance(msg, P.Goodbye):
+            self._goodbye(msg)
+            return False
+        self._next = msg
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        """Let go of what this run of main() registered (the snapshots hold its state):
+        main() runs again and builds its objects anew, and `Job(...)` rebinds them."""
+        self.state.unregister(*self._own_names)
+        self._group.forget_model()
+        self._rerun = True
+
+    def _rebind(self, model: Any, optimizer: Any, lr_scheduler: Any, extra: dict[str, Any],
+                seed: int, build: Callable[[Any], Any] | None) -> None:
+        """main()'s next run registers its new objects in place of the last run's."""
+        self._rerun = False
+        given = {"model": model is not None, "optimizer": optimizer is not None,
+                 "lr_scheduler": lr_scheduler is not None, **{n: True for n in extra}}
+        if self._group.late:  # its model comes with job.register, which checks it
+            given.update({n: v for n, v in self._registered.items() if n in _SHARED_NAMES})
+        if seed != self.seed or {n for n, v in given.items() if v} != \
+                {n for n, v in self._registered.items() if v}:
+            raise HpctError("main() made its Job with other state or another seed when it ran "
+                            "again after a fault: it must register the same objects each run")
+        self.state.register(**extra)
+        if model is not None:
+            self.state.register(model=model, optimizer=optimizer)
+            self._policy.watch_optimizer(optimizer)
+        if lr_scheduler is not None:
+            self.state.register(lr_scheduler=lr_scheduler)
+        self._group.model, self._group.optimizer = model, optimizer
+        self._group.lr_scheduler = lr_scheduler
+        if build is not None:
+            self._group.rebuild_with(build)
+
+    def _done(self, last: int) -> None:
+        """This rank trained to the end: its last snapshot settled, the controller told."""
+        self.snapshots.drop_pending()
+        self._policy.settle(follow_ups=True)
+        self.events.emit(Ev.RANK_FINISHED, rank=self.rank, step=last)
+        self.client.state = "done"  # report first: tearing down is local work
+        self.client.heartbeat_now()
+        try:
+            self._group.teardown()
+        except _TeardownHung as exc:  # training is done: only worth a record
+            self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.rank, error=str(exc))
 
     def _run_loop(self, train: Callable[[], Any], start: int) -> int:
         """The script's loop function, continuing at step `start`; the last step it ran."""
@@ -529,7 +706,17 @@ class Job:
             self._fault.at("pull", a.rank)
         self._group.form(a, self._fault)
         self._updating = False
-        t_formed = time.time()
+        if self._group.late:
+            # the inline sharded form: the script builds its model on job.mesh, and
+            # job.register(...) restores it (_restore_adopted)
+            self._formed = (a, prefetch, held_state, t0, time.time())
+            return
+        self._restore_adopted(a, prefetch, held_state, t0, time.time())
+
+    def _restore_adopted(self, a: P.Assign, prefetch: Prefetch | None, held_state: bool,
+                         t0: float, t_formed: float) -> None:
+        """The second half of an adoption, once the group formed and the state is
+        registered: the restore, and what this rank holds and serves from then on."""
         source = "creation"
         if a.restore_step >= 0 or a.generation > 0:
             # Every recovery restores, a fault during step 0 included (to the state at
@@ -583,6 +770,12 @@ class Job:
 
     def _before_update(self) -> None:
         self._policy.before_update()
+
+
+class _Left(SystemExit):
+    """This process leaves from its Job(...) inside Job.main (a spare that was never needed,
+    a job that ended or escalated while it waited): Job.main returns None, and a script
+    that calls its main() without Job.main exits 0 here."""
 
 
 def _where(exc: BaseException, frames: int = 4) -> str:

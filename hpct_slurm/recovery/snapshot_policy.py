@@ -105,6 +105,11 @@ class SnapshotPolicy:
     def sharded_mode(self, spec: MeshSpec) -> str:
         return sharded_mode(self.state, self._mode_given, spec)
 
+    def data_parallel_mode(self) -> str:
+        """The mode of plain data parallelism for the state registered now (the inline
+        form registers it only after the group formed: job.register)."""
+        return first_mode(self.state, self._mode_given, None)
+
     def set_mode(self, mode: str) -> None:
         self.mode = mode
         self.snapshots.scopes = ("shared",) if mode == "jit" else ("shared", "rank")

@@ -1,0 +1,51 @@
+"""A drop-in for torch's DistributedDataParallel, for a script whose loop sits in main().
+
+    from hpct_slurm.recovery import DistributedDataParallel as DDP
+    ddp = DDP(model)                      # where the script made torch's; no group needed yet
+
+torch's DDP needs a process group when it is made, and is bound to that group for good; under
+hpct-slurm the group forms in `Job(...)` (later in main()) and is formed again after every
+fault. This module stands where the script keeps its DDP: each forward runs the DDP of the
+current generation, which `Job` makes for the registered model with a comm hook that reduces
+each parameter's gradient on its own, in a fixed order (generation.py: DDP's rebuilt buckets
+would make a recovered run drift from an uninterrupted one). Its parameters, `module`,
+`train()`/`eval()` and `state_dict()` (keys prefixed `module.`) are those of torch's DDP.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import HpctError
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """`DistributedDataParallel(model, **torch_ddp_options)`: see the module docstring."""
+
+    def __init__(self, module: torch.nn.Module, **options: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._options = options
+
+    def _current(self) -> "torch.nn.parallel.DistributedDataParallel":
+        from .job import Job  # job.py imports this package's modules: not at import time
+
+        job = Job._main
+        if job is None or job.rank < 0:
+            raise HpctError("hpct_slurm.recovery.DistributedDataParallel runs inside "
+                            "Job.main(main), after the script's Job(...) took a rank")
+        if job.model is not self.module:
+            raise HpctError("DistributedDataParallel wraps a model that is not the one "
+                            "registered with Job(...): register the model it wraps")
+        return job._group.ddp(**self._options)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._current()(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As torch's: gradients accumulate locally until a forward and backward outside it."""
+        with self._current().no_sync():
+            yield

@@ -1,0 +1,80 @@
+"""The inline form's seams (issue 31): `Job.main(main)` around a script whose loop sits in
+main(), with fake collaborators (no controller, no sockets). Its path through real faults runs
+in tests/test_adoption_cluster.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpct_slurm.errors import HpctError
+from hpct_slurm.recovery import DistributedDataParallel, Job
+from hpct_slurm.slurm.env import SlurmEnv
+
+from test_job_seams import TASK, FakeClient, FakeTransfer, settings  # noqa: F401 - a fixture
+
+
+def _fakes(made: dict) -> dict:
+    def transfer(*a, **k):
+        made["transfer"] = FakeTransfer(*a, **k)
+        return made["transfer"]
+
+    def client(*a, **k):
+        made["client"] = FakeClient(*a, **k)
+        return made["client"]
+
+    return {"transfer": transfer, "client": client}
+
+
+def test_a_spare_never_needed_leaves_from_its_job_and_main_returns_none(settings):  # noqa: F811
+    made: dict = {}
+    after: list[str] = []
+
+    def main() -> str:
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        Job(model, opt, settings=settings, slurm=SlurmEnv.from_environ(TASK), **_fakes(made))
+        after.append("the loop ran")  # a spare told goodbye never gets here
+        return "trained"
+
+    assert Job.main(main) is None
+    assert after == [] and made["client"].closed == "done" and made["transfer"].closed
+    assert Job._main is None and not Job._in_main  # the next Job.main starts clean
+    events = [json.loads(line) for f in (settings.run_dir / "events").iterdir()
+              for line in f.read_text().splitlines()]
+    assert [e["reason"] for e in events if e["event"] == "rank.exit"] == ["done"]
+
+
+def test_main_without_a_job_runs_once_and_its_errors_are_its_own():
+    calls: list[int] = []
+
+    def main() -> int:
+        calls.append(1)
+        return 7
+
+    assert Job.main(main) == 7 and calls == [1]
+
+    def broken() -> None:
+        raise RuntimeError("a bug before any rank was held")
+
+    with pytest.raises(RuntimeError, match="a bug before any rank"):
+        Job.main(broken)  # no rank: nothing to recover, not run again
+    assert Job._main is None and not Job._in_main
+
+
+def test_job_main_runs_once_per_process():
+    with pytest.raises(HpctError, match="Job.main is already running"):
+        Job.main(lambda: Job.main(lambda: None))
+    assert not Job._in_main
+
+
+def test_the_drop_in_ddp_needs_the_jobs_rank_and_its_model():
+    model = torch.nn.Linear(2, 2)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    # torch DDP's surface that needs no group: the module, its parameters, its state_dict keys
+    assert ddp.module is model and list(ddp.parameters()) == list(model.parameters())
+    assert set(ddp.state_dict()) == {"module.weight", "module.bias"}
+    with pytest.raises(HpctError, match=r"runs inside Job.main\(main\), after the script's "
+                                        r"Job\(...\) took a rank"):
+        ddp(torch.zeros(1, 2))

@@ -137,7 +137,11 @@ def test_neighbouring_nodes_lost_together_fall_back_to_disk_honestly(cluster, re
     _assert_clean_end(cluster, jid, tmp_path)
 
 
-@pytest.mark.parametrize("phase", ["assigned", "connect", "pull", "first_step"])
+# The suite runs the two phases the flaky test of issue 30 hit (right after the assignment;
+# during the newcomer's pull); `hpct-slurm bench second_fault` sweeps every phase of
+# config.TAKER_PHASES (store, connect and first_step too: connect alone costs the survivors
+# their pair-connect timeout, ~50 s, which the suite's 20-minute budget cannot carry).
+@pytest.mark.parametrize("phase", ["assigned", "pull"])
 def test_the_taker_dies_in_each_phase_of_its_adoption(cluster, reference, tmp_path, phase):
     """Issues 19.3 and 30.1: n2 crashes; the spare that takes its position dies inside a named
     phase of its adoption (inject.py: no race for the window, as the test that once failed CI

@@ -87,6 +87,7 @@ class Ev(_Name):
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"
     RANK_MESH_INFERRED = "rank.mesh_inferred"
+    RANK_MAIN_AGAIN = "rank.main_again"
     RANK_ADOPTED = "rank.adopted"
     RANK_STEP = "rank.step"
     RANK_FAULT = "rank.fault"

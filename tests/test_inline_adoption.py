@@ -78,3 +78,24 @@ def test_the_drop_in_ddp_needs_the_jobs_rank_and_its_model():
     with pytest.raises(HpctError, match=r"runs inside Job.main\(main\), after the script's "
                                         r"Job\(...\) took a rank"):
         ddp(torch.zeros(1, 2))
+
+
+def test_a_mesh_shape_may_leave_one_dimension_to_the_world_size():
+    from hpct_slurm.recovery.generation import resolve_shape, sharded_spec
+
+    assert resolve_shape((2, -1), 8) == (2, 4) and resolve_shape((-1,), 4) == (4,)
+    assert resolve_shape((2, 2), None) == (2, 2)  # nothing to resolve, nothing needed
+    with pytest.raises(HpctError, match=r"needs the job's world size for its -1, and "
+                                        r"\$HPCT_WORLD_SIZE is not set"):
+        resolve_shape((2, -1), None)
+    with pytest.raises(HpctError, match=r"the world size 6 is not a multiple of 4"):
+        resolve_shape((4, -1), 6)
+    with pytest.raises(HpctError, match="may stand once"):
+        resolve_shape((-1, -1), 4)
+    spec = sharded_spec(None, None, None, lambda mesh: None, (2, -1), ("replicate", "shard"),
+                        None, world_size=6)
+    assert spec is not None and spec.shape == (2, 3)
+    # inside Job.main a Job without a model registers it later, and makes no mesh itself
+    assert sharded_spec(None, None, None, None, None, None, None, late=True) is None
+    with pytest.raises(HpctError, match="the script makes its mesh after Job"):
+        sharded_spec(None, None, None, None, (2, 2), ("a", "b"), None, late=True)

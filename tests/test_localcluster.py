@@ -40,7 +40,15 @@ def test_kill_node_is_seen_by_slurm_and_revive_brings_it_back(cluster):
     assert cluster.node_pids(victim) == []
     states = cluster.wait_nodes({"idle*", "down*", "unknown*"}, nodes=[victim], timeout=60)
     assert states[victim].endswith("*")  # not responding
-    cluster.revive_node(victim)
+    assert cluster.revive_node(victim) is True  # a slurmd booted
+    assert cluster.wait_nodes(nodes=[victim], timeout=60)[victim] == "idle"
+    # A node Slurm holds DOWN (as the controller leaves a fenced one) while its slurmd runs:
+    # revive-node --resume brings it back instead of refusing (issue 31)
+    cluster.client().update_node(victim, "DOWN", reason="test: fenced")
+    assert cluster.wait_nodes({"down"}, nodes=[victim], timeout=60)[victim] == "down"
+    with pytest.raises(HpctError, match="or --resume it in Slurm"):
+        cluster.revive_node(victim)
+    assert cluster.revive_node(victim, resume=True) is False  # only resumed
     assert cluster.wait_nodes(nodes=[victim], timeout=60)[victim] == "idle"
 
 

@@ -22,9 +22,9 @@ from hpct_slurm.examples.train import DataPosition, write_result
 from hpct_slurm.recovery import Job  # hpct
 
 SEED = 11
-MESHES = {  # world of 4 ranks, one per node of the local cluster
-    "fsdp": ((4,), ("shard",)),
-    "hsdp": ((2, 2), ("replicate", "shard")),
+MESHES = {  # -1: the rest of the job's world (4 ranks on the local cluster)
+    "fsdp": ((-1,), ("shard",)),
+    "hsdp": ((2, -1), ("replicate", "shard")),
 }
 
 

@@ -69,8 +69,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"node": args.node, "killed_pids": pids}))
         return 0
     if action == "revive-node":
-        cluster.revive_node(args.node, resume=args.resume)
-        print(json.dumps({"node": args.node, "revived": True}))
+        booted = cluster.revive_node(args.node, resume=args.resume)
+        out = {"node": args.node, "revived": booted, "resumed": args.resume}
+        if not args.resume:
+            out["note"] = (f"Slurm keeps {args.node} DOWN until it is resumed: "
+                           f"hpct-slurm localcluster revive-node {args.node} --resume")
+        print(json.dumps(out))
         return 0
     if action == "cut-link":
         cluster.cut_link(args.node, up=args.restore)
@@ -95,8 +99,13 @@ def _print_status(status: dict, as_json: bool) -> int:
     if not status.get("nodes"):
         print(f"no cluster under {status['root']}")
         return 1
+    # In netns mode slurmctld listens inside its own network namespace: SLURM_CONF alone
+    # reaches some other address from here (squeue: "Insane message length"), so say how.
+    how = (f"Slurm commands: hpct-slurm localcluster exec -- squeue (SLURM_CONF="
+           f"{status['slurm_conf']}, inside the cluster's network namespace)"
+           if status["mode"] == "netns" else f"SLURM_CONF={status['slurm_conf']}")
     print(f"cluster {status['cluster']} ({status['mode']}) under {status['root']}: "
-          f"{'up' if status['up'] else 'DEGRADED'}  SLURM_CONF={status['slurm_conf']}")
+          f"{'up' if status['up'] else 'DEGRADED'}  {how}")
     for n in status["nodes"]:
         print(f"  {n['name']:6} {n['addr']:15} {n['state']:10} "
               f"slurmd={'alive' if n['slurmd_alive'] else 'dead'}")

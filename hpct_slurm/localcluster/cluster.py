@@ -316,17 +316,24 @@ class LocalCluster:
         _kill_pids(pids)
         return pids
 
-    def revive_node(self, node: str, resume: bool = False) -> None:
-        """Boot the node again (fresh namespaces, new slurmd); optionally resume it."""
+    def revive_node(self, node: str, resume: bool = False) -> bool:
+        """Boot the node again (fresh namespaces, new slurmd); optionally resume it in Slurm,
+        which keeps a node it marked DOWN so until then. A node already running is only
+        resumed (`resume`): True when a slurmd was booted."""
         st = self._require_state()
         self._check_node(node)
+        booted = False
         if _alive(st.slurmd_pids.get(node, 0)):
-            raise HpctError(f"node {node} is running (slurmd pid {st.slurmd_pids[node]}); "
-                            f"kill-node it first")
-        self._start_slurmd(st, node)
+            if not resume:
+                raise HpctError(f"node {node} is running (slurmd pid {st.slurmd_pids[node]}); "
+                                f"kill-node it first, or --resume it in Slurm")
+        else:
+            self._start_slurmd(st, node)
+            booted = True
         if resume:
             with contextlib.suppress(SlurmCommandError):
                 self.client().update_node(node, "RESUME")
+        return booted
 
     def cut_link(self, node: str, up: bool = False) -> None:
         """Take a node's network link down (a partition), or back up."""

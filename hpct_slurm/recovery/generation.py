@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import faulthandler
 import gc
+import math
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -62,29 +63,47 @@ class Standing(Protocol):
 
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
                  mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None,
-                 replicate: tuple[str, ...] | None, late: bool = False) -> MeshSpec | None:
+                 replicate: tuple[str, ...] | None, late: bool = False,
+                 world_size: int | None = None) -> MeshSpec | None:
     """A sharded job's mesh (`build=...`), None for plain data parallelism; the arguments of
     `Job` checked: one or the other, each complete. `late`: the inline form (Job.main),
     where a sharded job gives only the mesh, and registers its model later (job.register)."""
     if late and model is None and build is None:
-        if mesh_shape is None:
-            return None  # inferred from the model job.register(...) is given (adopt_built)
-        if mesh_dim_names is None:
-            raise HpctError("a sharded Job (mesh_shape=...) needs mesh_dim_names too")
-        if optimizer is not None or lr_scheduler is not None:
-            raise HpctError("a sharded Job made inside Job.main registers its optimizer and "
-                            "scheduler with job.register(model, optimizer, lr_scheduler)")
-        return MeshSpec(tuple(mesh_shape), tuple(mesh_dim_names), tuple(replicate or ()))
+        if mesh_shape is not None or optimizer is not None or lr_scheduler is not None:
+            raise HpctError("a Job made inside Job.main without a model takes no mesh_shape, "
+                            "optimizer or scheduler: the script makes its mesh after Job(...) "
+                            "and registers what it built with job.register(model, optimizer, "
+                            "lr_scheduler)")
+        return None  # read from the model job.register(...) is given (adopt_built)
     if build is not None:
         if model is not None or optimizer is not None or lr_scheduler is not None:
             raise HpctError("Job takes either build=... (a sharded job) or model and "
                             "optimizer, not both")
         if mesh_shape is None or mesh_dim_names is None:
             raise HpctError("a sharded Job (build=...) needs mesh_shape and mesh_dim_names")
-        return MeshSpec(tuple(mesh_shape), tuple(mesh_dim_names), tuple(replicate or ()))
+        return MeshSpec(resolve_shape(tuple(mesh_shape), world_size), tuple(mesh_dim_names),
+                        tuple(replicate or ()))
     if model is None or optimizer is None:
         raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
     return None
+
+
+def resolve_shape(shape: tuple[int, ...], world_size: int | None) -> tuple[int, ...]:
+    """A mesh shape with one -1 ("the rest"): the job's world size (the controller exports it
+    to every process, warm spares included) divided by the other dimensions. A script then
+    needs no group, and no hard-coded world, to say its mesh: (2, -1) is HSDP's 2 replicas."""
+    if -1 not in shape:
+        return shape
+    if shape.count(-1) > 1:
+        raise HpctError(f"mesh_shape {shape}: -1 (the rest of the world) may stand once")
+    if world_size is None:
+        raise HpctError(f"mesh_shape {shape} needs the job's world size for its -1, and "
+                        f"$HPCT_WORLD_SIZE is not set (`hpct-slurm controller` sets it)")
+    rest = math.prod(s for s in shape if s != -1)
+    if rest < 1 or world_size % rest:
+        raise HpctError(f"mesh_shape {shape}: the world size {world_size} is not a multiple "
+                        f"of {rest}")
+    return tuple(world_size // rest if s == -1 else s for s in shape)
 
 
 class Generation:
@@ -109,9 +128,9 @@ class Generation:
         self.mesh_spec = mesh_spec
         self._build = build
         # The inline form with its state registered after the group forms (job.register):
-        # a sharded model is built on a mesh the script makes (or job.mesh, with mesh_shape)
+        # a sharded model built on a mesh the script makes
         self.late = late
-        self._replicate_given = replicate
+        self.replicate_given = replicate  # None: read from the first model's placements
         self.device_type = device_type
         self.seed = seed
         self._shutdown = shutdown
@@ -179,8 +198,6 @@ class Generation:
             # the collective timeout too, not torch's default (30 min for gloo).
             dist.distributed_c10d.default_pg_timeout = datetime.timedelta(
                 seconds=self.settings.collective_timeout_s)
-            if self.mesh_spec is not None:
-                self.make_mesh()
         self.hook_model()
 
     def on_gpu(self) -> bool:
@@ -244,7 +261,10 @@ class Generation:
         inline form (`late`) the mesh is the one its DTensor parameters live on; a model
         without any is plain data parallelism."""
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        if self.late and self.mesh_spec is None:
+        if self.late:
+            # the mesh of this run of main(), read afresh: the last run's is gone (a mesh
+            # made here as well would advance torch's group numbering past the names a
+            # fresh replacement uses for the script's own: measured, one more round)
             self.mesh = model_mesh(model)
             if self.mesh is None:  # plain data parallelism, registered late
                 self.state.register(model=model, optimizer=optimizer)
@@ -256,7 +276,7 @@ class Generation:
                 return
             self.mesh_spec = MeshSpec(tuple(self.mesh.shape),
                                       tuple(self.mesh.mesh_dim_names or ()),
-                                      tuple(self._replicate_given or ()))
+                                      tuple(self.replicate_given or ()))
             self.policy.set_mode(self.policy.sharded_mode(self.mesh_spec))
         spec = self.mesh_spec
         assert spec is not None
@@ -264,7 +284,7 @@ class Generation:
         self.policy.watch_optimizer(self.optimizer)
         if self.lr_scheduler is not None:
             self.state.register(lr_scheduler=self.lr_scheduler)
-        if self._replicate_given is None:
+        if self.replicate_given is None:
             inferred = infer_replicate(spec.names, self.model.parameters())
             if inferred != spec.replicate:
                 self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol as P
+from .. import config as C
 from ..config import JobSettings
 from ..errors import HpctError
 from ..events import Ev, EventLog
@@ -159,7 +160,8 @@ class Job:
         # warm spares make a normal formation take well under a second.
         self.init_timeout_s = s.init_timeout_s
         mesh_spec = sharded_spec(model, optimizer, lr_scheduler, build, mesh_shape,
-                                 mesh_dim_names, replicate, late=Job._in_main)
+                                 mesh_dim_names, replicate, late=Job._in_main,
+                                 world_size=C.read(env, C.WORLD_SIZE))
         self.state = TrainState(**extra_state)
         if model is not None:
             self.state.register(model=model, optimizer=optimizer)
@@ -267,7 +269,13 @@ class Job:
                              self.transfer.address[1])
         # the settings this rank runs with, whoever set them (the controller; a task prolog
         # must not override them): tests compare them with and without the SPANK plugin
-        self.events.emit(Ev.RANK_REGISTERED, role=self.role, pid=os.getpid(), mode=self.mode,
+        # A sharded job's mode follows from its replicated dimensions, which are read from
+        # its first model unless given: until then it is not known (an HSDP job once
+        # registered as "replicated" here, then ran "jit").
+        undecided = self._group.late or (self.mesh_spec is not None and
+                                         self._group.replicate_given is None)
+        self.events.emit(Ev.RANK_REGISTERED, role=self.role, pid=os.getpid(),
+                         mode="undecided" if undecided else self.mode,
                          rank_state=self.rank_snaps is not None,
                          settings={"collective_timeout_s": self.collective_timeout_s,
                                    "init_timeout_s": self.init_timeout_s,
@@ -442,9 +450,9 @@ class Job:
                  lr_scheduler: Any = None) -> None:
         """The inline form of a sharded job: `Job(seed=...)` inside Job.main takes the rank
         and forms the group where the script formed its own; the script makes its mesh and
-        builds its model on it (fully_shard) as before (or on `job.mesh`, given mesh_shape=
-        and mesh_dim_names=), with its optimizer and scheduler, and registers them here,
-        which restores their state (after a fault: the restored step's). The mesh and the
+        builds its model on it (fully_shard) as before, with its optimizer and scheduler,
+        and registers them here, which restores their state (after a fault: the restored
+        step's). The mesh and the
         replicated dimensions are read from the parameters (DTensors); a model without
         any is plain data parallelism."""
         if not self._group.late or self._formed is None:
@@ -550,11 +558,14 @@ class Job:
         self.state.unregister(*self._own_names)
         self._group.forget_model()
         self._rerun = True
+        self._released_at = time.time()
 
     def _rebind(self, model: Any, optimizer: Any, lr_scheduler: Any, extra: dict[str, Any],
                 seed: int, build: Callable[[Any], Any] | None) -> None:
         """main()'s next run registers its new objects in place of the last run's."""
         self._rerun = False
+        self.events.emit(Ev.RANK_MAIN_AGAIN, rank=self.rank, generation=self.generation,
+                         rebuild_s=time.time() - self._released_at)
         given = {"model": model is not None, "optimizer": optimizer is not None,
                  "lr_scheduler": lr_scheduler is not None, **{n: True for n in extra}}
         if self._group.late:  # its model comes with job.register, which checks it

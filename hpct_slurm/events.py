@@ -88,6 +88,7 @@ class Ev(_Name):
     RANK_REGISTERED = "rank.registered"
     RANK_MESH_INFERRED = "rank.mesh_inferred"
     RANK_MAIN_AGAIN = "rank.main_again"
+    RANK_LOSSES_UNREAD = "rank.losses_unread"
     RANK_ADOPTED = "rank.adopted"
     RANK_STEP = "rank.step"
     RANK_FAULT = "rank.fault"

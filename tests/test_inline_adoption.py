@@ -99,3 +99,28 @@ def test_a_mesh_shape_may_leave_one_dimension_to_the_world_size():
     assert sharded_spec(None, None, None, None, None, None, None, late=True) is None
     with pytest.raises(HpctError, match="the script makes its mesh after Job"):
         sharded_spec(None, None, None, None, (2, 2), ("a", "b"), None, late=True)
+
+
+def test_a_newcomer_reads_back_the_losses_its_rank_recorded(tmp_path):
+    """job.losses on a spare that took over a rank (issue 31): the steps its predecessors
+    trained come from the run's rank.step events, the latest record of a recomputed step
+    wins, other ranks' and later steps are not taken, and torn lines are skipped."""
+    from hpct_slurm.recovery.losses import recorded_losses
+
+    events = tmp_path / "events"
+    events.mkdir()
+    lines = [
+        {"t": 1.0, "event": "rank.step", "rank": 2, "step": 0, "loss": 4.0},
+        {"t": 2.0, "event": "rank.step", "rank": 2, "step": 1, "loss": 3.5},
+        {"t": 3.0, "event": "rank.step", "rank": 1, "step": 1, "loss": 9.9},   # another rank
+        {"t": 4.0, "event": "rank.step", "rank": 2, "step": 2, "loss": 3.0},
+        {"t": 5.0, "event": "rank.step", "rank": 2, "step": 3, "loss": 2.9},   # after upto
+        {"t": 6.0, "event": "rank.step", "rank": 2, "step": 4, "loss": None},  # no loss
+    ]
+    (events / "n3-0.jsonl").write_text("\n".join(json.dumps(e) for e in lines) + "\n{torn")
+    # the same step recomputed later by a survivor's rollback, on another node's file
+    (events / "n5-0.jsonl").write_text(json.dumps(
+        {"t": 7.0, "event": "rank.step", "rank": 2, "step": 1, "loss": 3.25}) + "\n")
+    assert recorded_losses(events, rank=2, upto=2) == {0: 4.0, 1: 3.25, 2: 3.0}
+    assert recorded_losses(events, rank=0, upto=9) == {}
+    assert recorded_losses(tmp_path / "absent", rank=2, upto=9) == {}

@@ -55,7 +55,9 @@ from .client import ControllerAddress, CoordinationClient
 from .controller_loss import ControllerLoss
 from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
 from .inject import TakerFault
+from .background import Background
 from .health import health_check
+from .losses import recorded_losses
 from .loop import StepLoop
 from .persist import DiskPersister
 from ..relay.node import NodeRelay, publish, published, relay_file
@@ -79,7 +81,8 @@ class Job:
 
     What a script reads, set once this process holds a rank (inside `run`) and kept after it:
     `rank` (-1 while it never held one), `world_size`, `generation` (0 at the first start, one
-    more after every recovery), `losses` (step -> the loss this process recorded for it),
+    more after every recovery), `losses` (step -> the loss recorded for it on this rank, the
+    steps before a takeover included),
     `state` (the registered `TrainState`; `state.extras` takes small values of this rank's
     own), `run_dir` (the job's run directory, $HPCT_RUN_DIR), `model`, `optimizer` and
     `lr_scheduler` (those given, or for a sharded job those `build(mesh)` returned for this
@@ -214,7 +217,8 @@ class Job:
         self.rank = -1
         self.world_size = 0
         self.generation = -1
-        self.losses: dict[int, float] = {}
+        self._losses: dict[int, float] = {}
+        self._backfill: Background | None = None  # a newcomer reading back its rank's losses
         self.data_ranks: list[int] = []
         self.data_world = 0
         self._controller_addr = ControllerAddress.parse(s.controller)  # a bad one fails here
@@ -293,6 +297,25 @@ class Job:
                                       self.node, self.role, local, self.events)
         publish(path, self.relay.address)
         return ControllerAddress(*self.relay.address)
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Step -> the loss recorded for it on this rank: by this process, and, for a process
+        that took over a lost rank, by the processes that held the rank before (losses.py)."""
+        backfill, self._backfill = self._backfill, None
+        if backfill is not None:
+            error = backfill.wait(60.0)
+            if error is not None:  # a record only: the training is not affected
+                self.events.emit(Ev.RANK_LOSSES_UNREAD, rank=self.rank, error=str(error))
+        return self._losses
+
+    def _read_back_losses(self, rank: int, upto: int) -> None:
+        """A newcomer at `rank`: the losses its predecessors recorded up to the restored step,
+        read from the run's events on a thread of its own (off the recovery's path)."""
+        def read() -> None:
+            for step, loss in recorded_losses(self.run_dir / "events", rank, upto).items():
+                self._losses.setdefault(step, loss)
+        self._backfill = Background("hpct-losses", read)
 
     # ---- what the rooms hold, reached through the Job -----------------------------------
     @property
@@ -626,11 +649,11 @@ class Job:
         """After a step: its snapshot when one is due, the report to the controller."""
         self._updating = False  # the next step's forward and backward may be abandoned again
         if isinstance(out, (int, float)):
-            self.losses[step] = float(out)
+            self._losses[step] = float(out)
         self._policy.end_step(step)
         self.client.step_done(step)
         self.events.emit(Ev.RANK_STEP, rank=self.rank, generation=self.generation,
-                         step=step, loss=self.losses.get(step), data_ranks=self.data_ranks)
+                         step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
 
     def _shard(self) -> tuple[int, int]:
         """This rank's data shard and the number of shards, for scripts that train one."""
@@ -735,6 +758,8 @@ class Job:
             # before it failed. A survivor holds the restore step itself, whatever its new
             # rank (shared state is the same on every rank); a newcomer pulls it from a peer.
             source = self._restorer.restore(a, survivor=held_state, prefetch=prefetch)
+        if not held_state and a.restore_step >= 0:
+            self._read_back_losses(a.rank, a.restore_step)
         self._policy.hold_restored(a.restore_step)
         dropped = self.replicas.forget_after(a.restore_step)
         if dropped:

@@ -83,8 +83,12 @@ def test_plain_ddp_module_recovers_bit_identical(cluster, reference, tmp_path):
     generation with a per-parameter comm hook): identical to the reference, fault and all."""
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--ddp"])
     wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="ddp-node-crash")
-    assert bitwise_equal(reference, collect(tmp_path, 4), tmp_path)
+    got = collect(tmp_path, 4)
+    assert bitwise_equal(reference, got, tmp_path)  # every loss recorded equals the reference's
     assert recomputed_steps(tmp_path) == 0
+    # the spare that took rank 2 over read back the losses of the steps n3 trained: its
+    # job.losses covers the run (but a step n3 finished and died before logging)
+    assert len(got[2]["losses"]) >= len(reference[2]["losses"]) - 1
     done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]
     assert len(done) == 1
     # without the SPANK plugin (this cluster has none) ranks run with the controller's

@@ -198,3 +198,44 @@ def _documented(section: str) -> list[str]:
                                           ("`faults[]`, one per fault", FaultStatus)])
 def test_every_status_json_field_is_documented(section: str, cls: type) -> None:
     assert _documented(section) == [f.name for f in dataclasses.fields(cls)]
+
+
+def test_a_requeued_job_that_cannot_start_says_why():
+    """Issue 30: a requeued job PENDING for nodes that are down says so in `status`, with
+    Slurm's reason and the nodes that cannot take it; running again, it says nothing more."""
+    from hpct_slurm.report.model import pending_note
+
+    nodes = {"n1": "idle", "n2": "down*", "n3": "idle", "n4": "drained", "n5": "idle*",
+             "n6": "allocated"}
+    note = pending_note("PENDING", "ReqNodeNotAvail, UnavailableNodes:n2,n4", nodes)
+    assert note is not None
+    assert "reason: ReqNodeNotAvail, UnavailableNodes:n2,n4" in note
+    assert "3 of the cluster's 6 nodes can take it now, not n2, n4, n5 (down or drained)" in note
+    assert "State=RESUME" in note
+    assert pending_note("RUNNING", None, nodes) is None
+    assert "reason: none given" in pending_note("PENDING", None, {"n1": "idle"})
+
+
+def test_status_asks_slurm_about_a_requeued_job_and_survives_its_silence():
+    """`status` of a requeued job reads Slurm's view; a Slurm that does not answer is a
+    note, not a traceback (the rest of the status comes from the run's events)."""
+    from hpct_slurm.errors import HpctError
+    from hpct_slurm.report.cli import _slurm_says
+    from hpct_slurm.slurm.client import JobInfo
+
+    class PendingSlurm:  # the Slurm client's two calls `status` makes, answered as Slurm does
+        def show_job(self, job_id):
+            return JobInfo(job_id, "train", "u", "PENDING", [], None, 1, "Resources", 0, 0,
+                           None)
+
+        def node_states(self):
+            return {"n1": "idle", "n2": "down*"}
+
+    class SilentSlurm:
+        def show_job(self, job_id):
+            raise HpctError("scontrol: error: Unable to contact slurm controller")
+
+    assert "Slurm holds the requeued job PENDING (reason: Resources); 1 of the cluster's 2" \
+        in _slurm_says(7, PendingSlurm())
+    assert _slurm_says(7, SilentSlurm()) == (
+        "Slurm: could not read job 7 now (scontrol: error: Unable to contact slurm controller)")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .. import config as C
 from ..errors import HpctError
 from .model import (PHASES, FaultStatus, Report, RunEvents, Status, build_report,
-                    build_status, parse_jsonl)
+                    build_status, parse_jsonl, pending_note)
 
 if TYPE_CHECKING:
     from ..slurm.client import SlurmClient
@@ -125,10 +125,25 @@ def load_run(run_dir: Path) -> RunEvents:
 def status_main(args: argparse.Namespace) -> int:
     run = load_run(resolve_run_dir(args.target))
     st = build_status(run, time.time())
+    if st.state == "requeued" and st.job_id is not None:
+        st.notes.append(_slurm_says(st.job_id))
     for w in run.warnings:
         print(f"HPCT warning: {w}", file=sys.stderr)
     print(json.dumps(st.to_dict()) if args.json else format_status(st))
     return 0
+
+
+def _slurm_says(job_id: int, client: "SlurmClient | None" = None) -> str:
+    """A requeued job, as Slurm has it now: why it waits, or that it runs again."""
+    from ..slurm.client import SlurmClient
+
+    client = client or SlurmClient()
+    try:
+        job = client.show_job(job_id)
+        note = pending_note(job.state, job.reason, client.node_states())
+    except HpctError as exc:
+        return f"Slurm: could not read job {job_id} now ({exc.message})"
+    return note or f"Slurm: the requeued job is {job.state} now"
 
 
 def report_main(args: argparse.Namespace) -> int:

@@ -580,6 +580,28 @@ def fault_statuses(rep: Report) -> list[FaultStatus]:
     return out
 
 
+# Slurm's node states a requeued job cannot start on (scontrol's lower-case base states,
+# with the "*" of a node not responding): what `status` counts as unusable.
+UNUSABLE_NODE_STATES = ("down", "drain", "drained", "draining", "fail", "failing",
+                        "future", "unknown", "not_responding")
+
+
+def pending_note(state: str, reason: str | None, node_states: dict[str, str]) -> str | None:
+    """Why a requeued job has not started again (issue 30): Slurm's state and reason, and the
+    nodes that cannot take it now. None once it runs (or ended)."""
+    if state != "PENDING":
+        return None
+    unusable = sorted(n for n, st in node_states.items()
+                      if st.endswith("*") or any(st.startswith(u)
+                                                 for u in UNUSABLE_NODE_STATES))
+    usable = len(node_states) - len(unusable)
+    not_these = f", not {', '.join(unusable)} (down or drained)" if unusable else ""
+    return (f"waiting: Slurm holds the requeued job PENDING (reason: {reason or 'none given'}); "
+            f"{usable} of the cluster's {len(node_states)} nodes can take it now{not_these}: it "
+            f"starts once enough are back (the template's --nodes minimum), "
+            f"`scontrol update NodeName=... State=RESUME` for a node that is fixed")
+
+
 def _notes(ctl: list[dict]) -> list[str]:
     notes = []
     for e in ctl:

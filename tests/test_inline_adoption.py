@@ -12,19 +12,7 @@ from hpct_slurm.errors import HpctError
 from hpct_slurm.recovery import DistributedDataParallel, Job
 from hpct_slurm.slurm.env import SlurmEnv
 
-from test_job_seams import TASK, FakeClient, FakeTransfer, settings  # noqa: F401 - a fixture
-
-
-def _fakes(made: dict) -> dict:
-    def transfer(*a, **k):
-        made["transfer"] = FakeTransfer(*a, **k)
-        return made["transfer"]
-
-    def client(*a, **k):
-        made["client"] = FakeClient(*a, **k)
-        return made["client"]
-
-    return {"transfer": transfer, "client": client}
+from test_job_seams import TASK, fakes, settings  # noqa: F401 - a fixture
 
 
 def test_a_spare_never_needed_leaves_from_its_job_and_main_returns_none(settings):  # noqa: F811
@@ -34,7 +22,7 @@ def test_a_spare_never_needed_leaves_from_its_job_and_main_returns_none(settings
     def main() -> str:
         model = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        Job(model, opt, settings=settings, slurm=SlurmEnv.from_environ(TASK), **_fakes(made))
+        Job(model, opt, settings=settings, slurm=SlurmEnv.from_environ(TASK), **fakes(made))
         after.append("the loop ran")  # a spare told goodbye never gets here
         return "trained"
 

@@ -57,9 +57,8 @@ def settings(tmp_path) -> JobSettings:
                        run_dir=tmp_path / "run", collective_timeout_s=7.0)
 
 
-def _job(settings: JobSettings, **kw) -> tuple[Job, dict]:
-    made: dict = {}
-
+def fakes(made: dict) -> dict:
+    """Job's `transfer` and `client` factories, making fakes kept in `made` by name."""
     def transfer(*a, **k):
         made["transfer"] = FakeTransfer(*a, **k)
         return made["transfer"]
@@ -68,9 +67,14 @@ def _job(settings: JobSettings, **kw) -> tuple[Job, dict]:
         made["client"] = FakeClient(*a, **k)
         return made["client"]
 
+    return {"transfer": transfer, "client": client}
+
+
+def _job(settings: JobSettings, **kw) -> tuple[Job, dict]:
+    made: dict = {}
     model = torch.nn.Linear(2, 2)
     job = Job(model, torch.optim.SGD(model.parameters(), lr=0.1), settings=settings,
-              slurm=SlurmEnv.from_environ(TASK), transfer=transfer, client=client, **kw)
+              slurm=SlurmEnv.from_environ(TASK), **fakes(made), **kw)
     return job, made
 
 

@@ -44,18 +44,18 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import protocol as P
 from .. import config as C
+from .. import protocol as P
 from ..config import JobSettings
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
+from .background import Background
 from .client import ControllerAddress, CoordinationClient
 from .controller_loss import ControllerLoss
 from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
 from .inject import TakerFault
-from .background import Background
 from .health import health_check
 from .losses import recorded_losses
 from .loop import StepLoop
@@ -461,8 +461,7 @@ class Job:
                 self._adopt(msg)
                 last = train(msg.restore_step + 1)
             except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
-                failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                where = _where(exc)
+                failure, where = _describe(exc), _where(exc)
             if failure is None:
                 self._done(last)
                 continue  # the controller says goodbye once every rank is done
@@ -475,9 +474,8 @@ class Job:
         and forms the group where the script formed its own; the script makes its mesh and
         builds its model on it (fully_shard) as before, with its optimizer and scheduler,
         and registers them here, which restores their state (after a fault: the restored
-        step's). The mesh and the
-        replicated dimensions are read from the parameters (DTensors); a model without
-        any is plain data parallelism."""
+        step's). The mesh and the replicated dimensions are read from the parameters
+        (DTensors); a model without any is plain data parallelism."""
         if not self._group.late or self._formed is None:
             raise HpctError("job.register(model, optimizer[, lr_scheduler]) is for a Job "
                             "made inside Job.main without a model, once per run of main(), "
@@ -525,8 +523,7 @@ class Job:
                     job = Job._main
                     if job is None or job.rank < 0:
                         raise  # no rank held yet: nothing to recover, the error is the script's
-                    failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    where = _where(exc)
+                    failure, where = _describe(exc), _where(exc)
                 job = Job._main
                 if not failure:
                     if job is None or not job._finish_inline():
@@ -734,15 +731,17 @@ class Job:
         self._fault.at("assigned", a.rank)
         self.transfer.rank = a.rank
         self.transfer.corrupt_on_serve = a.rank in self._corrupt_serve
-        # A newcomer pulls its state from every source at once while the group forms.
-        prefetch = self._restorer.prefetch(a, held_state)
+        # A newcomer pulls its state from every source at once while the group forms; not
+        # where the state is registered only after it (job.register): which ranks share this
+        # one's shard is read from that model's mesh, unknown until then.
+        prefetch = None if self._group.late else self._restorer.prefetch(a, held_state)
         if prefetch is not None:
             self._fault.at("pull", a.rank)
         self._group.form(a, self._fault)
         self._updating = False
         if self._group.late:
-            # the inline sharded form: the script builds its model on job.mesh, and
-            # job.register(...) restores it (_restore_adopted)
+            # the inline form, state registered late: the script builds its model on its
+            # own mesh of this group, and job.register(...) restores it (_restore_adopted)
             self._formed = (a, prefetch, held_state, t0, time.time())
             return
         self._restore_adopted(a, prefetch, held_state, t0, time.time())
@@ -812,6 +811,11 @@ class _Left(SystemExit):
     """This process leaves from its Job(...) inside Job.main (a spare that was never needed,
     a job that ended or escalated while it waited): Job.main returns None, and a script
     that calls its main() without Job.main exits 0 here."""
+
+
+def _describe(exc: BaseException) -> str:
+    """A fault's one-line description: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _where(exc: BaseException, frames: int = 4) -> str:

@@ -40,7 +40,7 @@ def reference(_session_cluster, tmp_path_factory):
 
 
 @pytest.mark.parametrize("script, kill_at", [
-    ("adopted_inline", 12),                      # mid-epoch
+    ("adopted_inline", 0),                       # in step 0: main() again, state at creation
     ("adopted_ddp", 2 * STEPS_PER_EPOCH - 1),    # an epoch's last step
 ])
 def test_adopted_ddp_script_survives_a_node_crash_bit_identical(cluster, reference, tmp_path,

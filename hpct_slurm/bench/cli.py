@@ -41,8 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="rendezvous only: rank counts to sweep (default 4,16 with --quick, "
                         "else 4,16,32,64)")
     p.add_argument("--reps", type=int, default=None, metavar="R",
-                   help="rendezvous only: formations per size and store (default 3; "
-                        "below 16 ranks, times 16 // ranks)")
+                   help="rendezvous: formations per size and store (default 3; below 16 "
+                        "ranks, times 16 // ranks); replication: rounds of every variant's "
+                        "blocks (default 5)")
     p.add_argument("--ranks", type=_ranks, default=None, metavar="N,N,...",
                    help="scale only: simulated rank counts, multiples of 8 (default 2304; "
                         "256 with --quick)")
@@ -79,8 +80,10 @@ def main(args: argparse.Namespace) -> int:
         raise HpctError(f"benchmark '{args.name}' is unknown; choose one of {', '.join(BENCHMARKS)}")
     sweep = {k: v for k, v in (("sizes", getattr(args, "sizes", None)),
                                ("reps", getattr(args, "reps", None))) if v is not None}
-    if sweep and args.name != "rendezvous":
-        raise HpctError(f"--{'/--'.join(sweep)} only applies to the rendezvous benchmark")
+    if "sizes" in sweep and args.name != "rendezvous":
+        raise HpctError("--sizes only applies to the rendezvous benchmark")
+    if "reps" in sweep and args.name not in ("rendezvous", "replication"):
+        raise HpctError("--reps only applies to the rendezvous and replication benchmarks")
     if sweep.get("reps", 1) < 1:
         raise HpctError(f"--reps {sweep['reps']} must be at least 1")
     scale = {k: v for k, v in (("ranks", getattr(args, "ranks", None)),

@@ -6,8 +6,11 @@ so all see the same machine; overheads are relative to `off` (no snapshots):
 
 - `jit_lazy_rank`: the documented adoption (a sampler registered: per-rank state), what `Job`
   does for it: the shared state as in `jit_lazy`, and the rank's own small state (the sampler
-  position, the RNG states) committed every step and pushed to the ring peer at once. The
-  headline `overhead_pct`.
+  position; not the RNG states, which `Job` reseeds before every step) committed every step
+  and pushed to the ring peer, its acknowledgement awaited at the next step's end
+  (`ReplicaPusher.push_next`). The headline `overhead_pct`.
+- `jit_lazy_rank_acked`: the same as `Job` did it before (issue 26): the RNG states in the
+  rank's snapshot and each push's acknowledgement awaited before the step returns.
 - `jit_lazy_rank_persist`: the same with the templates' disk persistence (every 10 steps a
   full commit, its file written by one rank, every rank's own file; background threads).
 - `jit_lazy`: what `Job` does for data parallelism without per-rank state: a full
@@ -70,9 +73,11 @@ def _peer(conn: Any, secret: bytes) -> None:
         conn.recv()
 
 
-def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
+def run(out_dir: Path, quick: bool = False, smoke: bool = False,
+        reps: int | None = None) -> dict:
     """`smoke`: the smallest run that goes through every variant (a few MB, one round), to
-    check the command works; its numbers mean nothing."""
+    check the command works; its numbers mean nothing. `reps`: rounds of the variants' blocks
+    (default 5): more make the medians steadier on a machine that is not quiet."""
     import torch
 
     from ..recovery.job import LAZY_FULL_EVERY
@@ -83,6 +88,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
 
     width, depth = (256, 2) if smoke else (1024, 2) if quick else (1440, 4)
     k, rounds = (4, 1) if smoke else (8, 5) if quick else (16, 5)
+    rounds = reps or rounds
     # one commit per block at every=K (and one full commit per block of jit_lazy), so every
     # block of a variant does the same work
     block = k if smoke else max(k, LAZY_FULL_EVERY)
@@ -98,6 +104,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     stores = {"jit_lazy": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY), False),
               "jit_lazy_rank": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY),
                                 False),
+              "jit_lazy_rank_acked": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY),
+                                      False),
               "jit_lazy_rank_persist": (SnapshotStore(state, ("shared",),
                                                       every=LAZY_FULL_EVERY), False),
               "jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
@@ -110,12 +118,16 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     variants = ["off", *stores]
     # the documented adoption: a sampler registered (per-rank state), what Job then does
     default = "jit_lazy_rank"
-    # Per-rank state: a sampler position (and the RNG states), its own snapshot every step,
-    # pushed to the ring peer at once, as Job does for a script that registers a sampler.
+    # Per-rank state: a sampler position, its own snapshot every step, pushed to the ring
+    # peer, as Job does for a script that registers a sampler: over Job's one TrainState (the
+    # model and optimizer registered beside it), without the RNG states Job reseeds
+    # (snapshot_policy.RESEEDED), each push's acknowledgement awaited at the next step's end.
+    # `jit_lazy_rank_acked`: with the RNG states, each push awaited at once (Job before).
     position = _Position()
-    rank_state = TrainState(sampler=position)
-    rank_stores = {v: SnapshotStore(rank_state, ("rank",), every=1)
-                   for v in ("jit_lazy_rank", "jit_lazy_rank_persist")}
+    rank_state = TrainState(model=model, optimizer=opt, sampler=position)
+    rank_stores = {v: SnapshotStore(rank_state, ("rank",), every=1,
+                                    rng=v == "jit_lazy_rank_acked")
+                   for v in ("jit_lazy_rank", "jit_lazy_rank_acked", "jit_lazy_rank_persist")}
 
     overlapped = {"store": None}
 
@@ -184,8 +196,11 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                         rank_store.commit(step)
                         if persist:
                             persisters[1].after_commit(step)
-                        rank_pushers[variant].after_commit(step)
-                        rank_pushers[variant].flush()
+                        if variant == "jit_lazy_rank_acked":
+                            rank_pushers[variant].after_commit(step)
+                            rank_pushers[variant].flush()
+                        else:
+                            rank_pushers[variant].push_next(step)
                     if persist and step % PERSIST_EVERY == 0:  # a persist step: a full commit
                         store.commit(step)  # type: ignore[union-attr]
                         persisters[0].after_commit(step)
@@ -208,6 +223,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                     store.drop_pending()
                 if push:
                     pushers[variant].flush()
+                if rank_store is not None:
+                    rank_pushers[variant].flush()  # the last step's push, acknowledged
                 if store is not None and store.background_seal:
                     settle(last)
                 if rnd:

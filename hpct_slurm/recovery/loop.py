@@ -168,6 +168,10 @@ class StepLoop:
         """The epochs still to run of `n`: from the restored one (0 on a fresh start)."""
         while self.position.epoch < n:
             self._pass_open = False
+            # The code at the top of an epoch (before its first batch) runs seeded as the
+            # epoch's first step: after a restore at an epoch's start it then draws what it
+            # drew the first time (snapshots hold no RNG states: Job reseeds instead).
+            self._seed(self.step)
             yield self.position.epoch
             self.position.epoch, self.position.batch = self.position.epoch + 1, 0
             if self._pending is not None:

@@ -272,15 +272,19 @@ class SnapshotStore:
     Commits land on steps divisible by K, the same steps on every rank, so all survivors hold the
     step the controller picks (the oldest newest commit; the other slot keeps the one before).
     `background_seal` (see the module docstring) hashes each commit right away on a background
-    thread instead of leaving the digest to its first reader.
+    thread instead of leaving the digest to its first reader. `rng`: whether a snapshot of the
+    `rank` scope holds the RNG states (TrainState: not where the owner reseeds them before
+    every step, as `Job` does).
     """
 
     def __init__(self, state: TrainState, scopes: tuple[Scope, ...] = ("shared", "rank"),
-                 every: int = DEFAULT_SNAPSHOT_EVERY, background_seal: bool = False):
+                 every: int = DEFAULT_SNAPSHOT_EVERY, background_seal: bool = False,
+                 rng: bool = True):
         if every < 1:
             raise HpctError(f"snapshot interval every={every} must be >= 1 step")
         self.state = state
         self.scopes = scopes
+        self.rng = rng
         self.every = every
         self.background_seal = background_seal
         self.slots = DoubleBuffer()
@@ -327,8 +331,10 @@ class SnapshotStore:
         self.drop_pending()
         idx, buf = self.slots.acquire_target()
         try:
-            layout, buf, pairs = self.state.prepare(buf, self.scopes)
-            stable = self.state.stable_ptrs()
+            layout, buf, pairs = self.state.prepare(buf, self.scopes, self.rng)
+            # (a walk over every parameter and optimizer state: not for a snapshot with
+            # nothing to copy, such as a rank's own small state without tensors)
+            stable = self.state.stable_ptrs() if pairs else set()
             ready = mark_ready(pairs)
             early = issue_copies([(d, t) for d, t in pairs if t.data_ptr() not in stable],
                                  ready)

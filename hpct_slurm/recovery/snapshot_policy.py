@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from .generation import Standing
 
 LAZY_FULL_EVERY = 16
+# `Job` seeds every generator a snapshot could hold (python's, numpy's, torch's; seeds.py)
+# from (seed, rank, step) before each step's own code runs, in all three forms of `Job.run`:
+# the RNG states at a step's end are overwritten before anything reads them, so its snapshots
+# leave them out (7.5 KB of a sampler's rank snapshot, and most of its cost: bench replication).
+RESEEDED = True
 
 
 def first_mode(state: TrainState, given: str | None, mesh_spec: MeshSpec | None) -> str:
@@ -68,10 +73,14 @@ class SnapshotPolicy:
         self._mode_given = mode_given
         self._every_given = s.snapshot_every
         every = self._every_given or DEFAULT_SNAPSHOT_EVERY
-        self.snapshots = SnapshotStore(state, scopes=("shared",), every=every)
+        # No RNG states in either store: `Job` reseeds python's, numpy's and torch's generators
+        # from (seed, rank, step) before every step, so a restored rank gets them from its
+        # step's seed, never from a copy (RESEEDED).
+        self.snapshots = SnapshotStore(state, scopes=("shared",), every=every, rng=not RESEEDED)
         # This rank's own small state (a sampler position, extras): its own snapshot, pushed
         # to the ring neighbour after every commit and persisted with the shared state.
-        self.rank_snaps = (SnapshotStore(state, scopes=("rank",), every=every)
+        self.rank_snaps = (SnapshotStore(state, scopes=("rank",), every=every,
+                                         rng=not RESEEDED)
                            if state.has_rank_state() else None)
         self.snapshots.on_not_the_step = self._not_the_step
         # the optimizers this rank watches (Job's, each sharded build's) and, for every
@@ -163,15 +172,21 @@ class SnapshotPolicy:
 
     def _commit_rank_state(self, step: int) -> None:
         """This rank's own small state, now: the next step moves it (a sampler position).
-        In jit mode it is all that goes to the ring holder, synchronously: the holder then
-        always holds the step this rank last committed (and the one before)."""
+        In jit mode it is all that goes to the ring holder: sent now, its acknowledgement
+        awaited at the next step's end, not this one's (ReplicaPusher.push_next). When a
+        step ends the holder has the step before it, and this one is on its way; a fault that
+        loses this rank in the moment between (a round trip, well under a millisecond
+        on one switch) finds the holder one step behind, and the group restores the step
+        before, or the last persisted one where that step was held lazily (recomputed and
+        counted, never wrong: the controller plans from what holders report holding)."""
         if self.rank_snaps is not None:
             self.rank_snaps.commit(step)
             if self.rank_persister:
                 self.rank_persister.after_commit(step)
         if self.pusher is not None and self._pushed is self.rank_snaps:
-            self.pusher.after_commit(step)
-            self.pusher.flush()  # bounded by the pusher's timeout; a failure is an event
+            # waits for the previous push, bounded by the pusher's timeout; a failure is an
+            # event
+            self.pusher.push_next(step)
 
     def _after_shared_commit(self, snap: Snapshot) -> None:
         """After the shared state of a step is copied (on the snapshot thread when the copy
@@ -292,7 +307,9 @@ class SnapshotPolicy:
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
         n = len(a.member_nodes())
         if self.pusher is not None:
-            self.pusher.close()
+            # A rank push still unacknowledged is cut off: the restore was planned from what
+            # the holders reported, and a holder that died would keep it waiting the timeout.
+            self.pusher.abort()
             self.pusher = None
         if self._pushed is None or n < 2 or not self.standing.data_ranks == [rank]:
             return  # no ring of one node; after a shrink positions move: disk is the copy

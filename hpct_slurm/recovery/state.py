@@ -269,8 +269,11 @@ class TrainState:
 
     `register(model=..., optimizer=..., lr_scheduler=..., sampler=...)` takes anything with
     `state_dict`/`load_state_dict`; `extras` holds small user values (JSON scalars, lists,
-    dicts, tensors). Python, numpy, torch CPU and (when present) CUDA RNG states are always part
-    of the `rank` scope.
+    dicts, tensors). Python, numpy, torch CPU and (when present) CUDA RNG states are part of
+    the `rank` scope, unless a capture leaves them out (`rng=False`): an owner that reseeds
+    every generator before the state is next used (`Job`, from (seed, rank, step) before every
+    step) would copy them only to overwrite them. A snapshot without them restores nothing
+    into the generators.
     """
 
     def __init__(self, **objects: Any):
@@ -307,23 +310,26 @@ class TrainState:
 
     # --- capture ---------------------------------------------------------------------------
 
-    def _gather(self, scopes: Iterable[Scope]) -> dict:
+    def _gather(self, scopes: Iterable[Scope], rng: bool = True) -> dict:
         scopes = set(scopes)
         tree: dict[str, Any] = {name: obj.state_dict() for name, (obj, sc) in self._objects.items()
                                 if sc in scopes}
-        if "rank" in scopes:
-            rng: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                                   "torch": torch.get_rng_state()}
+        if "rank" in scopes and rng:
+            rngs: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                                    "torch": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            tree[RNG_KEY] = rng
+                rngs["cuda"] = torch.cuda.get_rng_state_all()
+            tree[RNG_KEY] = rngs
+        if "rank" in scopes:
             tree[EXTRAS_KEY] = self.extras
         return tree
 
-    def plan(self, scopes: Iterable[Scope] = ("shared", "rank")) -> tuple[Layout, list[torch.Tensor]]:
-        """The layout of a snapshot taken now, and the live tensors it would copy."""
+    def plan(self, scopes: Iterable[Scope] = ("shared", "rank"), rng: bool = True
+             ) -> tuple[Layout, list[torch.Tensor]]:
+        """The layout of a snapshot taken now, and the live tensors it would copy (`rng`:
+        with the RNG states, where the scopes include `rank`)."""
         tensors: list[tuple[torch.Tensor, bool]] = []
-        tree = _encode(self._gather(scopes), tensors, "state")
+        tree = _encode(self._gather(scopes, rng), tensors, "state")
         entries, off = [], 0
         for t, is_np in tensors:
             nbytes = t.numel() * t.element_size()
@@ -333,23 +339,25 @@ class TrainState:
         return Layout(tuple(entries), tree, off), [t for t, _ in tensors]
 
     def capture_into(self, buf: torch.Tensor | None,
-                     scopes: Iterable[Scope] = ("shared", "rank")) -> tuple[Layout, torch.Tensor]:
+                     scopes: Iterable[Scope] = ("shared", "rank"), rng: bool = True
+                     ) -> tuple[Layout, torch.Tensor]:
         """Copy a snapshot into `buf` (flat uint8 CPU tensor), reallocating only if it is too small.
 
         Call between steps. Returns the layout and the buffer actually used; in steady state that
         is `buf` itself and nothing but the small JSON tree is allocated. The optimizer state
         appears after the first step, so the first capture after it grows the buffer once.
         """
-        layout, buf, pairs = self.prepare(buf, scopes)
+        layout, buf, pairs = self.prepare(buf, scopes, rng)
         copy_pairs(pairs)
         return layout, buf
 
-    def prepare(self, buf: torch.Tensor | None, scopes: Iterable[Scope] = ("shared", "rank")
+    def prepare(self, buf: torch.Tensor | None, scopes: Iterable[Scope] = ("shared", "rank"),
+                rng: bool = True
                 ) -> tuple[Layout, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The layout of a snapshot taken now, the buffer it goes to (`buf`, grown if too
         small) and the (destination, live tensor) pairs still to copy: everything but the
         bytes is fixed at this moment (the JSON tree holds the RNG states and scalars)."""
-        layout, live = self.plan(scopes)
+        layout, live = self.plan(scopes, rng)
         if buf is None or buf.numel() < layout.nbytes:
             on_cuda = any(t.is_cuda for t in live)
             buf = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=on_cuda)

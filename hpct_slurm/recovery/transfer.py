@@ -82,6 +82,11 @@ def _send_blob(sock: socket.socket, chan: P.Channel, rank: int, snap: Snapshot,
     layout_json = snap.layout.to_json()
     msg = P.StateBlob(rank, snap.step, snap.layout.nbytes, len(layout_json))
     digest = snap.digest()
+    if not verify and len(layout_json) + len(snap.data) <= P.CHUNK:
+        # A small snapshot (a rank's own state, pushed every step): the whole frame in one
+        # send, one segment for the receiver to wake up for instead of one per part.
+        chan.send(sock, msg, [layout_json, snap.data], timeout, [None, digest])
+        return True
     check = None
     if verify:
         check = P.PartHasher(len(snap.data))
@@ -487,6 +492,11 @@ class ReplicaPusher:
     One persistent connection (reconnected after an error). The pusher leases the snapshot while
     sending, so if a push is slower than two steps the commit after next waits for it: the replica
     is never more than one step behind. `acked_step` is the newest step the holder confirmed.
+
+    Two ways to wait: `after_commit` then `flush` waits for this step's acknowledgement (the
+    holder has the step when it returns); `push_next` waits only for the previous push's and
+    lets this one go on in the background (the holder has the previous step when it returns,
+    this one on its way: one round trip off the caller's path).
     """
 
     def __init__(self, store: SnapshotStore, rank: int, peer: Address, secret: bytes, job_id: str,
@@ -496,6 +506,8 @@ class ReplicaPusher:
         self.acked_step: int | None = None
         self._sock: socket.socket | None = None
         self._chan: P.Channel | None = None
+        self._aborted = False
+        self._sock_lock = threading.Lock()  # abort against a connection being made
         self._due: BackgroundQueue[int] = BackgroundQueue(f"hpct-push-r{rank}", self._push_step,
                                                           maxsize=1)
 
@@ -503,23 +515,44 @@ class ReplicaPusher:
         """Queue `step` for pushing; waits while the previous push is still queued."""
         self._due.put(step)
 
+    def push_next(self, step: int) -> None:
+        """Wait until the previous push is acknowledged (or failed: an event), then queue
+        `step` without waiting for it. When this returns the holder has every step pushed
+        before `step` (the newest of them, unless its push failed), and `step` is on its way
+        while the caller goes on."""
+        self._due.flush()
+        self._due.put(step)
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        self._drop()
+        if self.events and not self._aborted:
+            self.events.emit(EV_PUSH_FAILED, rank=self.rank, step=step,
+                             peer=f"{self.peer[0]}:{self.peer[1]}", error=str(exc))
+
     def _push_step(self, step: int) -> None:
+        if self._aborted:
+            return
         try:
             with self.store.lease(step) as snap:
                 if snap is not None:
                     self._push(snap)
                     self.acked_step = snap.step
         except (HpctError, OSError) as exc:
-            self._drop()
-            if self.events:
-                self.events.emit(EV_PUSH_FAILED, rank=self.rank, step=step,
-                                 peer=f"{self.peer[0]}:{self.peer[1]}", error=str(exc))
+            self._failed(step, exc)
+
+    def _connect(self) -> None:
+        if self._sock is None:
+            sock = _connect(self.peer, self.timeout)
+            with self._sock_lock:
+                if self._aborted:
+                    sock.close()
+                    raise HpctError("the pusher was aborted")
+                self._sock = sock
+            self._chan = P.client_hello(self._sock, self.secret, self.job_id, self.timeout)
 
     def _push(self, snap: Snapshot) -> None:
-        if self._sock is None:
-            self._sock = _connect(self.peer, self.timeout)
-            self._chan = P.client_hello(self._sock, self.secret, self.job_id, self.timeout)
-        assert self._chan is not None
+        self._connect()
+        assert self._sock is not None and self._chan is not None
         push_replica(self._sock, self._chan, self.rank, snap, self.timeout)
 
     def _drop(self) -> None:
@@ -530,6 +563,19 @@ class ReplicaPusher:
     def flush(self) -> None:
         """Wait until every queued push has finished (or failed)."""
         self._due.flush()
+
+    def abort(self) -> None:
+        """End now: a push still waiting for its acknowledgement is cut off rather than waited
+        for (a holder that died would keep it waiting for the whole timeout); the holder
+        drops a torn frame and keeps its previous copy."""
+        with self._sock_lock:
+            self._aborted = True
+            sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._due.close()
+        self._drop()
 
     def close(self) -> None:
         self._due.close()

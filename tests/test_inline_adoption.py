@@ -112,3 +112,24 @@ def test_a_newcomer_reads_back_the_losses_its_rank_recorded(tmp_path):
     assert recorded_losses(events, rank=2, upto=2) == {0: 4.0, 1: 3.25, 2: 3.0}
     assert recorded_losses(events, rank=0, upto=9) == {}
     assert recorded_losses(tmp_path / "absent", rank=2, upto=9) == {}
+
+
+def test_a_settled_store_lets_go_of_the_live_tensors_it_watched():
+    """What main() ran before is let go when it runs again (on a GPU, the old model's memory
+    beside the new one): after an overlapped commit the store's watch holds the live
+    parameters' memory; forget_live lets it go, and the snapshot stays."""
+    from hpct_slurm.recovery.snapshot import SnapshotStore
+    from hpct_slurm.recovery.state import TrainState
+
+    model = torch.nn.Linear(4, 4)
+    store = SnapshotStore(TrainState(model=model), scopes=("shared",))
+    store.commit_async(0)
+    store.wait()
+
+    def held() -> set[int]:
+        return {t.data_ptr() for t in store._async_watch.tensors}
+
+    assert model.weight.data_ptr() in held()  # the control: the commit's watch holds it
+    store.forget_live()
+    assert held() == set()
+    assert store.latest() is not None and store.latest().step == 0

@@ -577,6 +577,7 @@ class Job:
         main() runs again and builds its objects anew, and `Job(...)` rebinds them."""
         self.state.unregister(*self._own_names)
         self._group.forget_model()
+        self.snapshots.forget_live()  # settled: _recover and _done waited for the last copy
         self._rerun = True
         self._released_at = time.time()
 

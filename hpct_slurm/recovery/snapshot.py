@@ -455,6 +455,15 @@ class SnapshotStore:
 
         threading.Thread(target=work, name="hpct-snapshot", daemon=True).start()
 
+    def forget_live(self) -> None:
+        """Let go of the live tensors the last overlapped commit watched, once it is settled:
+        the inline form (Job.main) drops the objects they belong to when main() runs again,
+        and on a GPU a reference kept here would hold the old model's memory beside the new."""
+        with self._watch_lock:
+            self._async_watch = Unchanged([])
+            self._ordered = None
+        self._late_marks = []
+
     def prepare_lazy(self, step: int) -> None:
         """Hold step `step` without copying the big state: what can still change before the
         next optimizer step is copied now (`_begin`), and the parameters and optimizer state

@@ -73,7 +73,8 @@ def test_node_crash_at_a_random_step_recovers_bit_identical(cluster, reference, 
         # one holder per shard: rank 2's state came from its ring copy on n1, half the ring away
         assert src.split(":")[0] == n1, src
         stored = [e for e in rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
-        assert stored and max(e["nbytes"] for e in stored) > 64 * 1024
+        # the whole shard (~62 KB of parameters and Adam state), not just a position's bytes
+        assert stored and max(e["nbytes"] for e in stored) > 32 * 1024
     else:
         # HSDP: rank 2 = (replicate=1, shard=0); its shard key's other holder is rank 0 on
         # n1, and no replica of the model state was kept anywhere in steady state: the

@@ -260,17 +260,13 @@ class Generation:
         registered, watched, and its replicate dimensions inferred where not given. In the
         inline form (`late`) the mesh is the one its DTensor parameters live on; a model
         without any is plain data parallelism."""
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.bind(model, optimizer, lr_scheduler)
         if self.late:
             # the mesh of this run of main(), read afresh: the last run's is gone (a mesh
             # made here as well would advance torch's group numbering past the names a
             # fresh replacement uses for the script's own: measured, one more round)
             self.mesh = model_mesh(model)
             if self.mesh is None:  # plain data parallelism, registered late
-                self.state.register(model=model, optimizer=optimizer)
-                self.policy.watch_optimizer(optimizer)
-                if lr_scheduler is not None:
-                    self.state.register(lr_scheduler=lr_scheduler)
                 self.policy.set_mode(self.policy.data_parallel_mode())
                 self.hook_model(force=True)
                 return
@@ -280,10 +276,6 @@ class Generation:
             self.policy.set_mode(self.policy.sharded_mode(self.mesh_spec))
         spec = self.mesh_spec
         assert spec is not None
-        self.state.register(model=self.model, optimizer=self.optimizer)
-        self.policy.watch_optimizer(self.optimizer)
-        if self.lr_scheduler is not None:
-            self.state.register(lr_scheduler=self.lr_scheduler)
         if self.replicate_given is None:
             inferred = infer_replicate(spec.names, self.model.parameters())
             if inferred != spec.replicate:
@@ -301,6 +293,17 @@ class Generation:
         self.state.unregister("model", "optimizer", "lr_scheduler")
         self.model = self.optimizer = self.lr_scheduler = self.mesh = None
         self.state.mesh = None
+
+    def bind(self, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
+        """Hold these as this generation's model, optimizer and scheduler (a sharded build's,
+        or what a run of the inline form's main() made): registered as shared state, the
+        optimizer watched (SnapshotPolicy.watch_optimizer)."""
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        if model is not None:
+            self.state.register(model=model, optimizer=optimizer)
+            self.policy.watch_optimizer(optimizer)
+        if lr_scheduler is not None:
+            self.state.register(lr_scheduler=lr_scheduler)
 
     def forget_model(self) -> None:
         """Drop the model, optimizer and scheduler given (the inline form's main() builds

@@ -72,6 +72,8 @@ from .transfer import TransferServer
 
 T = TypeVar("T")
 _SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes positionally
+# What a failed step or formation raises: the whole group restarts in place, or re-forms
+_FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
 
 
@@ -460,7 +462,7 @@ class Job:
             try:
                 self._adopt(msg)
                 last = train(msg.restore_step + 1)
-            except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
+            except _FAULTS as exc:
                 failure, where = _describe(exc), _where(exc)
             if failure is None:
                 self._done(last)
@@ -519,7 +521,7 @@ class Job:
                 failure = where = ""
                 try:
                     result = fn()
-                except (RuntimeError, _Stopped, HpctError, dist.DistStoreError) as exc:
+                except _FAULTS as exc:
                     job = Job._main
                     if job is None or job.rank < 0:
                         raise  # no rank held yet: nothing to recover, the error is the script's
@@ -596,13 +598,7 @@ class Job:
             raise HpctError("main() made its Job with other state or another seed when it ran "
                             "again after a fault: it must register the same objects each run")
         self.state.register(**extra)
-        if model is not None:
-            self.state.register(model=model, optimizer=optimizer)
-            self._policy.watch_optimizer(optimizer)
-        if lr_scheduler is not None:
-            self.state.register(lr_scheduler=lr_scheduler)
-        self._group.model, self._group.optimizer = model, optimizer
-        self._group.lr_scheduler = lr_scheduler
+        self._group.bind(model, optimizer, lr_scheduler)
         if build is not None:
             self._group.rebuild_with(build)
 

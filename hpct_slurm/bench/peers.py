@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 from ..errors import HpctError
 from ..localcluster import LocalCluster
-from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, back_at, back_to_speed, cancel,
+from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, back_at, back_to_speed, cancel, collect,
                                  crash_at, ready_cluster, step_events, submit, wait_finished)
 from . import peers_driver
 from .common import write_result
@@ -191,16 +191,7 @@ def yardstick(system: str, run_dir: Path, steps: Sequence[dict],
 
 def params(run_dir: Path) -> dict[int, str]:
     """Every rank's final parameters digest; an HpctError naming the first missing one."""
-    import json
-
-    out = {}
-    for r in range(ACTIVE):
-        path = run_dir / "results" / f"rank{r}.json"
-        if not path.exists():
-            raise HpctError(f"rank {r} wrote no result under {run_dir}: the run failed; see "
-                            f"{run_dir}/slurm-*.out and the logs there")
-        out[r] = json.loads(path.read_text())["params_sha256"]
-    return out
+    return {r: res["params_sha256"] for r, res in collect(run_dir, ACTIVE).items()}
 
 
 # ---- running the systems -----------------------------------------------------------------

@@ -30,6 +30,7 @@ CASES = {
     "transfer": (["--quick", "--smoke"], {"bench", "throughput_ratio"}),
     "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
     "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
+    "gradients": (["--smoke"], {"bench", "step_s", "vs_torch_ddp", "all_reduce_calls_per_step"}),
 }
 
 
@@ -81,6 +82,10 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
         assert tcp["client_ops_of_one_rank_last_run"] == {"set": 1, "wait": 3, "get": 3}
     else:
         assert record["smoke"] is True
+    if name == "gradients":
+        # counted in the ranks: one all_reduce per gradient before, one per chunk now
+        calls = summary["all_reduce_calls_per_step"]
+        assert calls["per_parameter"] == summary["gradients"] > calls["canonical"] == 1
 
 
 @pytest.mark.parametrize("argv,message", [

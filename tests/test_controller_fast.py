@@ -412,6 +412,32 @@ def test_generation_0_is_assigned_once_when_spares_register_with_the_last_member
     run(scenario)
 
 
+def test_a_member_lost_before_generation_0_is_replaced_without_a_round(tmp_path):
+    """Issue 30: a node that dies while the ranks register. Its survivors hold no generation
+    and would never answer a STOP: a round used to fence them "not ready (registering)" and
+    requeue the job. Now the spare takes the position and generation 0 starts."""
+    async def scenario():
+        c = FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1)
+        c.register_gate = asyncio.Event()
+        async with c:
+            await c.until(lambda: len(c.ctl.unregistered) == 3, "3 connections")
+            await c.crash("a1")  # before any rank registered
+            c.register_gate.set()
+            [ev] = await c.until(lambda: c.events("fault.before_start"), "fault.before_start")
+            assert ev["lost"] == ["a1"] and ev["taken"] == {"a1": "s1"}
+            a = await c.assigned("s1", 0)
+            assert (a.rank, a.world_size, a.restore_step, a.members) == (
+                1, 2, -1, ["localhost", "s1"])
+            assert [x.generation for x in c.rank("localhost").assigns] == [0]
+            assert c.rank("localhost").stops == []  # nothing to stop: nothing had formed
+            assert not c.events("fault.fenced") or all(
+                e["node"] == "a1" for e in c.events("fault.fenced"))
+            assert not c.events("recovery.failed") and not c.events("fault.second")
+            await c.train(["localhost", "s1"], 2)
+            assert await c.finish() == 0
+    run(scenario)
+
+
 def test_a_spare_takes_the_lost_rank_and_restores_from_the_survivors_holdings(tmp_path):
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:

@@ -132,6 +132,7 @@ class RoundHost(RecoveryRound, Connections):
         self.dead_nodes: set[str] = set()
         self.pending_faults: dict[str, str] = {}
         self.recovering, self.recovery, self.stalled_restarts = True, None, 0
+        self.gen0_scheduled = True  # a job that started: its members hold generation 0
         self.first_step_reports: dict[int, int] = {}
         self.said_done: set[int] = set()
         self.answers = answers

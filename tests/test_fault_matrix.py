@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
-                                          release_requeued, release_when_pending,
+                                          last_step, release_requeued, release_when_pending,
                                           rank_events, recomputed_steps, step_events, submit,
                                           wait_job, wait_step)
 
@@ -91,6 +91,61 @@ def test_sigstop_hang_is_fenced_and_replaced(cluster, reference, tmp_path):
     faults = [e for e in controller_events(tmp_path) if e["event"] == "fault.detected"]
     assert faults[0]["node"] == "n2" and faults[0]["reason"].startswith("no heartbeat")
     assert _fenced(tmp_path)["n2"] == "step cancelled"
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_stale_rank_resumed_after_the_new_generation_formed_changes_nothing(
+        cluster, reference, tmp_path):
+    """Issue 30: n2's whole step is stopped (its slurmstepd and its rank), so the fence's
+    cancel cannot land (scancel waits on the stopped slurmstepd) and the round goes on without
+    it. The rank is resumed once the next generation trains: it still believes in generation
+    0, its peers' ends of its connections are cut, its controller link is closed. It must
+    leave without changing anything: no second fault, no second round, no rollback, training
+    bit-identical."""
+    ref = reference(4)
+    jid = _start(cluster, tmp_path)
+    wait_step(tmp_path, 10)
+    rank_pid = _pid_of(tmp_path, "n2")
+    stepd = _parent(rank_pid)
+    with open(f"/proc/{stepd}/cmdline", "rb") as f:
+        assert b"slurmstepd" in f.read(), "the rank's parent is not its slurmstepd"
+    os.kill(stepd, signal.SIGSTOP)
+    os.kill(rank_pid, signal.SIGSTOP)
+    resumed_at = None
+    try:
+        deadline = time.monotonic() + 120
+        while not [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"]:
+            assert time.monotonic() < deadline, "no recovery while n2's step was stopped"
+            time.sleep(0.1)
+        done = [e for e in controller_events(tmp_path) if e["event"] == "recovery.done"][0]
+        # the new generation trains a few steps past its restore step, then the stale rank runs
+        wait_step(tmp_path, last_step(tmp_path) + 3)
+        resumed_at = time.time()
+        os.kill(rank_pid, signal.SIGCONT)
+        time.sleep(4.0)  # the stale rank's own time: collectives fail, link closed, leaving
+    finally:
+        for pid in (rank_pid, stepd):  # the cancel lands once slurmstepd runs again
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    wait_job(cluster, jid, tmp_path, 240, label="stale-rank")
+    assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
+    assert recomputed_steps(tmp_path) == 0
+    evs = controller_events(tmp_path)
+    assert done["taken"] == {"n2": "n5"}
+    assert [e["taken"] for e in evs if e["event"] == "recovery.done"] == [{"n2": "n5"}]
+    assert [e["node"] for e in evs if e["event"] == "fault.detected"] == ["n2"]
+    assert not [e for e in evs if e["event"].startswith("escalate.")]
+    # the stale process really ran after it was resumed (else this proves nothing), and
+    # reported nothing the new generation took: it ended in generation 0
+    stale = [e for e in rank_events(tmp_path, "n2") if e["t"] > resumed_at]
+    assert stale, "the stopped rank never ran again after SIGCONT"
+    assert all(e.get("generation", 0) == 0 for e in stale), stale
 
 
 def test_cut_link_partitioned_node_is_downed(cluster, reference, tmp_path):

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 
@@ -383,9 +384,12 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
     def fetch_then_hold(self, *args):
         out = fetch(self, *args)
         conn.send((node, "fetched", sorted(_listening_ports() - {shard.address[1]})))
-        conn.recv()  # the test has killed the victim: now connect
+        if conn.recv() == "connect, then stop":  # the test has killed the victim: connect
+            # the STOP the controller would send a moment later, on the thread that gets it
+            threading.Timer(0.5, lambda: woken.append(pg.wake_connecting())).start()
         return out
 
+    woken: list[int] = []
     gather.FormationStore._fetch = fetch_then_hold
     conn.send((node, "ready", None))
     conn.recv()
@@ -397,12 +401,16 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
                 collective_timeout=datetime.timedelta(seconds=FORM_COLLECTIVE_S))
     except RuntimeError as exc:
         failure = str(exc).splitlines()[0]
+    seconds = time.monotonic() - t0
     pg.teardown()
-    conn.send((node, "failed", (failure, time.monotonic() - t0)))
+    conn.send((node, "failed", (failure, seconds, woken)))
 
 
+@pytest.mark.parametrize("stop", [False, True], ids=["no-stop", "stop-wakes-pairs"])
 def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the_collective_timeout(
-        tmp_path):
+        tmp_path, stop):
+    """Without a STOP the survivors wait out gloo's connect timeout; with one (issue 30: a
+    STOP must end the formation wherever it is), pg.wake_connecting ends it at once."""
     nodes = JOB_NODES[:3]
     conns, procs = _start_nodes(tmp_path, _dies_after_its_address_worker, nodes)
     try:
@@ -419,13 +427,21 @@ def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the
         procs[victim].join(timeout=TIMEOUT_S)
         survivors = [n for n in nodes if n != victim]
         for n in survivors:
-            conns[n].send("connect")
+            conns[n].send("connect, then stop" if stop else "connect")
         got = _collect(conns, survivors, "failed")
+        if stop:
+            # 0.5 s after the connect began the STOP woke every pair: each survivor's pair
+            # for the dead member took its own wake-up call, and init ended (formed on a
+            # closed socket or failed, either way at once); the caller then sees the STOP.
+            assert all(woken == [len(nodes) - 1] for _, _, woken in got.values()), got
+            assert not any("Connect timeout" in (f or "") for f, _, _ in got.values()), got
+            assert all(seconds < 0.5 + 3 for _, seconds, _ in got.values()), got
+            return
         # Each survivor listened for the dead member and gave up after 5 x its pair's timeout
         # (the collective timeout). Before the fix: 5 x the init timeout (here 600 s: the
         # pipe wait above fails first).
-        assert all("Connect timeout" in (f or "") for f, _ in got.values()), got
-        assert all(seconds < 5 * FORM_COLLECTIVE_S + 10 for _, seconds in got.values()), got
+        assert all("Connect timeout" in (f or "") for f, _, _ in got.values()), got
+        assert all(seconds < 5 * FORM_COLLECTIVE_S + 10 for _, seconds, _ in got.values()), got
     finally:
         for p in procs.values():
             if p.is_alive():

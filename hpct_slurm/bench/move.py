@@ -93,7 +93,7 @@ def run(out: Path, quick: bool = False, root: Path = Path("/tmp/hpct-bench-clust
     steps = 120
     cluster = ready_cluster(root, NODES, who="bench move")
     try:
-        work = out / "move-runs"
+        work = root / "bench-move" / time.strftime("%Y%m%d-%H%M%S")  # never a stale run
         ref_dir = work / "reference"
         wait_job(cluster, _submit(cluster, ref_dir, steps), ref_dir, 300, label="reference")
         reference = collect(ref_dir, ACTIVE)

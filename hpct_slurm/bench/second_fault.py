@@ -73,7 +73,7 @@ def run(out: Path, quick: bool = False, root: Path = BENCH_ROOT, down: bool = Fa
 
     runs_n = len(PHASES) if quick else 20
     cluster = ready_cluster(root, NODES, who="bench second_fault")
-    work = out / "second-fault-runs"
+    work = root / "bench-second-fault" / time.strftime("%Y%m%d-%H%M%S")  # never a stale run
     try:
         ref_dir = work / "reference"
         wait_job(cluster, submit(cluster, ref_dir, TEMPLATE, TRAIN, nodes=ACTIVE,

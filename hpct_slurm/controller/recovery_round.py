@@ -37,7 +37,7 @@ from .lifecycle import Lifecycle, fold
 from .options import Options
 from .pacing import AssignView, compact_members
 from .policy import (RecoveryDecision, RecoveryRecord, SurvivorReport, World, data_ranks,
-                     decide_recovery)
+                     decide_recovery, replace)
 
 RANK_DIR_RE = re.compile(r"rank[0-9]{1,9}")  # ASCII digits: '²'.isdigit() but int('²') fails
 
@@ -101,12 +101,17 @@ class RecoveryRound:
                     self.recovering = False
                 if self.pending_faults:
                     self.fault_event.set()
+                else:
+                    self._maybe_start()  # a member replaced before generation 0 started
 
     async def _recover(self) -> None:
         """One recovery round, phase by phase: the I/O here, the decision in
         policy.decide_recovery."""
         r = await self._take_faults()
         if r is None:
+            return
+        if self.world.generation == 0 and not self.gen0_scheduled:
+            await self._replace_before_start(r)
             return
         await self._stop_and_fence(r)
         await self._survivors_ready(r)
@@ -138,6 +143,25 @@ class RecoveryRound:
             self.events.emit(Ev.FAULT_IN_PROCESS, nodes=in_place,
                              generation=self.world.generation)
         return Round(rec, lost, lost_spares, in_place, lost_active)
+
+    async def _replace_before_start(self, r: Round) -> None:
+        """A member lost before generation 0 was assigned (its node died while the ranks
+        registered): nobody has formed or trained anything, so there is nothing to stop or
+        wait for. Its position goes to a ready spare (the same placement as a round's), and
+        generation 0 starts once that spare's ranks are in. Before this, such a fault ran a
+        round: the registering survivors never answered a STOP (they hold no generation), so
+        they were fenced as "not ready" after the ready timeout and the job requeued."""
+        for node in r.lost_active:
+            await self._fence(node, r.lost[node])
+        ready = [s for s in self.world.spares if self._node_ready(s)]
+        rep = replace(self.world, r.lost_active, ready)  # raises when too few: escalation
+        for lost_node, spare in rep.taken.items():
+            self.shards[spare] = self.shards.pop(lost_node)
+        self.world.members, self.world.spares = rep.members, rep.spares
+        self.world.lost += r.lost_active
+        self.events.emit(Ev.FAULT_BEFORE_START, lost=r.lost_active, taken=rep.taken,
+                         reasons={n: r.lost[n] for n in r.lost_active})
+        self._maybe_borrow()  # generation 0 starts once this round is over (_faults)
 
     async def _stop_and_fence(self, r: Round) -> None:
         """STOP to every survivor (naming the lost addresses, whose connections it cuts), then

@@ -76,7 +76,11 @@ def ready_cluster(root: Path, nodes: int, who: str = "this benchmark") -> LocalC
 def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
            nodes: int | str = NODES, env: dict[str, str] | None = None) -> int:
     """Submit `script ARGS...` on `nodes` nodes with `run_dir` as its run dir (HPCT_RUN_DIR)
-    and working directory; the job id."""
+    and working directory; the job id. A run directory that holds a run already is refused:
+    its events would read as the new run's (a step reached, a snapshot to resume from)."""
+    if (run_dir / "controller.jsonl").exists() or (run_dir / "events").exists():
+        raise HpctError(f"{run_dir} holds a run already (controller.jsonl or events/): "
+                        f"give each job a fresh run directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
     env = {"HPCT_BIN": str(bindir / "hpct-slurm"), "HPCT_PYTHON": sys.executable,

@@ -178,12 +178,24 @@ class Generation:
         if fault is not None:
             fault.at("store", a.rank)
         # A STOP while the group forms (a member lost meanwhile) must interrupt the formation,
-        # as it interrupts a collective: the rootless store aborts its pending requests. (Stock
-        # TCPStore cannot be interrupted: such a rank waits out the init timeout.)
-        client.on_stop = getattr(store, "abort", None)
+        # as it interrupts a collective: the rootless store aborts its pending requests, and
+        # gloo's pairs still waiting in native code for a peer to connect are woken
+        # (pg.wake_connecting). (Stock TCPStore cannot be interrupted: such a rank waits out
+        # the init timeout.)
+        abort_store = getattr(store, "abort", None)
+
+        def interrupt() -> None:
+            if abort_store is not None:
+                abort_store()
+            woken = pg.wake_connecting()
+            if woken:
+                self.events.emit(Ev.RANK_PAIRS_WOKEN, rank=a.rank, generation=a.generation,
+                                 pairs=woken)
+
+        client.on_stop = interrupt
         try:
-            if client.stop_event.is_set() and client.on_stop is not None:
-                client.on_stop()  # the STOP arrived before the hook was in place
+            if client.stop_event.is_set():
+                interrupt()  # the STOP arrived before the hook was in place
             backend, device_id = self.backend()
             pg.init(info, store, backend, shard=shard, device_id=device_id,
                     init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
@@ -191,6 +203,10 @@ class Generation:
                     on_exchanged=(lambda: fault.at("connect", a.rank)) if fault else None)
         finally:
             client.on_stop = None
+        if client.stop_event.is_set() and client.stop_generation >= a.generation:
+            # formed after all (the wake let the last pairs "connect" to closed sockets): the
+            # generation is stopped, so leave it as from a formation the STOP failed
+            raise _Stopped(client.stop_reason)
         if self._build is not None:
             self.build()
         elif self.late:
@@ -462,19 +478,49 @@ class _collective:
             self.client.state = "running"
 
 
-def _per_parameter_allreduce(client, bucket):  # DDP checks hook annotations: leave them off
-    """DDP comm hook: average each parameter's gradient with its own allreduce. Each sum then
-    depends only on that parameter's tensor, never on how DDP grouped it into buckets."""
-    with _collective(client):
-        average_gradients(bucket.gradients(), dist.get_world_size(), concurrent=True)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+class _CanonicalReduce:
+    """The state of the fixed-order DDP's comm hook: every bucket's gradients are reduced
+    together, once the step's last bucket is ready, in the layout of `average_gradients`
+    (parameter order, fixed chunks), so the sums never depend on DDP's buckets, which differ
+    between a fresh DDP's first step and its later ones (rebuilt from the order gradients
+    became ready). The other buckets' futures wait until then; DDP waits on all of them at
+    the end of the backward pass anyway."""
+
+    def __init__(self, client: CoordinationClient, model: torch.nn.Module):
+        self.client = client
+        self.index = {id(p): i for i, p in enumerate(model.parameters())}
+        self.waiting: list[tuple[Any, torch.futures.Future]] = []
+
+    def __call__(self, bucket: Any) -> "torch.futures.Future[torch.Tensor]":
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.waiting.append((bucket, fut))
+        if not bucket.is_last():
+            return fut
+        waiting, self.waiting = self.waiting, []
+        pairs = []
+        for b, _ in waiting:
+            for p, g in zip(b.parameters(), b.gradients()):
+                i = self.index.get(id(p))
+                if i is None:
+                    raise HpctError(f"DDP bucket holds a parameter of shape {tuple(p.shape)} "
+                                    f"that is not the model's: cannot place it in the fixed "
+                                    f"reduction order")
+                pairs.append((i, g))
+        pairs.sort(key=lambda ig: ig[0])
+        with _collective(self.client):
+            average_gradients([g for _, g in pairs], dist.get_world_size())
+        for b, f in waiting:
+            f.set_result(b.buffer())
+        return fut
+
+
+def _canonical_allreduce(state, bucket):  # DDP checks hook annotations: leave them off
+    return state(bucket)
 
 
 def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient,
                      options: dict[str, Any] | None = None
                      ) -> "torch.nn.parallel.DistributedDataParallel":
     ddp = torch.nn.parallel.DistributedDataParallel(model, **(options or {}))
-    ddp.register_comm_hook(client, _per_parameter_allreduce)
+    ddp.register_comm_hook(_CanonicalReduce(client, model), _canonical_allreduce)
     return ddp

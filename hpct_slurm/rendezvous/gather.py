@@ -87,6 +87,9 @@ class GatherPlan:
         self.fetched: set[str] = set()
         self.cache: dict[str, bytes] = {}
         self.held: tuple[str, bytes] | None = None  # this rank's own key, not sent yet
+        # What this rank wrote under its last gloo head: its pairs' addresses, which a STOP
+        # in the connect phase reads to wake them (gloo_wake.py).
+        self.own_gloo_value: bytes | None = None
         # Heads whose own key was held: written over the shard grid, and read back that way.
         self.grid_heads: set[str] = set()
         self.formation_heads: frozenset[str] = frozenset()  # set by finish()
@@ -108,6 +111,7 @@ class GatherPlan:
             if not _GLOO_HEAD.search(parts[0]):
                 return False
             self.held = (key, value)
+            self.own_gloo_value = value
             self.grid_heads.add(parts[0])
             return True
 

@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as dist_c10d
 from torch.distributed.distributed_c10d import _abort_process_group, _set_pg_timeout
 
 from ..errors import HpctError
-from . import gather
+from . import gather, gloo_wake
 from .derive import RendezvousInfo
 from .store import ShardServer
 
@@ -49,6 +49,8 @@ class _Formed:
 
 
 _formed: _Formed | None = None
+# The gathering store of a formation in progress: what a STOP's wake_connecting() reads.
+_forming: "gather.FormationStore | None" = None
 # Held while the default group changes hands (formed, aborted, destroyed): a STOP's abort runs
 # on the thread that receives it, while the main thread may be tearing the same group down.
 _lock = threading.Lock()
@@ -101,7 +103,7 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     `on_exchanged`: called once this process has read the members' addresses (gloo's exchange
     through a gathering store), before its pairs connect (test fault injection: inject.py).
     """
-    global _formed
+    global _formed, _forming
     if dist.is_initialized():
         raise HpctError(f"a process group is already formed (generation "
                         f"{current().generation if current() else '?'}): teardown() first")
@@ -143,7 +145,8 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     # past the controller's 60 s wait for them (issue 30: healthy nodes fenced "not ready
     # (forming)"). Full mesh: the collective timeout (at most 50 s there): a rank connects its
     # pairs one after another, so a busy node gets more room than lazy pairs' fifth of it.
-    # Lazy pairs: see _pair_timeout.
+    # Lazy pairs: see _pair_timeout. A STOP in that connect phase wakes the waiting pairs
+    # (wake_connecting), so the full mesh's timeout only bounds a rank nobody stopped.
     lazy = backend == "gloo" and gathering is not None and gloo_lazy()
     if lazy:
         group_timeout = _pair_timeout(collective_timeout)
@@ -152,6 +155,8 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     else:
         group_timeout = init_timeout
     try:
+        with _lock:
+            _forming = gathering
         dist.init_process_group(backend, store=prefixed, rank=info.rank,
                                 world_size=info.world_size, timeout=group_timeout, **kwargs)
         if gathering is not None:
@@ -166,12 +171,34 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
         _release(_Formed(info, store, shard))
         _reset_group_count()
         raise
+    finally:
+        with _lock:
+            _forming = None
     group = dist.group.WORLD
     if collective_timeout != group_timeout:
         _set_pg_timeout(collective_timeout, group)
     with _lock:
         _formed = _Formed(info, store, shard, gathering)
     return group
+
+
+def wake_connecting() -> int:
+    """For the thread that receives a STOP: wake every gloo pair of the formation in progress
+    in this process that still waits in native code for its peer to connect (gloo_wake.py),
+    so that init returns now instead of after 5x the pair timeout. 0 when no formation is in
+    its connect phase here (none in progress, the exchange not done, not gloo's tcp)."""
+    with _lock:
+        forming = _forming
+    if forming is None:
+        return 0
+    own = forming.plan.own_gloo_value
+    if own is None:
+        return 0  # the exchange is not over: the store's abort ends it
+    try:
+        published = gloo_wake.parse(own, forming.plan.world_size)
+    except ValueError:
+        return 0  # not the gloo this was written for: its own timeout ends the wait
+    return gloo_wake.wake(published, forming.plan.rank, range(forming.plan.world_size))
 
 
 def backend_name() -> str:

@@ -1,0 +1,116 @@
+"""Wake this rank's gloo pairs that wait, in native code, for a peer that will never connect.
+
+gloo forms its full mesh in `init_process_group`: after the address exchange every rank
+connects its pairs one after another, and on the side of a pair that listens, gloo waits for
+the peer to connect up to 5x the pair's timeout (`tcp/pair.h`, "Connect timeout"), in C++,
+with the GIL released: nothing in Python can interrupt it, and the store's abort no longer
+reaches it (the exchange is over). A member that died after the exchange therefore held every
+survivor there for 5 x 10 s (issue 30) while the controller waited for their ready reports.
+
+The wake uses gloo's own handshake instead (torch 2.13's gloo, `tcp/listener.cc`,
+`tcp/context.cc`): a connecting peer opens a TCP connection to the listener's address and
+writes one 8-byte sequence number, the one the listening rank published for that peer, and
+the listener hands the socket to the pair waiting under that number. On a STOP for the
+generation being formed, this rank connects to its *own* listener once per peer, writes the
+number it published for that peer, and closes the connection: every pair still waiting is
+"connected" to a socket already closed, `connectFullMesh` returns (or fails at once), and
+the rank goes to recovery as it does from a store aborted earlier in the formation (the
+caller checks the STOP right after init). Pairs already connected are untouched: the listener
+keeps the extra socket unused until the group is destroyed. Only this process's own listener
+is ever contacted, and only for a formation the controller has already stopped.
+
+What this rank published (gloo's `tcp::Rank::bytes`, read back by `parse`):
+  u64 hostname size | hostname | u64 address size | sockaddr_storage (128) + u64 seq (-1) |
+  one ssize_t pair sequence number per rank (none when GLOO uses ranks as sequence numbers)
+Anything else (another gloo, another transport) is refused by `parse` with the reason, and the
+rank then waits out gloo's own timeout as before: the wake is an optimisation, never a
+dependency.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+import struct
+from collections.abc import Iterable
+
+_U64 = struct.Struct("=Q")
+_SOCKADDR_STORAGE = 128
+_ADDRESS_SIZE = _SOCKADDR_STORAGE + _U64.size  # tcp::Address: sockaddr_storage + sequence
+_MAX_HOSTNAME = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """One rank's gloo addresses: its listener and its pairs' sequence numbers."""
+    hostname: str
+    host: str
+    port: int
+    pair_seqs: tuple[int, ...]  # empty: gloo uses the connecting rank as the number
+
+    def seq_for(self, peer: int) -> int:
+        """The number peer `peer` would write when connecting to this rank."""
+        return self.pair_seqs[peer] if self.pair_seqs else peer
+
+
+def parse(raw: bytes, world_size: int) -> Published:
+    """What one rank wrote for gloo's full mesh. ValueError naming what does not fit."""
+    off = 0
+
+    def u64(what: str) -> int:
+        nonlocal off
+        if off + _U64.size > len(raw):
+            raise ValueError(f"gloo rank info ends before its {what} ({len(raw)} bytes)")
+        (value,) = _U64.unpack_from(raw, off)
+        off += _U64.size
+        return value
+
+    name_size = u64("hostname size")
+    if name_size > _MAX_HOSTNAME or off + name_size > len(raw):
+        raise ValueError(f"gloo rank info: hostname size {name_size} does not fit "
+                         f"{len(raw)} bytes")
+    hostname = raw[off:off + name_size].decode("utf-8", "replace")
+    off += name_size
+    addr_size = u64("address size")
+    if addr_size != _ADDRESS_SIZE or off + addr_size > len(raw):
+        raise ValueError(f"gloo rank info: an address of {addr_size} bytes, not the "
+                         f"{_ADDRESS_SIZE} of gloo's tcp transport")
+    sa = raw[off:off + _SOCKADDR_STORAGE]
+    off += addr_size
+    (family,) = struct.unpack_from("=H", sa, 0)
+    (port,) = struct.unpack_from("!H", sa, 2)
+    if family == socket.AF_INET:
+        host = str(ipaddress.IPv4Address(sa[4:8]))
+    elif family == socket.AF_INET6:
+        host = str(ipaddress.IPv6Address(sa[8:24]))
+    else:
+        raise ValueError(f"gloo rank info: address family {family} is neither IPv4 nor IPv6")
+    if not 0 < port < 65536:
+        raise ValueError(f"gloo rank info: listener port {port}")
+    rest = len(raw) - off
+    if rest % _U64.size:
+        raise ValueError(f"gloo rank info: {rest} trailing bytes are not whole sequence numbers")
+    count = rest // _U64.size
+    if count not in (0, world_size):
+        raise ValueError(f"gloo rank info: {count} pair sequence numbers for a world of "
+                         f"{world_size}")
+    seqs = struct.unpack_from(f"={count}q", raw, off) if count else ()
+    return Published(hostname, host, port, tuple(seqs))
+
+
+def wake(own: Published, rank: int, peers: Iterable[int], timeout_s: float = 1.0) -> int:
+    """Connect to this rank's own listener as each of `peers` would, and hang up at once.
+    Returns how many were delivered (a refused or timed-out one is skipped: the listener is
+    gone with its group, or the pair waits out its own timeout as before)."""
+    woken = 0
+    for peer in peers:
+        if peer == rank:
+            continue
+        try:
+            with socket.create_connection((own.host, own.port), timeout=timeout_s) as s:
+                s.sendall(_U64.pack(own.seq_for(peer) & 0xFFFFFFFFFFFFFFFF))
+                s.shutdown(socket.SHUT_RDWR)
+            woken += 1
+        except OSError:
+            continue
+    return woken

@@ -1,0 +1,94 @@
+"""gloo_wake's reading of what a rank published for gloo's full mesh (pure), and the wake on a
+real listener. The formation it ends is tested in test_rendezvous_pg.py (stop-wakes-pairs)."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+
+from hpct_slurm.rendezvous import gloo_wake
+
+# Rank 0 of a real 3-rank gloo formation over loopback (torch 2.13.0's gloo, FileStore,
+# GLOO_SOCKET_IFNAME=lo): hostname "vm", listener 127.0.0.1:37933, pair numbers 0, 1, 2.
+# The bytes after the address in sockaddr_storage are uninitialised padding in gloo.
+REAL = bytes.fromhex(
+    "0200000000000000766d88000000000000000200942d7f000001000000000000000002ed141305ecf7bf"
+    "020b0e140312030a1e020e11041e021412130e0c1e02001e000000000000000000000000000000000000"
+    "0000000000000000000000000000212e2a2c202bbf2d211e0d0eed08120eecf7f7f4f8ecf0bf22203320"
+    "2b202dbf00000000000000000000000000000000ffffffffffffffff0000000000000000010000000000"
+    "00000200000000000000")
+
+
+def _published(host: str, port: int, seqs: list[int], hostname: bytes = b"node1",
+               family: int = socket.AF_INET, addr_size: int = 136) -> bytes:
+    sa = bytearray(128)
+    struct.pack_into("=H", sa, 0, family)
+    struct.pack_into("!H", sa, 2, port)
+    if family == socket.AF_INET6:
+        sa[8:24] = socket.inet_pton(socket.AF_INET6, host)
+    else:
+        sa[4:8] = socket.inet_aton(host)
+    address = bytes(sa) + struct.pack("=q", -1)
+    return (struct.pack("=Q", len(hostname)) + hostname + struct.pack("=Q", addr_size)
+            + address[:addr_size].ljust(addr_size, b"\0")
+            + b"".join(struct.pack("=q", s) for s in seqs))
+
+
+def test_reads_what_torchs_gloo_published():
+    p = gloo_wake.parse(REAL, 3)
+    assert (p.hostname, p.host, p.port, p.pair_seqs) == ("vm", "127.0.0.1", 37933, (0, 1, 2))
+    assert [p.seq_for(peer) for peer in (1, 2)] == [1, 2]
+
+
+def test_ranks_as_sequence_numbers_and_ipv6():
+    p = gloo_wake.parse(_published("fe80::1", 9000, [], family=socket.AF_INET6), 4)
+    assert (p.host, p.port, p.pair_seqs, p.seq_for(3)) == ("fe80::1", 9000, (), 3)
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"", "ends before its hostname size"),
+    (struct.pack("=Q", 10**9) + b"x", "hostname size"),
+    (_published("10.0.0.1", 5, [0, 1], addr_size=24), "not the 136"),
+    (_published("10.0.0.1", 5, [0, 1], family=1), "address family 1"),
+    (_published("10.0.0.1", 0, [0, 1]), "listener port 0"),
+    (_published("10.0.0.1", 5, [0, 1]) + b"\1\2\3", "trailing bytes"),
+    (_published("10.0.0.1", 5, [0, 1, 2]), "3 pair sequence numbers for a world of 2"),
+])
+def test_anything_else_is_refused_with_the_reason(raw, what):
+    with pytest.raises(ValueError, match=what):
+        gloo_wake.parse(raw, 2)
+
+
+def test_wake_writes_each_peers_number_to_the_own_listener_and_hangs_up():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    got: list[tuple[int, bytes]] = []
+
+    def accept() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while chunk := conn.recv(64):
+                    data += chunk
+                got.append(struct.unpack("=Q", data[:8])[0] if len(data) >= 8 else -1)
+                got[-1] = (got[-1], data[8:])
+
+    t = threading.Thread(target=accept)
+    t.start()
+    own = gloo_wake.parse(_published("127.0.0.1", port, [7, 8, 9]), 3)
+    assert gloo_wake.wake(own, rank=1, peers=range(3)) == 2  # never itself
+    t.join(10)
+    listener.close()
+    # the numbers rank 1 published for peers 0 and 2, nothing after them, then the hang-up
+    assert sorted(got) == [(7, b""), (9, b"")]
+
+
+def test_a_closed_listener_wakes_nobody():
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    own = gloo_wake.parse(_published("127.0.0.1", port, [0, 1]), 2)
+    assert gloo_wake.wake(own, rank=0, peers=[1], timeout_s=0.5) == 0

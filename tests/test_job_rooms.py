@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -544,6 +545,31 @@ def test_a_listening_controller_is_not_gone(tmp_path):
         assert not loss.gone(probe_s=2.0)
     assert [e["rank"] for e in events.named("rank.controller_alive")] == [1]
     assert loss.gone(probe_s=0.3)  # nothing listens there any more
+
+
+@pytest.mark.parametrize("hang_up", ["probe", "plain close"])
+def test_the_probe_of_a_live_controller_hangs_up_without_a_reset(hang_up):
+    """The controller sends its hello as it accepts. Closing a socket with that hello unread
+    makes the kernel reset the connection (the control case shows it), which the controller
+    logs as a stranger's traffic; the probe's hang-up reads it and ends cleanly."""
+    from hpct_slurm.recovery.controller_loss import _hang_up
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname()[:2])
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"hello: a nonce")
+            client.recv(1, socket.MSG_PEEK)  # the hello is in the probe's buffer, unread
+            threading.Timer(0.1, lambda: (_hang_up(client) if hang_up == "probe" else None,
+                                          client.close())).start()
+            try:
+                seen: object = conn.recv(64)
+            except OSError as exc:
+                seen = type(exc)
+    if hang_up == "probe":
+        assert seen == b""  # a clean end of stream
+    else:
+        assert seen is ConnectionResetError
 
 
 def test_the_ranks_requeue_a_job_whose_controller_died_once(tmp_path):

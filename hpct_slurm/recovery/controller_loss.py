@@ -16,6 +16,19 @@ if TYPE_CHECKING:
     from .generation import Standing
 
 
+def _hang_up(s: socket.socket) -> None:
+    """End a probe cleanly: say we are done and read what the controller sent (its hello)
+    until it closes. Closing with that hello unread makes the kernel reset the connection,
+    which the controller logs as `protocol.rejected`, the event meant for strangers."""
+    try:
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(0.5)
+        while s.recv(4096):
+            pass
+    except OSError:
+        pass
+
+
 class ControllerLoss:
     """`controller`: the controller's address as the rank was given it ($HPCT_CONTROLLER);
     `slurm`: this job's SLURM_*; `slurm_client` makes the Slurm client that requeues (the
@@ -34,8 +47,9 @@ class ControllerLoss:
         deadline = time.monotonic() + probe_s
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection((addr.host, addr.port), timeout=1.0):
+                with socket.create_connection((addr.host, addr.port), timeout=1.0) as s:
                     self.events.emit(Ev.RANK_CONTROLLER_ALIVE, rank=self.standing.rank)
+                    _hang_up(s)
                     return False
             except OSError:
                 time.sleep(0.2)

@@ -493,6 +493,8 @@ class _CanonicalReduce:
 
     def __call__(self, bucket: Any) -> "torch.futures.Future[torch.Tensor]":
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if bucket.index() == 0:
+            self.waiting = []  # a backward pass left before its last bucket (a fault) is over
         self.waiting.append((bucket, fut))
         if not bucket.is_last():
             return fut

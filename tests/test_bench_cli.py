@@ -92,7 +92,8 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
     (["replication", "--sizes", "2,4"], "--sizes only applies to the rendezvous benchmark"),
     (["transfer", "--reps", "2"], "--reps only applies to the rendezvous and replication "
                                   "benchmarks"),
-    (["recovery", "--smoke"], "--smoke only applies to cache, gpu, rendezvous, replication, teardown, transfer"),
+    (["recovery", "--smoke"], "--smoke only applies to cache, gpu, gradients, rendezvous, "
+                              "replication, teardown, transfer"),
     (["rendezvous", "--reps", "0"], "--reps 0 must be at least 1"),
 ])
 def test_bench_cli_rejects_options_that_do_not_apply(argv, message, tmp_path, capsys):

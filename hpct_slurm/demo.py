@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 from .localcluster import DEFAULT_ROOT
 from .localcluster.jobs import (NODES, TEMPLATE, VICTIM, RunResult, back_to_speed,
-                                baseline_recomputed, bitwise_equal, collect, ready_cluster,
-                                recomputed_steps, submit, submit_baseline, wait_job)
+                                baseline_recomputed, bitwise_equal, collect, fresh_work_dir,
+                                ready_cluster, recomputed_steps, submit, submit_baseline, wait_job)
 
 
 def _say(msg: str) -> None:
@@ -44,7 +43,7 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
              parallel: str = "ddp") -> dict:
     _say(f"[1/4] local Slurm cluster: {NODES} nodes (4 active + 1 spare) under {root}")
     cluster = ready_cluster(root, NODES, who="the demo")
-    work = root / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    work = fresh_work_dir(root, "demo")
     # ddp: the demo MLP, data parallel; fsdp / hsdp: the sharded job (FSDP2 fully_shard on a
     # 1-D mesh, or HSDP on a 2 x 2 replicate x shard mesh), the same faults and yardsticks
     sharded = [] if parallel == "ddp" else ["--parallel", parallel]

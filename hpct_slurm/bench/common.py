@@ -83,3 +83,10 @@ def plot_bars(path: str | os.PathLike, labels: Sequence[str], values: Sequence[f
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a benchmark's own rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from .common import plot_bars, write_result
+from .common import free_port, plot_bars, write_result
 
 NAME = "gradients"
 WORLD = 4
@@ -103,17 +102,12 @@ def _rank(rank: int, port: int, rounds: int, block: int, q: Any) -> None:
     q.put((rank, times, per_step_calls, n_grads))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     rounds, block = (1, 2) if smoke else (3, 5) if quick else (5, 10)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, rounds, block, q), daemon=True)
              for r in range(WORLD)]
     for p in procs:

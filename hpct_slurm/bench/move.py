@@ -23,8 +23,8 @@ from pathlib import Path
 
 from ..errors import HpctError
 from ..localcluster.jobs import (TEMPLATE, bitwise_equal, cancel, collect, controller_events,
-                                 crash_at, ready_cluster, recomputed_steps, submit, wait_job,
-                                 wait_step)
+                                 crash_at, fresh_work_dir, ready_cluster, recomputed_steps, submit,
+                                 wait_job, wait_step)
 from .common import plot_bars, write_result
 
 NAME = "move"
@@ -93,7 +93,7 @@ def run(out: Path, quick: bool = False, root: Path = Path("/tmp/hpct-bench-clust
     steps = 120
     cluster = ready_cluster(root, NODES, who="bench move")
     try:
-        work = root / "bench-move" / time.strftime("%Y%m%d-%H%M%S")  # never a stale run
+        work = fresh_work_dir(root, "bench-move")
         ref_dir = work / "reference"
         wait_job(cluster, _submit(cluster, ref_dir, steps), ref_dir, 300, label="reference")
         reference = collect(ref_dir, ACTIVE)

@@ -47,7 +47,8 @@ from typing import Callable, Sequence
 from ..errors import HpctError
 from ..localcluster import LocalCluster
 from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, back_at, back_to_speed, cancel, collect,
-                                 crash_at, ready_cluster, step_events, submit, wait_finished)
+                                 crash_at, fresh_work_dir, ready_cluster, step_events, submit,
+                                 wait_finished)
 from . import peers_driver
 from .common import write_result
 from .recovery import BENCH_ROOT
@@ -331,7 +332,7 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT, down: bool 
     cfg = QUICK if quick else FULL
     out_dir = Path(out_dir)
     t_start = time.monotonic()
-    work = root / "bench-peers" / time.strftime("%Y%m%d-%H%M%S")
+    work = fresh_work_dir(root, "bench-peers")
     cluster = ready_cluster(root, NODES, who="bench peers")
     try:
         with contextlib.redirect_stdout(sys.stderr):

@@ -42,8 +42,9 @@ from typing import Callable, Sequence
 from ..errors import HpctError
 from ..localcluster import LocalCluster
 from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, RunResult, back_at, bitwise_equal,
-                                 cancel, collect, controller_events, crash_at, ready_cluster,
-                                 recomputed_steps, submit, submit_baseline, wait_job)
+                                 cancel, collect, controller_events, crash_at, fresh_work_dir,
+                                 ready_cluster, recomputed_steps, submit, submit_baseline,
+                                 wait_job)
 from .common import write_result
 
 NAME = "recovery"
@@ -355,7 +356,7 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
     _say(f"[recovery] local cluster: {NODES} nodes under {root}; state {nbytes / 1e6:.1f} MB; "
          f"{cfg.repeats} repeat(s) of hpct vs restart-all, crash at step {cfg.kill_at}")
     cluster = ready_cluster(root, NODES)
-    work = root / "bench-recovery" / time.strftime("%Y%m%d-%H%M%S")
+    work = fresh_work_dir(root, "bench-recovery")
     # progress to stderr: stdout's last line is the summary
     with contextlib.redirect_stdout(sys.stderr):
         repeats, failed = _measure(cluster, work, cfg, down)

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from ..localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
-                                 rank_events, ready_cluster, submit, wait_job, wait_step)
+                                 fresh_work_dir, rank_events, ready_cluster, submit, wait_job,
+                                 wait_step)
 from ..recovery.inject import PHASES
 from .common import plot_bars, write_result
 from .recovery import BENCH_ROOT
@@ -73,7 +74,7 @@ def run(out: Path, quick: bool = False, root: Path = BENCH_ROOT, down: bool = Fa
 
     runs_n = len(PHASES) if quick else 20
     cluster = ready_cluster(root, NODES, who="bench second_fault")
-    work = root / "bench-second-fault" / time.strftime("%Y%m%d-%H%M%S")  # never a stale run
+    work = fresh_work_dir(root, "bench-second-fault")
     try:
         ref_dir = work / "reference"
         wait_job(cluster, submit(cluster, ref_dir, TEMPLATE, TRAIN, nodes=ACTIVE,

@@ -53,8 +53,8 @@ from typing import Callable, Sequence
 from ..errors import HpctError
 from ..localcluster import LocalCluster
 from ..localcluster.jobs import (TEMPLATE, bitwise_equal, cancel, collect, controller_events,
-                                 last_step, ready_cluster, recomputed_steps, step_events, submit,
-                                 wait_job)
+                                 fresh_work_dir, last_step, ready_cluster, recomputed_steps,
+                                 step_events, submit, wait_job)
 from ..recovery.snapshot import replica_peer
 from .common import plot_bars, write_result
 from .recovery import BENCH_ROOT, spread
@@ -719,7 +719,7 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
     faults = plan(cfg)
     t_start = time.monotonic()
     cluster = ready_cluster(root, NODES)
-    work = root / "bench-stress" / time.strftime("%Y%m%d-%H%M%S")
+    work = fresh_work_dir(root, "bench-stress")
     _say(f"[stress] {len(faults)} fault injections ({sum(f.size for f in faults)} faults: "
          f"{', '.join(f'{k} {n}' for k, n in kind_plan(faults).items())}) into one job of "
          f"{ACTIVE} active + {NODES - ACTIVE} spare nodes under {root}")

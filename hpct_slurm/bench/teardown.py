@@ -14,13 +14,12 @@ import gc
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from .common import plot_bars, write_result
+from .common import free_port, plot_bars, write_result
 
 NAME = "teardown"
 WORLD = 4
@@ -76,16 +75,11 @@ def _rank(rank: int, port: int, hidden: int, layers: int, freeze: bool, q: Any) 
     q.put((rank, "", t))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _once(hidden: int, layers: int, freeze: bool) -> list[dict[str, float]]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, hidden, layers, freeze, q), daemon=True)
              for r in range(WORLD)]
     for p in procs:

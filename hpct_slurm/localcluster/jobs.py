@@ -73,6 +73,12 @@ def ready_cluster(root: Path, nodes: int, who: str = "this benchmark") -> LocalC
     return cluster
 
 
+def fresh_work_dir(root: Path, name: str) -> Path:
+    """Where one invocation of the demo or a benchmark puts its runs: `root/name/<time>`, new
+    each time, so no run directory of an earlier invocation is reused (submit refuses one)."""
+    return root / name / time.strftime("%Y%m%d-%H%M%S")
+
+
 def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
            nodes: int | str = NODES, env: dict[str, str] | None = None) -> int:
     """Submit `script ARGS...` on `nodes` nodes with `run_dir` as its run dir (HPCT_RUN_DIR)

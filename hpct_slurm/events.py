@@ -103,6 +103,8 @@ class Ev(_Name):
     RANK_REQUEUE_FAILED = "rank.requeue_failed"
     RANK_SEVERED = "rank.severed"
     RANK_PAIRS_WOKEN = "rank.pairs_woken"
+    RANK_CARRY_TOO_BIG = "rank.carry_too_big"
+    RANK_STATE_MOVED_AFTER_REDUCE = "rank.state_moved_after_reduce"
     RANK_SEVER_FAILED = "rank.sever_failed"
     FAULT_INJECTED = "fault.injected"
     RANK_ABORTED = "rank.aborted"

@@ -35,6 +35,7 @@ from .sharding import MeshSpec, infer_replicate
 from .state import TrainState
 
 if TYPE_CHECKING:
+    from .carry import Carry
     from .inject import TakerFault
     from .snapshot_policy import SnapshotPolicy
 
@@ -59,6 +60,7 @@ class Standing(Protocol):
     generation: int
     data_ranks: list[int]
     data_world: int
+    step: int  # the step in progress
 
 
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
@@ -346,18 +348,21 @@ class Generation:
         if self._ddp is None:
             if not dist.is_initialized():
                 raise HpctError("job.ddp is only available inside job.run(...)")
-            self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options)
+            self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options,
+                                         lambda: self.policy.carry)
         return self._ddp
 
     def renew_ddp(self) -> None:
         """After a formation and its restore: a script that uses job.ddp gets a DDP module
         bound to the new group (one is bound to its process group)."""
         if self._want_ddp and self.model is not None:
-            self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options)
+            self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options,
+                                         lambda: self.policy.carry)
 
     def allreduce_gradients(self) -> None:
         with _collective(self.standing.client):
-            average_gradients(parameter_gradients(self.model), self.standing.data_world)
+            average_gradients(parameter_gradients(self.model), self.standing.data_world,
+                              self.policy.carry)
 
     # ---- abandoning a doomed step ---------------------------------------------------------
     def _abandon(self) -> None:
@@ -486,8 +491,9 @@ class _CanonicalReduce:
     became ready). The other buckets' futures wait until then; DDP waits on all of them at
     the end of the backward pass anyway."""
 
-    def __init__(self, client: CoordinationClient, model: torch.nn.Module):
-        self.client = client
+    def __init__(self, client: CoordinationClient, model: torch.nn.Module,
+                 carry: Callable[[], Carry | None] = lambda: None):
+        self.client, self.carry = client, carry
         self.index = {id(p): i for i, p in enumerate(model.parameters())}
         self.waiting: list[tuple[Any, torch.futures.Future]] = []
 
@@ -510,7 +516,7 @@ class _CanonicalReduce:
                 pairs.append((i, g))
         pairs.sort(key=lambda ig: ig[0])
         with _collective(self.client):
-            average_gradients([g for _, g in pairs], dist.get_world_size())
+            average_gradients([g for _, g in pairs], dist.get_world_size(), self.carry())
         for b, f in waiting:
             f.set_result(b.buffer())
         return fut
@@ -521,8 +527,9 @@ def _canonical_allreduce(state, bucket):  # DDP checks hook annotations: leave t
 
 
 def _fixed_order_ddp(model: torch.nn.Module, client: CoordinationClient,
-                     options: dict[str, Any] | None = None
+                     options: dict[str, Any] | None = None,
+                     carry: Callable[[], Carry | None] = lambda: None
                      ) -> "torch.nn.parallel.DistributedDataParallel":
     ddp = torch.nn.parallel.DistributedDataParallel(model, **(options or {}))
-    ddp.register_comm_hook(_CanonicalReduce(client, model), _canonical_allreduce)
+    ddp.register_comm_hook(_CanonicalReduce(client, model, carry), _canonical_allreduce)
     return ddp

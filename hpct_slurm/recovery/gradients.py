@@ -16,7 +16,7 @@ step's largest cost (4 loopback ranks, a 28-tensor model: 130 ms a DDP step redu
 tensor, 20.6 ms in one buffer, 22.0 ms for torch's own DDP; `hpct-slurm bench gradients`)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ import torch.distributed as dist
 # while keeping the count of collectives small. Part of the layout: every rank and generation
 # must use the same value (a setting would let two ranks differ).
 CHUNK_BYTES = 32 << 20
+
+if TYPE_CHECKING:
+    from .carry import Carry
 
 
 def chunk_layout(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
@@ -48,12 +51,20 @@ def chunk_layout(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
     return chunks
 
 
-def average_gradients(grads: Iterable[torch.Tensor | None], world: int) -> None:
+def average_gradients(grads: Iterable[torch.Tensor | None], world: int,
+                      carry: Carry | None = None) -> None:
     """Sum the gradients (None ones skipped) over the process group in the fixed layout of
     `chunk_layout`, every chunk's all_reduce started before any is waited for, and divide them
     by `world` (the data-parallel world the batch was split over, which after an elastic
-    shrink is not the group's size). In place."""
+    shrink is not the group's size). In place.
+
+    `carry`: every rank's own small state goes along in an all-reduce of its own, started
+    first (carry.py); the gradients' buffers, and so their sums, are the same without it."""
     tensors = [g for g in grads if g is not None]
+    carried = None
+    if carry is not None:
+        region = carry.region()
+        carried = (dist.all_reduce(region, async_op=True), region)
     pending = []
     for chunk in chunk_layout(tensors):
         members = [tensors[i] for i in chunk]
@@ -72,6 +83,9 @@ def average_gradients(grads: Iterable[torch.Tensor | None], world: int) -> None:
             n = t.numel()
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
+    if carried is not None:
+        carried[0].wait()
+        carry.take(carried[1])  # type: ignore[union-attr]
 
 
 def parameter_gradients(model: torch.nn.Module) -> list[torch.Tensor | None]:

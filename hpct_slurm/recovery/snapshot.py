@@ -556,6 +556,13 @@ class ReplicaStore:
         slots = self._slots(rank)
         if step is not None:
             self._refuse_older(rank, step, slots)
+            newest = slots.latest()
+            if newest is not None and newest.step == step:
+                # The step held newest, again: it replaces that copy (a rank whose carried
+                # state moved after its all-reduce pushes the committed one, carry.py), and
+                # the step before stays. Two copies of one step must never be held: a lease
+                # by step would take either.
+                slots.discard(newest)
         try:
             idx, buf = slots.acquire_target(nbytes)
         except (RuntimeError, MemoryError) as exc:  # what torch raises when it cannot allocate

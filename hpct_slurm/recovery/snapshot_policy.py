@@ -17,6 +17,7 @@ from .. import protocol as P
 from ..config import JobSettings
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .carry import Carry, CarryRecord
 from .persist import DiskPersister
 from .sharding import MeshSpec
 from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
@@ -104,6 +105,11 @@ class SnapshotPolicy:
         self.set_mode(self.mode)
         self.replicas = ReplicaStore()
         self.pusher: ReplicaPusher | None = None
+        # This rank's own state carried in the gradient all-reduce to its ring holder, where
+        # the group allows it (carry.py); the record of whether its state stays put after the
+        # all-reduce outlives each generation's Carry.
+        self.carry: Carry | None = None
+        self._carry_record = CarryRecord()
         self.persister: DiskPersister | None = None
         self.rank_persister: DiskPersister | None = None
         self._peers: dict[int, tuple[str, int]] = {}
@@ -172,21 +178,34 @@ class SnapshotPolicy:
 
     def _commit_rank_state(self, step: int) -> None:
         """This rank's own small state, now: the next step moves it (a sampler position).
-        In jit mode it is all that goes to the ring holder: sent now, its acknowledgement
-        awaited at the next step's end, not this one's (ReplicaPusher.push_next). When a
-        step ends the holder has the step before it, and this one is on its way; a fault that
-        loses this rank in the moment between (a round trip, well under a millisecond
-        on one switch) finds the holder one step behind, and the group restores the step
-        before, or the last persisted one where that step was held lazily (recomputed and
-        counted, never wrong: the controller plans from what holders report holding)."""
+        In jit mode it is all that goes to the ring holder. Mostly it is there already,
+        carried in this step's gradient all-reduce (carry.py): then nothing is sent. Else it
+        is pushed now, its acknowledgement awaited at the next step's end, not this one's
+        (ReplicaPusher.push_next). When such a step ends the holder has the step before it,
+        and this one is on its way; a fault that loses this rank in the moment between (a
+        round trip, well under a millisecond on one switch) finds the holder one step
+        behind, and the group restores the step before, or the last persisted one where
+        that step was held lazily (recomputed and counted, never wrong: the controller plans
+        from what holders report holding). A carried copy the state moved away from after
+        the all-reduce is replaced before the step returns."""
+        snap = None
         if self.rank_snaps is not None:
-            self.rank_snaps.commit(step)
+            snap = self.rank_snaps.commit(step)
             if self.rank_persister:
                 self.rank_persister.after_commit(step)
-        if self.pusher is not None and self._pushed is self.rank_snaps:
-            # waits for the previous push, bounded by the pusher's timeout; a failure is an
-            # event
-            self.pusher.push_next(step)
+        if self.pusher is None or self._pushed is not self.rank_snaps:
+            return
+        held = (self.carry.confirm(step, snap) if self.carry is not None and snap is not None
+                else "push")
+        if held == "carried":
+            return
+        if held == "replace":
+            self.pusher.after_commit(step)
+            self.pusher.flush()
+            return
+        # waits for the previous push, bounded by the pusher's timeout; a failure is an
+        # event
+        self.pusher.push_next(step)
 
     def _after_shared_commit(self, snap: Snapshot) -> None:
         """After the shared state of a step is copied (on the snapshot thread when the copy
@@ -306,6 +325,7 @@ class SnapshotPolicy:
         rank = self.standing.rank
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
         n = len(a.member_nodes())
+        self.carry = None
         if self.pusher is not None:
             # A rank push still unacknowledged is cut off: the restore was planned from what
             # the holders reported, and a holder that died would keep it waiting the timeout.
@@ -319,6 +339,12 @@ class SnapshotPolicy:
                             f"rank {rank}'s replica holder")
         self.pusher = ReplicaPusher(self._pushed, rank, self._peers[peer], self.secret,
                                     self.job_id, self.events, timeout=self.timeout)
+        world = self.standing.world_size
+        if self._pushed is self.rank_snaps and Carry.applies(rank, world, n):
+            self.carry = Carry(self.state, rank, world,
+                               Carry.held_by(rank, world, n, a.tasks_per_node), self.replicas,
+                               self.events, lambda: self.standing.step, self._carry_record,
+                               rng=not RESEEDED)
 
     def close(self) -> None:
         """The pusher, the persisters and the global optimizer hook, at the process's end."""

@@ -1,0 +1,201 @@
+"""Each rank's own small state (a sampler position) carried to its ring holder inside the
+step's gradient all-reduce, instead of pushed over a connection of its own after the step.
+
+Why: pushing a few hundred bytes every step woke a thread on the sender and the transfer
+server's thread on the holder, every step, for a frame the holder could have had for free.
+On a CPU-bound step those wake-ups took the cores from the step's matrix products: the
+documented adoption (a sampler registered) cost +10.3 % a step at the full size of
+`hpct-slurm bench replication`, of which the commit and push themselves were 2 %. The push
+also left a window: a rank lost between its last all-reduce and its push left its holder one
+step behind the survivors, and the group rolled back to disk.
+
+How: every rank of the group adds one more all-reduce to the step's gradient reduction, a
+uint8 region of `SLOT_BYTES` per rank, zero but for its own slot: the sum is every rank's
+slot (integers, one non-zero term each: exact in any order). It is its own collective, so the
+gradients' buffers and thus their sums are the same bit for bit as without it. The holder of
+each rank (snapshot.replica_peer_rank) decodes that rank's slot into its `ReplicaStore` as
+the rank's snapshot of the step in progress. The step's end then checks that the rank's own
+commit is what it carried (the state did not move after the all-reduce); the push is skipped.
+
+What the slot holds is the rank state as it stands at the all-reduce, labelled with the step
+in progress: right when a script changes its registered per-rank state only before its
+backward pass (a batch drawn, then forward, backward, update), which the step's end verifies.
+A rank whose state moved after its all-reduce (the loop form's next batch, a counter bumped
+after the update) is caught there: its carried copy is replaced by a synchronous push of the
+committed one, an event says so, and that rank pushes every step from then on. A rank carries
+nothing until one step has shown its state does not move (`Carry.trusted`): a script that
+always moves it never sends a carried copy at all. Left open: a script whose state moves after
+the all-reduce only now and then, whose rank is lost in the moment between such a step's
+all-reduce and its corrective push (docs/architecture.md, "The rank's own state")."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import protocol as P
+from ..errors import HpctError
+from ..events import Ev, EventLog
+from .snapshot import ReplicaStore, Snapshot, replica_peer_rank
+from .state import Layout, TrainState
+
+# Part of every rank's layout of the collective: the same constant on every rank (a setting
+# could let two ranks differ, and the all-reduce would mix their slots). A sampler's snapshot
+# is ~180 bytes of layout and no tensor bytes (ResumableSampler).
+SLOT_BYTES = 512
+# The region is world x SLOT_BYTES on every rank; beyond this (8,192 ranks) the per-step
+# bytes are no longer small next to a push of one slot, and ranks push instead.
+MAX_REGION_BYTES = 4 << 20
+_MAGIC = 0xC1
+_HEAD = struct.Struct("<BqHH")  # magic, step, layout length, data length
+_CHECK = 8                      # blake2b bytes over head and body: a torn or mixed slot
+
+
+def encode(step: int, layout_json: bytes, data: bytes) -> bytes | None:
+    """One rank's slot: its state at `step`, checked; None when it does not fit a slot."""
+    if len(layout_json) > 0xFFFF or len(data) > 0xFFFF:
+        return None
+    body = _HEAD.pack(_MAGIC, step, len(layout_json), len(data)) + layout_json + data
+    blob = body + hashlib.blake2b(body, digest_size=_CHECK).digest()
+    return blob if len(blob) <= SLOT_BYTES else None
+
+
+def decode(slot: bytes) -> tuple[int, Layout, bytes] | None:
+    """(step, layout, data) from a slot; None for an empty one (all zeros: that rank sent
+    nothing this step). A slot that is not one `encode` made raises, naming what is wrong."""
+    if len(slot) != SLOT_BYTES:
+        raise HpctError(f"carried slot is {len(slot)} bytes, not {SLOT_BYTES}")
+    if not any(slot):
+        return None
+    magic, step, n_layout, n_data = _HEAD.unpack_from(slot)
+    end = _HEAD.size + n_layout + n_data
+    if magic != _MAGIC or end + _CHECK > SLOT_BYTES:
+        raise HpctError(f"carried slot has magic {magic:#x} and lengths {n_layout}+{n_data}: "
+                        f"not a slot of this version")
+    check = hashlib.blake2b(slot[:end], digest_size=_CHECK).digest()
+    if not hmac.compare_digest(check, slot[end:end + _CHECK]):
+        raise HpctError(f"carried slot of step {step} fails its check: torn or mixed")
+    layout = Layout.from_json(slot[_HEAD.size:_HEAD.size + n_layout])
+    data = slot[_HEAD.size + n_layout:end]
+    if layout.nbytes != len(data):
+        raise HpctError(f"carried slot's layout says {layout.nbytes} bytes, the slot holds "
+                        f"{len(data)}")
+    return step, layout, data
+
+
+class CarryRecord:
+    """What this process learned of its own rank state, kept across generations: how many
+    steps showed it does not move after the all-reduce, and whether it ever did."""
+
+    def __init__(self) -> None:
+        self.verified = 0
+        self.moved = False
+
+
+class Carry:
+    """One generation's carrying, for a rank of plain data parallelism over gloo: `region()`
+    before the gradient all-reduce, `take(region)` after it, `confirm(step, snap)` at the
+    step's end.
+
+    `rank`/`world`: the group's; `held`: the ranks whose replicas this rank holds;
+    `step_now()`: the step in progress; `rng`: whether the rank snapshot holds RNG states."""
+
+    def __init__(self, state: TrainState, rank: int, world: int, held: list[int],
+                 replicas: ReplicaStore, events: EventLog, step_now: Callable[[], int],
+                 record: CarryRecord, rng: bool = False):
+        self.state, self.rank, self.world, self.held = state, rank, world, held
+        self.replicas, self.events, self.step_now, self.record = replicas, events, step_now, record
+        self.rng = rng
+        self._region = torch.zeros(world * SLOT_BYTES, dtype=torch.uint8)
+        self._scratch: torch.Tensor | None = None
+        # what this rank's slot said at the last all-reduce: (step, layout json, data, sent)
+        self.captured: tuple[int, bytes, bytes, bool] | None = None
+        self._too_big = False
+
+    @classmethod
+    def applies(cls, rank: int, world: int, num_nodes: int) -> bool:
+        """Whether a group carries: gloo (CPU tensors; NCCL jobs push, their host cores idle),
+        a ring of two nodes or more, a region within MAX_REGION_BYTES, the group's ranks the
+        job's. The same answer on every rank: the extra all-reduce is issued by all or by
+        none."""
+        return (num_nodes >= 2 and world * SLOT_BYTES <= MAX_REGION_BYTES
+                and dist.is_initialized() and dist.get_backend() == "gloo"
+                and dist.get_world_size() == world and dist.get_rank() == rank)
+
+    @staticmethod
+    def held_by(rank: int, world: int, num_nodes: int, tasks_per_node: int) -> list[int]:
+        return [r for r in range(world)
+                if r != rank and replica_peer_rank(r, num_nodes, tasks_per_node) == rank]
+
+    @property
+    def trusted(self) -> bool:
+        """Send carried copies: one step showed this rank's state stays put after the
+        all-reduce, and none showed it moving."""
+        return self.record.verified >= 1 and not self.record.moved
+
+    def region(self) -> torch.Tensor:
+        """The region to all-reduce: zeros, and this rank's state now in its own slot when
+        it is trusted (its state is captured either way, for the step's end to verify)."""
+        step = self.step_now()
+        layout, buf = self.state.capture_into(self._scratch, ("rank",), self.rng)
+        self._scratch = buf
+        layout_json, data = layout.to_json(), bytes(buf[:layout.nbytes].numpy())
+        blob = encode(step, layout_json, data) if self.trusted else None
+        if self.trusted and blob is None and not self._too_big:
+            self._too_big = True
+            self.events.emit(Ev.RANK_CARRY_TOO_BIG, rank=self.rank, step=step,
+                             nbytes=len(layout_json) + len(data), slot=SLOT_BYTES)
+        self._region.zero_()
+        if blob is not None:
+            lo = self.rank * SLOT_BYTES
+            self._region[lo:lo + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        self.captured = (step, layout_json, data, blob is not None)
+        return self._region
+
+    def take(self, region: torch.Tensor) -> None:
+        """After the all-reduce: the held ranks' slots into this rank's replicas (a slot that
+        is refused is an event; the holder keeps what it had)."""
+        raw = region.numpy().tobytes() if self.held else b""
+        for r in self.held:
+            slot = raw[r * SLOT_BYTES:(r + 1) * SLOT_BYTES]
+            step = -1
+            try:
+                got = decode(slot)
+                if got is None:
+                    continue
+                step, layout, data = got
+                idx, buf = self.replicas.begin(r, len(data), step)
+                if data:
+                    buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                # checked: the slot's own check passed; the digest is what a fetch serves
+                self.replicas.finish(r, idx, buf, step, layout, P.part_digest(data),
+                                     checked=True)
+                self.events.emit(Ev.REPLICA_STORED, rank=r, step=step, nbytes=len(data),
+                                 via="carry")
+            except HpctError as exc:
+                self.events.emit(Ev.REPLICA_REJECTED, rank=r, step=step, via="carry",
+                                 error=exc.message)
+
+    def confirm(self, step: int, snap: Snapshot) -> str:
+        """At the step's end, with this rank's committed snapshot of it, what its holder needs
+        now: "carried" (it has exactly this step, carried in the all-reduce and unchanged
+        since), "push" (nothing was carried: push as before) or "replace" (a carried copy
+        is not the committed state, which moved after the all-reduce: push the commit and
+        wait for it). A state seen moving is recorded for good: this rank pushes from then
+        on."""
+        captured, self.captured = self.captured, None
+        if captured is None or captured[0] != step:
+            return "push"  # no all-reduce through Job in this step
+        _, layout_json, data, sent = captured
+        if layout_json == snap.layout.to_json() and data == bytes(snap.data):
+            self.record.verified += 1
+            return "carried" if sent else "push"
+        if not self.record.moved:
+            self.record.moved = True
+            self.events.emit(Ev.RANK_STATE_MOVED_AFTER_REDUCE, rank=self.rank, step=step,
+                             carried=sent)
+        return "replace" if sent else "push"

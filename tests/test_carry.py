@@ -1,0 +1,230 @@
+"""A rank's own small state carried to its ring holder in the gradient all-reduce (carry.py):
+the slot's encoding and its refusals, the holder's replica servable as a pushed one, the
+step's-end check, and 4 real gloo ranks (2 nodes x 2) through average_gradients."""
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+from hpct_slurm.errors import HpctError
+from hpct_slurm.events import EventLog
+from hpct_slurm.recovery import carry as C
+from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
+from hpct_slurm.recovery.state import TrainState
+from hpct_slurm.recovery.transfer import TransferServer, fetch_state
+
+SECRET = b"s" * 32
+JOB = "carry"
+
+
+class Position:
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed = int(sd["consumed"])
+
+
+def _events() -> tuple[EventLog, io.StringIO]:
+    stream = io.StringIO()
+    return EventLog(stream=stream), stream
+
+
+def _named(stream: io.StringIO, name: str) -> list[dict]:
+    return [e for e in map(json.loads, stream.getvalue().splitlines()) if e["event"] == name]
+
+
+def test_a_slot_round_trips_and_bad_slots_are_refused_by_name():
+    blob = C.encode(7, b'{"nbytes":3,"tree":{},"entries":[]}', b"abc")
+    assert blob is not None
+    slot = blob + bytes(C.SLOT_BYTES - len(blob))
+    step, layout, data = C.decode(slot)
+    assert (step, layout.nbytes, data) == (7, 3, b"abc")
+    assert C.decode(bytes(C.SLOT_BYTES)) is None  # a rank that sent nothing
+    assert C.encode(1, b"{}", bytes(C.SLOT_BYTES)) is None  # does not fit: pushed instead
+    torn = bytearray(slot)
+    torn[20] ^= 1
+    with pytest.raises(HpctError, match="fails its check"):
+        C.decode(bytes(torn))
+    with pytest.raises(HpctError, match="magic"):
+        C.decode(b"\x07" + slot[1:])
+    with pytest.raises(HpctError, match="not 512"):
+        C.decode(slot[:-1])
+    lying = C.encode(7, b'{"nbytes":4,"tree":{},"entries":[]}', b"abc")
+    with pytest.raises(HpctError, match="says 4 bytes"):
+        C.decode(lying + bytes(C.SLOT_BYTES - len(lying)))
+
+
+def _rank(rank: int, step: list[int], replicas: ReplicaStore, log: EventLog
+          ) -> tuple[Position, C.Carry, SnapshotStore]:
+    """Rank `rank` of a 2-rank group on 2 nodes: each holds the other's replica."""
+    pos = Position()
+    state = TrainState(sampler=pos)
+    carry = C.Carry(state, rank, 2, C.Carry.held_by(rank, 2, 2, 1), replicas, log,
+                    lambda: step[0], C.CarryRecord())
+    return pos, carry, SnapshotStore(state, ("rank",), rng=False)
+
+
+def _all_reduce(*regions: torch.Tensor) -> torch.Tensor:
+    """What gloo's sum gives every rank (the collective itself: the gloo test below)."""
+    total = torch.zeros_like(regions[0])
+    for r in regions:
+        total += r
+    return total
+
+
+def test_the_holder_keeps_the_carried_step_and_serves_it_as_a_pushed_one():
+    step = [0]
+    log, stream = _events()
+    held_by_1 = ReplicaStore()
+    pos0, carry0, own0 = _rank(0, step, ReplicaStore(), log)
+    pos1, carry1, _ = _rank(1, step, held_by_1, log)
+    outcomes = []
+    for s in range(4):
+        step[0] = s
+        pos0.consumed, pos1.consumed = 10 * (s + 1), -s  # each step draws its batch
+        total = _all_reduce(carry0.region(), carry1.region())
+        carry0.take(total)
+        carry1.take(total)
+        outcomes.append(carry0.confirm(s, own0.commit(s)))
+    # probation: the first step only checks that the state stays put; then it is carried
+    assert outcomes == ["push", "carried", "carried", "carried"]
+    assert held_by_1.steps(0) == [2, 3]
+    # rank 0's steps 1-3 (rank 1's end of step is never checked here: it carries nothing)
+    assert [(e["rank"], e["step"], e["via"]) for e in _named(stream, "replica.stored")] == [
+        (0, 1, "carry"), (0, 2, "carry"), (0, 3, "carry")]
+    with TransferServer(SECRET, JOB, 1, replicas=held_by_1, events=log) as holder:
+        got = fetch_state([holder.address], 0, SECRET, JOB, step=3)
+    fresh = Position()
+    TrainState(sampler=fresh).restore_from(got.layout, got.data, scopes=("rank",))
+    assert fresh.consumed == 40
+
+
+def test_a_state_that_moves_after_the_all_reduce_is_replaced_and_then_pushed():
+    step = [0]
+    log, stream = _events()
+    held_by_1 = ReplicaStore()
+    pos0, carry0, own0 = _rank(0, step, ReplicaStore(), log)
+    _, carry1, _ = _rank(1, step, held_by_1, log)
+    outcomes = []
+    for s in range(4):
+        step[0] = s
+        pos0.consumed = 10 * (s + 1)
+        total = _all_reduce(carry0.region(), carry1.region())
+        carry1.take(total)
+        if s == 2:
+            pos0.consumed += 1  # moved after the all-reduce: the carried copy is not step 2
+        outcomes.append(carry0.confirm(s, own0.commit(s)))
+    assert outcomes == ["push", "carried", "replace", "push"]
+    [moved] = _named(stream, "rank.state_moved_after_reduce")
+    assert moved["step"] == 2 and moved["carried"] is True
+    # from then on nothing is carried: the holder's newest is the (wrong) carried step 2,
+    # which the policy's synchronous push replaces; the step before stays
+    assert held_by_1.steps(0) == [1, 2]
+    with own0.lease(2) as snap:
+        idx, buf = held_by_1.begin(0, snap.layout.nbytes, 2)
+        held_by_1.finish(0, idx, buf, 2, snap.layout, snap.digest())
+    assert held_by_1.steps(0) == [1, 2]
+    with held_by_1.lease(0, 2) as got:
+        fresh = Position()
+        TrainState(sampler=fresh).restore_from(got.layout, got.data, scopes=("rank",))
+    assert fresh.consumed == 31
+
+
+def test_a_state_too_big_for_a_slot_is_pushed_and_said_once():
+    step = [0]
+    log, stream = _events()
+    pos, carry, own = _rank(0, step, ReplicaStore(), log)
+    pos.consumed = 0
+    carry.record.verified = 1
+    big = Position()
+    big.state_dict = lambda: {"history": list(range(C.SLOT_BYTES))}  # type: ignore[method-assign]
+    carry.state.register(scope="rank", big=big)
+    for s in range(2):
+        step[0] = s
+        region = carry.region()
+        assert not region.any()  # nothing carried
+        assert carry.confirm(s, own.commit(s)) == "push"
+    assert len(_named(stream, "rank.carry_too_big")) == 1
+
+
+WORLD, NODES = 4, 2
+
+
+def _worker(rank: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    from hpct_slurm.recovery.gradients import average_gradients, parameter_gradients
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    log, _ = _events()
+    step = [0]
+    pos = Position()
+    replicas = ReplicaStore()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    plain.load_state_dict(model.state_dict())
+    state = TrainState(model=model, sampler=pos)
+    assert C.Carry.applies(rank, WORLD, NODES)
+    carry = C.Carry(state, rank, WORLD, C.Carry.held_by(rank, WORLD, NODES, WORLD // NODES),
+                    replicas, log, lambda: step[0], C.CarryRecord())
+    own = SnapshotStore(state, ("rank",), rng=False)
+    g = torch.Generator().manual_seed(rank)
+    outcomes, same_grads = [], True
+    for s in range(3):
+        step[0] = s
+        pos.consumed = 1000 * rank + s
+        x = torch.randn(32, 8, generator=g)
+        for m in (model, plain):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+        average_gradients(parameter_gradients(model), WORLD, carry)
+        average_gradients(parameter_gradients(plain), WORLD)
+        same_grads &= all(torch.equal(a.grad, b.grad) for a, b in
+                          zip(model.parameters(), plain.parameters()))
+        outcomes.append(carry.confirm(s, own.commit(s)))
+    held = {}
+    for r in carry.held:
+        with replicas.lease(r) as snap:
+            fresh = Position()
+            TrainState(sampler=fresh).restore_from(snap.layout, snap.data, scopes=("rank",))
+            held[r] = (snap.step, fresh.consumed)
+    dist.destroy_process_group()
+    q.put((rank, outcomes, same_grads, held))
+
+
+def test_four_gloo_ranks_carry_their_positions_to_their_holders_and_the_gradients_stay():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(q.get(timeout=120) for _ in range(WORLD))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, outcomes, same_grads, held in got:
+        assert outcomes == ["push", "carried", "carried"], (rank, outcomes)
+        # its own all-reduce: the gradients' sums are those of the step without it
+        assert same_grads, f"rank {rank}: the carried region changed the gradients"
+        # the same local rank on the node half the ring away: 0 <-> 2, 1 <-> 3
+        peer = (rank + 2) % WORLD
+        assert held == {peer: (2, 1000 * peer + 2)}, (rank, held)

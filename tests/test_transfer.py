@@ -230,3 +230,63 @@ def test_a_rank_serves_its_own_per_rank_state_only_when_asked_for_it(events):
     with TransferServer(SECRET, JOB, 2, own=shared) as srv:  # no per-rank state: refused
         with pytest.raises(HpctError, match="has no snapshot of rank 2"):
             fetch_state([srv.address], 2, SECRET, JOB, step=3, slot="rank")
+
+
+def _big_layout(nbytes: int) -> Layout:
+    return Layout.from_json(json.dumps({"nbytes": nbytes, "tree": {}, "entries": [
+        ["uint8", [nbytes], 0, nbytes, False]]}))
+
+
+@pytest.mark.parametrize("nbytes", [3 * (1 << 20) + 100, (1 << 20) - 1, 8 << 20])
+def test_a_large_snapshot_is_written_past_the_page_cache_and_reads_back_exactly(
+        tmp_path, nbytes, monkeypatch):
+    import fcntl
+    import os
+
+    from hpct_slurm.recovery import persist
+    real, direct = fcntl.fcntl, []
+
+    def watched(fd, cmd, arg=0):  # the real call, recorded
+        out = real(fd, cmd, arg)
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            direct.append(fd)
+        return out
+
+    monkeypatch.setattr(persist.fcntl, "fcntl", watched)
+    data = memoryview(bytearray(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()))
+    path = persist.write_snapshot(tmp_path / "persist", 0, 5, _big_layout(nbytes), data,
+                                  P.part_digest(data), key=b"k" * 32)
+    step, layout, got, _ = persist.read_snapshot(path, 0, key=b"k" * 32)
+    assert (step, layout.nbytes, bytes(got) == bytes(data)) == (5, nbytes, True)
+    offset = path.stat().st_size - nbytes
+    large = nbytes >= persist.DIRECT_MIN
+    # large: O_DIRECT from a block boundary; small: through the cache, its header unpadded
+    assert bool(direct) == large
+    assert offset % persist.IO_BLOCK == 0 if large else offset < persist.IO_BLOCK
+
+
+def test_a_file_system_refusing_o_direct_mocked_gets_a_buffered_write(tmp_path, monkeypatch):
+    """(A mock: every file system here takes O_DIRECT.) The refusal costs nothing but the
+    page cache: the same file, read back exactly."""
+    import errno
+    import fcntl
+    import os
+
+    from hpct_slurm.recovery import persist
+    real = fcntl.fcntl
+    refused = []
+
+    def no_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(persist.fcntl, "fcntl", no_direct)
+    nbytes = 2 * (1 << 20) + 7
+    data = memoryview(bytearray(os.urandom(nbytes)))
+    path = persist.write_snapshot(tmp_path / "persist", 0, 1, _big_layout(nbytes), data,
+                                  P.part_digest(data), key=b"k" * 32)
+    assert refused
+    _, _, got, _ = persist.read_snapshot(path, 0, key=b"k" * 32)
+    assert bytes(got) == bytes(data)

@@ -1,18 +1,23 @@
 """Steady-state cost of recoverability, as % of step time (~100 MB of model + Adam state).
 
-An MLP with Adam trains in this process; a child process plays the ring peer (a
-`TransferServer` holding replicas). Blocks of steps alternate between the variants in one run,
-so all see the same machine; overheads are relative to `off` (no snapshots):
+An MLP with Adam trains in this process, its gradients reduced every step as `Job` reduces
+them (`average_gradients` over a one-rank gloo group, in every variant); a child process
+plays the ring peer (a `TransferServer` holding replicas). Blocks of steps alternate between
+the variants in one run, so all see the same machine; overheads are relative to `off` (no
+snapshots):
 
-- `jit_lazy_rank`: the documented adoption (a sampler registered: per-rank state), what `Job`
-  does for it: the shared state as in `jit_lazy`, and the rank's own small state (the sampler
-  position; not the RNG states, which `Job` reseeds before every step) committed every step
-  and pushed to the ring peer, its acknowledgement awaited at the next step's end
-  (`ReplicaPusher.push_next`). The headline `overhead_pct`.
-- `jit_lazy_rank_acked`: the same as `Job` did it before (issue 26): the RNG states in the
-  rank's snapshot and each push's acknowledgement awaited before the step returns.
-- `jit_lazy_rank_persist`: the same with the templates' disk persistence (every 10 steps a
-  full commit, its file written by one rank, every rank's own file; background threads).
+- `jit_lazy_rank_persist`: the documented adoption as `Job` runs it under the controller's
+  defaults, the headline `overhead_pct`: a sampler registered (per-rank state), the shared
+  state held lazily (as in `jit_lazy`), the rank's own small state (the sampler position; not
+  the RNG states, which `Job` reseeds before every step) carried to its ring holder in the
+  step's gradient all-reduce (carry.py), and the disk persistence every 10 steps that lazy
+  holds with per-rank state rely on (a full commit, its file written by one rank, every
+  rank's own file; background threads). This process is its own holder here: it pays for
+  its slot, the extra all-reduce, and taking a held rank's slot into its replicas.
+- `jit_lazy_rank`: the same without the disk persistence: what its memory path costs.
+- `jit_lazy_rank_pushed`: that memory path as `Job` did it before carrying: the rank's state
+  committed and pushed to the ring peer after every step, its acknowledgement awaited at the
+  next step's end (`ReplicaPusher.push_next`).
 - `jit_lazy`: what `Job` does for data parallelism without per-rank state: a full
   commit every 16 steps, and every step in between held where it lies and copied only if a
   fault comes before the next optimizer step (`prepare_lazy`).
@@ -27,9 +32,10 @@ so all see the same machine; overheads are relative to `off` (no snapshots):
 
 Each block pays for what it started: pushes are flushed and, with background sealing, the last
 commit's seal awaited before the clock stops. `min_k_for_3pct` is the smallest commit
-interval whose measured per-commit cost fits in 3%. Every figure is the median of the per-block overheads against the `off` block of
-the same round (>= 5 rounds outside --smoke); `overhead_pct` is the documented adoption's
-(`jit_lazy_rank`), with the lowest and highest next to it.
+interval whose measured per-commit cost fits in 3%. Every figure is the median of the
+per-block overheads against the `off` block of the same round (>= 5 rounds outside --smoke),
+the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of writing one
+full-state file (fsynced), measured in the same run: the persistence's cost follows it.
 
 Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
 their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
@@ -38,8 +44,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
 import secrets
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -79,10 +87,14 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     check the command works; its numbers mean nothing. `reps`: rounds of the variants' blocks
     (default 5): more make the medians steadier on a machine that is not quiet."""
     import torch
+    import torch.distributed as dist
 
+    from ..events import EventLog
+    from ..recovery.carry import Carry, CarryRecord
+    from ..recovery.gradients import average_gradients, parameter_gradients
     from ..recovery.job import LAZY_FULL_EVERY
     from ..recovery.persist import DiskPersister
-    from ..recovery.snapshot import Snapshot, SnapshotStore
+    from ..recovery.snapshot import ReplicaStore, Snapshot, SnapshotStore
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher
 
@@ -104,8 +116,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     stores = {"jit_lazy": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY), False),
               "jit_lazy_rank": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY),
                                 False),
-              "jit_lazy_rank_acked": (SnapshotStore(state, ("shared",), every=LAZY_FULL_EVERY),
-                                      False),
+              "jit_lazy_rank_pushed": (SnapshotStore(state, ("shared",),
+                                                     every=LAZY_FULL_EVERY), False),
               "jit_lazy_rank_persist": (SnapshotStore(state, ("shared",),
                                                       every=LAZY_FULL_EVERY), False),
               "jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
@@ -116,18 +128,27 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
               "replicated_k1": (SnapshotStore(state, every=1), True),
               f"replicated_k{k}": (SnapshotStore(state, every=k), True)}
     variants = ["off", *stores]
-    # the documented adoption: a sampler registered (per-rank state), what Job then does
-    default = "jit_lazy_rank"
-    # Per-rank state: a sampler position, its own snapshot every step, pushed to the ring
-    # peer, as Job does for a script that registers a sampler: over Job's one TrainState (the
-    # model and optimizer registered beside it), without the RNG states Job reseeds
-    # (snapshot_policy.RESEEDED), each push's acknowledgement awaited at the next step's end.
-    # `jit_lazy_rank_acked`: with the RNG states, each push awaited at once (Job before).
+    # the documented adoption as Job runs it under the controller: a sampler registered
+    # (per-rank state), its defaults (disk persistence every 10 steps)
+    default = "jit_lazy_rank_persist"
+    # Per-rank state: a sampler position, its own snapshot every step, over Job's one
+    # TrainState (the model and optimizer registered beside it), without the RNG states Job
+    # reseeds (snapshot_policy.RESEEDED); carried in the gradient all-reduce, or (`_pushed`)
+    # pushed to the ring peer, each push's acknowledgement awaited at the next step's end.
     position = _Position()
     rank_state = TrainState(model=model, optimizer=opt, sampler=position)
-    rank_stores = {v: SnapshotStore(rank_state, ("rank",), every=1,
-                                    rng=v == "jit_lazy_rank_acked")
-                   for v in ("jit_lazy_rank", "jit_lazy_rank_acked", "jit_lazy_rank_persist")}
+    rank_stores = {v: SnapshotStore(rank_state, ("rank",), every=1, rng=False)
+                   for v in ("jit_lazy_rank", "jit_lazy_rank_pushed", "jit_lazy_rank_persist")}
+    carried = ("jit_lazy_rank", "jit_lazy_rank_persist")
+    # Job's gradient all-reduce, in every variant: over a group of one rank here, which is
+    # also its own ring holder (it takes its own slot into its replicas)
+    store_file = tempfile.NamedTemporaryFile(prefix="hpct-bench-pg-", delete=False)
+    store_file.close()
+    dist.init_process_group("gloo", init_method=f"file://{store_file.name}", rank=0,
+                            world_size=1)
+    carry = Carry(rank_state, 0, 1, [0], ReplicaStore(), EventLog(), lambda: step,
+                  CarryRecord())
+    reduce_with: dict[str, Carry | None] = {"carry": None}
 
     overlapped = {"store": None}
 
@@ -140,6 +161,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     def train_step() -> None:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
+        average_gradients(parameter_gradients(model), 1, reduce_with["carry"])
         opt.step()
 
     def settle(snap: Snapshot | None) -> None:
@@ -187,19 +209,17 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 rank_store = rank_stores.get(variant)
                 persist = variant == "jit_lazy_rank_persist"
                 overlapped["store"] = store if overlap or lazy else None
+                reduce_with["carry"] = carry if variant in carried else None
                 t_block = time.perf_counter()
                 for _ in range(block):
+                    step += 1  # the step in progress (Job.step), what the carry labels
+                    position.consumed += 64  # the step's batch drawn
                     train_step()
-                    step += 1
-                    position.consumed += 64
                     if rank_store is not None:  # SnapshotPolicy._commit_rank_state
-                        rank_store.commit(step)
+                        snap = rank_store.commit(step)
                         if persist:
                             persisters[1].after_commit(step)
-                        if variant == "jit_lazy_rank_acked":
-                            rank_pushers[variant].after_commit(step)
-                            rank_pushers[variant].flush()
-                        else:
+                        if variant not in carried or carry.confirm(step, snap) != "carried":
                             rank_pushers[variant].push_next(step)
                     if persist and step % PERSIST_EVERY == 0:  # a persist step: a full commit
                         store.commit(step)  # type: ignore[union-attr]
@@ -229,6 +249,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                     settle(last)
                 if rnd:
                     times[variant].append((time.perf_counter() - t_block) / block)
+        carried_steps = carry.record.verified
+        disk_mb_s = _disk_write_rate(stores["jit_k1"][0], out_dir)
         acked = {v: p.acked_step for v, p in pushers.items()}
         for p in [*pushers.values(), *rank_pushers.values()]:
             p.close()
@@ -236,6 +258,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
             persister.close()
         parent.send("stop")
     finally:
+        dist.destroy_process_group()
+        Path(store_file.name).unlink(missing_ok=True)  # gloo's FileStore may have removed it
         proc.join(30)
         if proc.is_alive():
             proc.kill()
@@ -258,12 +282,14 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                "min_k_for_3pct": max(1, math.ceil(commit_ms / (BUDGET_PCT / 100 * step_s["off"] * 1e3))),
                "commit_ms": round(commit_ms, 2),
                "step_ms": {v: round(s * 1e3, 2) for v, s in step_s.items()},
-               "state_mb": round(nbytes / 1e6, 1)}
+               "state_mb": round(nbytes / 1e6, 1), "disk_write_mb_s": round(disk_mb_s),
+               "persist_every": PERSIST_EVERY}
     write_result(out_dir, "replication", {**summary, "quick": quick, "smoke": smoke, "k": k,
                                           "overhead_spread_by_mode": spread,
                                           "sharded": sharded, "sharded_config": sharded_cfg,
                                           "block_steps": block,
                                           "rounds": rounds, "last_acked_step": acked,
+                                          "carried_steps_verified": carried_steps,
                                           "per_block_step_s": times})
     labels = [f"ddp {v}" for v in variants if v != "off"]
     values = [pct[v] for v in variants if v != "off"]
@@ -276,3 +302,18 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
               f"Cost of recovery state per step\n(ddp: {nbytes / 1e6:.0f} MB, one process; "
               f"fsdp/hsdp: {sharded['fsdp']['state_mb_total']:.0f} MB model+AdamW, 4 ranks)")
     return summary
+
+
+def _disk_write_rate(store: Any, out_dir: Path) -> float:
+    """MB/s of writing one full snapshot to a file under `out_dir` and fsyncing it, as the
+    disk persistence does: what its cost follows on this machine."""
+    snap = store.latest()
+    path = Path(out_dir) / "replication-disk-rate.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(snap.data)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = snap.layout.nbytes / 1e6 / (time.perf_counter() - t0)
+    path.unlink()
+    return rate

@@ -6,7 +6,9 @@ One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
     | meta JSON {"kind", "rank", "step", "digest", "layout"} | 32-byte MAC | flat data
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
-either the old file or the new one. `digest` is the snapshot's own (hex, the BLAKE3 tree of
+either the old file or the new one. A large snapshot's data goes past the page cache
+(O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
+4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex, the BLAKE3 tree of
 protocol/digest.py) and covers the data,
 so saving hashes nothing new; the MAC is HMAC-SHA256 over everything before it, keyed with the
 job's secret: a plain digest anyone can compute would let whoever can write a file here hand
@@ -26,9 +28,12 @@ digest, which this version no longer computes; "HPCTSNP3" files do not bind thei
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import re
 import struct
@@ -46,6 +51,11 @@ from .worker import BackgroundQueue
 
 KEEP = 2
 MAGIC = b"HPCTSNP4"
+# Data of this size or more is written past the page cache (_write_direct), in chunks of
+# DIRECT_CHUNK through an aligned buffer, starting on an IO_BLOCK boundary of the file.
+DIRECT_MIN = 1 << 20
+DIRECT_CHUNK = 8 << 20
+IO_BLOCK = 4096
 # Older formats, named when refused: what they hold that this version cannot check.
 _OLD_FORMATS = {b"HPCTSNP2": "a SHA-256 tree digest (hpct-slurm before BLAKE3 part digests)",
                 b"HPCTSNP3": "no kind (shared or rank state) bound by its MAC (an older "
@@ -91,14 +101,60 @@ def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout
     meta = json.dumps({"kind": kind_of(root), "rank": rank, "step": step,
                        "digest": digest.hex(), "layout": json.loads(layout.to_json())},
                       separators=(",", ":")).encode()
+    direct = len(data) >= DIRECT_MIN
+    if direct:
+        # the data starts on an I/O block: JSON ignores the trailing spaces, the MAC covers them
+        meta += b" " * (-(_HEADER + len(meta) + _MAC_LEN) % IO_BLOCK)
     head = MAGIC + _LEN.pack(len(meta)) + meta
     with replacing(final, durable=True) as f:
         f.write(head)
         f.write(_mac(key, head))
-        f.write(data)
+        if direct:
+            f.flush()
+            _write_direct(f.fileno(), data)
+        else:
+            f.write(data)
     for old in list_steps(root, rank)[:-KEEP]:
         (d / f"step{old}.bin").unlink(missing_ok=True)
     return final
+
+
+def _write_direct(fd: int, data: memoryview) -> None:
+    """`data` at the file's (block-aligned) position past the page cache (O_DIRECT), through
+    an aligned bounce buffer; its last partial block, and all of it where the file system
+    refuses O_DIRECT, through the cache as before.
+
+    Why: a buffered write of a whole training state fills the page cache and makes the kernel
+    write it back while the step computes. `hpct-slurm bench replication` measured the
+    templates' persistence (100 MB every 10 steps of 40 ms) at +38 % of the step on 2 cores,
+    and a compute loop beside a writer of 100 MB files slowed +18 % with buffered writes,
+    +3.5-8.8 % with O_DIRECT (the same run)."""
+    mv = memoryview(data).cast("B")
+    bulk = len(mv) - len(mv) % IO_BLOCK
+    done = 0
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        bulk = 0  # not on this file system (tmpfs before Linux 6.6, some overlays)
+    if bulk:
+        bounce = mmap.mmap(-1, min(DIRECT_CHUNK, bulk))  # page-aligned, as O_DIRECT needs
+        try:
+            while done < bulk:
+                n = min(DIRECT_CHUNK, bulk - done)
+                bounce[:n] = mv[done:done + n]
+                try:
+                    wrote = os.write(fd, memoryview(bounce)[:n])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or done:
+                        raise
+                    break  # the first direct write refused: the rest through the cache
+                done += wrote
+        finally:
+            bounce.close()
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    while done < len(mv):
+        done += os.write(fd, mv[done:])
 
 
 def list_steps(root: str | os.PathLike, rank: int) -> list[int]:

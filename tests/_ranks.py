@@ -1,10 +1,13 @@
-"""Store tests on real shard servers: the servers, and ranks as threads of the test process."""
+"""Ranks for tests: store tests on real shard servers (the servers, and ranks as threads of the
+test process), and gloo ranks as processes of their own."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
+import socket
 import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.store import ShardServer
@@ -45,3 +48,23 @@ def run_ranks(n: int, rank: Callable[[int], T], timeout_s: float = 30) -> dict[i
     missing = sorted(set(range(n)) - set(out))
     assert not missing, f"ranks {missing} did not finish within {timeout_s:g} s"
     return out
+
+
+def gloo_processes(world: int, worker: Callable[..., None], timeout_s: float = 120) -> list:
+    """`worker(rank, port, queue)` in `world` spawned processes (a gloo group's ranks, whose
+    tcp:// rendezvous is 127.0.0.1:port); what each put on the queue, sorted."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return sorted(q.get(timeout=timeout_s) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

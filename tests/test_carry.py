@@ -6,8 +6,6 @@ from __future__ import annotations
 import datetime
 import io
 import json
-import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -19,19 +17,11 @@ from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import TransferServer, fetch_state
 
+from _ranks import gloo_processes
+from test_rank_snapshot_cost import Position
+
 SECRET = b"s" * 32
 JOB = "carry"
-
-
-class Position:
-    def __init__(self) -> None:
-        self.consumed = 0
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.consumed = int(sd["consumed"])
 
 
 def _events() -> tuple[EventLog, io.StringIO]:
@@ -206,21 +196,7 @@ def _worker(rank: int, port: int, q) -> None:
 
 
 def test_four_gloo_ranks_carry_their_positions_to_their_holders_and_the_gradients_stay():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(q.get(timeout=120) for _ in range(WORLD))
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = gloo_processes(WORLD, _worker)
     for rank, outcomes, same_grads, held in got:
         assert outcomes == ["push", "carried", "carried"], (rank, outcomes)
         # its own all-reduce: the gradients' sums are those of the step without it
@@ -228,3 +204,20 @@ def test_four_gloo_ranks_carry_their_positions_to_their_holders_and_the_gradient
         # the same local rank on the node half the ring away: 0 <-> 2, 1 <-> 3
         peer = (rank + 2) % WORLD
         assert held == {peer: (2, 1000 * peer + 2)}, (rank, held)
+
+
+def test_a_state_that_cannot_be_captured_still_takes_part_with_an_empty_slot():
+    """The others are already in the all-reduce: the rank joins with nothing in its slot, and
+    the error is the step's end's (its commit captures the same state)."""
+    step = [3]
+    log, _ = _events()
+    pos, carry, _ = _rank(0, step, ReplicaStore(), log)
+    carry.record.verified = 1
+
+    def broken() -> dict:
+        raise ValueError("the sampler's state is not readable")
+
+    pos.state_dict = broken  # type: ignore[method-assign]
+    region = carry.region()
+    assert region.numel() == 2 * C.SLOT_BYTES and not region.any()
+    assert carry.captured is None

@@ -4,12 +4,12 @@ for bit as a long-lived one, in one all_reduce per chunk rather than one per gra
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import socket
 
 import torch
 
 from hpct_slurm.recovery.gradients import chunk_layout
+
+from _ranks import gloo_processes
 
 WORLD = 3
 
@@ -114,21 +114,7 @@ def _worker(rank: int, port: int, q) -> None:
 
 
 def test_a_fresh_ddp_steps_bit_for_bit_as_a_long_lived_one_in_one_all_reduce():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(q.get(timeout=120) for _ in range(WORLD))
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = gloo_processes(WORLD, _worker)
     for rank, same_as_fresh, same_as_manual, per_step, n_params, trained in got:
         assert trained, "the parameters never changed: the test compared nothing"
         assert same_as_fresh, f"rank {rank}: a fresh DDP per step diverged from a long-lived one"

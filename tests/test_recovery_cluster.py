@@ -168,10 +168,10 @@ def test_two_ranks_per_node_go_through_one_relay_and_recover_bit_identical(clust
     assert {e["node"] for e in evs if e["event"] == "rank.register"} <= set(relays)
     [done] = [e for e in evs if e["event"] == "recovery.done"]
     assert done["taken"] == {VICTIM: "n4"}
-    # From memory: the newest step or the one before. A crash between the lost ranks' last
-    # all-reduce and their own state's push (architecture.md: push_next's window) leaves their
-    # position a step behind the shared state, which survivors hold lazily at the newest step
-    # only: then the persisted step is restored, said so, never a wrong state.
+    # From memory: the newest step or the one before. The lost ranks' positions reach their
+    # holders in each step's gradient all-reduce (carry.py), so the window in which a crash
+    # left them a step behind the lazily held shared state is closed; a crash inside a step's
+    # optimizer update still restores the persisted step, said so, never a wrong state.
     fallback = [e for e in evs if e["event"] == "recovery.disk_fallback"]
     assert done["lost_steps"] <= 1 or (
         fallback and fallback[0]["restore_step"] == done["restore_step"]), (done, fallback)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from hpct_slurm.bench.common import free_port
 from hpct_slurm.events import EventLog
 from hpct_slurm.rendezvous.store import ShardServer
 
@@ -53,9 +53,7 @@ def run_ranks(n: int, rank: Callable[[int], T], timeout_s: float = 30) -> dict[i
 def gloo_processes(world: int, worker: Callable[..., None], timeout_s: float = 120) -> list:
     """`worker(rank, port, queue)` in `world` spawned processes (a gloo group's ranks, whose
     tcp:// rendezvous is 127.0.0.1:port); what each put on the queue, sorted."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, q), daemon=True) for r in range(world)]

@@ -59,7 +59,7 @@ def _rank(rank: int, step: list[int], replicas: ReplicaStore, log: EventLog
     """Rank `rank` of a 2-rank group on 2 nodes: each holds the other's replica."""
     pos = Position()
     state = TrainState(sampler=pos)
-    carry = C.Carry(state, rank, 2, C.Carry.held_by(rank, 2, 2, 1), replicas, log,
+    carry = C.Carry(state, rank, 2, C.Carry.held_by(rank, 2, 1), replicas, log,
                     lambda: step[0], C.CarryRecord())
     return pos, carry, SnapshotStore(state, ("rank",), rng=False)
 
@@ -72,20 +72,31 @@ def _all_reduce(*regions: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def test_the_holder_keeps_the_carried_step_and_serves_it_as_a_pushed_one():
+def _two_ranks(steps: int, moved_at: int | None = None
+               ) -> tuple[list[str], ReplicaStore, io.StringIO, SnapshotStore, EventLog]:
+    """`steps` steps of ranks 0 and 1 (each the other's holder), the all-reduce summed by
+    hand; rank 0 draws 10 samples a step, and at `moved_at` one more after the all-reduce.
+    Rank 0's end-of-step outcomes, rank 1's replicas, the events, rank 0's own snapshots."""
     step = [0]
     log, stream = _events()
     held_by_1 = ReplicaStore()
     pos0, carry0, own0 = _rank(0, step, ReplicaStore(), log)
-    pos1, carry1, _ = _rank(1, step, held_by_1, log)
+    _, carry1, _ = _rank(1, step, held_by_1, log)
     outcomes = []
-    for s in range(4):
+    for s in range(steps):
         step[0] = s
-        pos0.consumed, pos1.consumed = 10 * (s + 1), -s  # each step draws its batch
+        pos0.consumed = 10 * (s + 1)  # the step's batch drawn
         total = _all_reduce(carry0.region(), carry1.region())
         carry0.take(total)
         carry1.take(total)
+        if s == moved_at:
+            pos0.consumed += 1  # moved after the all-reduce: the carried copy is not step s
         outcomes.append(carry0.confirm(s, own0.commit(s)))
+    return outcomes, held_by_1, stream, own0, log
+
+
+def test_the_holder_keeps_the_carried_step_and_serves_it_as_a_pushed_one():
+    outcomes, held_by_1, stream, _, log = _two_ranks(4)
     # probation: the first step only checks that the state stays put; then it is carried
     assert outcomes == ["push", "carried", "carried", "carried"]
     assert held_by_1.steps(0) == [2, 3]
@@ -100,20 +111,7 @@ def test_the_holder_keeps_the_carried_step_and_serves_it_as_a_pushed_one():
 
 
 def test_a_state_that_moves_after_the_all_reduce_is_replaced_and_then_pushed():
-    step = [0]
-    log, stream = _events()
-    held_by_1 = ReplicaStore()
-    pos0, carry0, own0 = _rank(0, step, ReplicaStore(), log)
-    _, carry1, _ = _rank(1, step, held_by_1, log)
-    outcomes = []
-    for s in range(4):
-        step[0] = s
-        pos0.consumed = 10 * (s + 1)
-        total = _all_reduce(carry0.region(), carry1.region())
-        carry1.take(total)
-        if s == 2:
-            pos0.consumed += 1  # moved after the all-reduce: the carried copy is not step 2
-        outcomes.append(carry0.confirm(s, own0.commit(s)))
+    outcomes, held_by_1, stream, own0, _ = _two_ranks(4, moved_at=2)
     assert outcomes == ["push", "carried", "replace", "push"]
     [moved] = _named(stream, "rank.state_moved_after_reduce")
     assert moved["step"] == 2 and moved["carried"] is True
@@ -168,7 +166,7 @@ def _worker(rank: int, port: int, q) -> None:
     plain.load_state_dict(model.state_dict())
     state = TrainState(model=model, sampler=pos)
     assert C.Carry.applies(rank, WORLD, NODES)
-    carry = C.Carry(state, rank, WORLD, C.Carry.held_by(rank, WORLD, NODES, WORLD // NODES),
+    carry = C.Carry(state, rank, WORLD, C.Carry.held_by(rank, NODES, WORLD // NODES),
                     replicas, log, lambda: step[0], C.CarryRecord())
     own = SnapshotStore(state, ("rank",), rng=False)
     g = torch.Generator().manual_seed(rank)

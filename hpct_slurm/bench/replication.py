@@ -35,7 +35,8 @@ commit's seal awaited before the clock stops. `min_k_for_3pct` is the smallest c
 interval whose measured per-commit cost fits in 3%. Every figure is the median of the
 per-block overheads against the `off` block of the same round (>= 5 rounds outside --smoke),
 the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of writing one
-full-state file (fsynced), measured in the same run: the persistence's cost follows it.
+full-state file as the persistence writes it, measured in the same run: the persistence's
+cost follows it.
 
 Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
 their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
@@ -44,8 +45,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -250,7 +251,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 if rnd:
                     times[variant].append((time.perf_counter() - t_block) / block)
         carried_steps = carry.record.verified
-        disk_mb_s = _disk_write_rate(stores["jit_k1"][0], out_dir)
+        disk_mb_s = _disk_write_rate(stores["jit_k1"][0], out_dir, secret)
         acked = {v: p.acked_step for v, p in pushers.items()}
         for p in [*pushers.values(), *rank_pushers.values()]:
             p.close()
@@ -304,16 +305,16 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     return summary
 
 
-def _disk_write_rate(store: Any, out_dir: Path) -> float:
-    """MB/s of writing one full snapshot to a file under `out_dir` and fsyncing it, as the
-    disk persistence does: what its cost follows on this machine."""
+def _disk_write_rate(store: Any, out_dir: Path, key: bytes) -> float:
+    """MB/s of writing one full snapshot to disk the way the persistence does (its own
+    `write_snapshot`: past the page cache, fsynced, renamed): what its cost follows on this
+    machine. The digest is the snapshot's, sealed before the clock starts."""
+    from ..recovery.persist import write_snapshot
     snap = store.latest()
-    path = Path(out_dir) / "replication-disk-rate.bin"
+    digest = snap.digest()
+    root = Path(out_dir) / "replication-disk-rate"
     t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(snap.data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_snapshot(root, 0, snap.step, snap.layout, snap.data, digest, key=key)
     rate = snap.layout.nbytes / 1e6 / (time.perf_counter() - t0)
-    path.unlink()
+    shutil.rmtree(root, ignore_errors=True)
     return rate

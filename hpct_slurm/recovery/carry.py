@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
-from .snapshot import ReplicaStore, Snapshot, replica_peer_rank
+from .snapshot import ReplicaStore, Snapshot, ranks_held_by
 from .state import Layout, TrainState
 
 # Part of every rank's layout of the collective: the same constant on every rank (a setting
@@ -97,9 +97,9 @@ class CarryRecord:
 
 
 class Carry:
-    """One generation's carrying, for a rank of plain data parallelism over gloo: `region()`
-    before the gradient all-reduce, `take(region)` after it, `confirm(step, snap)` at the
-    step's end.
+    """One generation's carrying, for a rank of plain data parallelism over gloo: `start()`
+    beside the gradient all-reduce (the region of `region()` all-reduced), `finish()` after it
+    (`take` of the summed region), `confirm(step, snap)` at the step's end.
 
     `rank`/`world`: the group's; `held`: the ranks whose replicas this rank holds;
     `step_now()`: the step in progress; `rng`: whether the rank snapshot holds RNG states."""
@@ -115,6 +115,7 @@ class Carry:
         # what this rank's slot said at the last all-reduce: (step, layout json, data, sent)
         self.captured: tuple[int, bytes, bytes, bool] | None = None
         self._too_big = False
+        self._work: dist.Work | None = None
 
     @classmethod
     def applies(cls, rank: int, world: int, num_nodes: int) -> bool:
@@ -127,15 +128,29 @@ class Carry:
                 and dist.get_world_size() == world and dist.get_rank() == rank)
 
     @staticmethod
-    def held_by(rank: int, world: int, num_nodes: int, tasks_per_node: int) -> list[int]:
-        return [r for r in range(world)
-                if r != rank and replica_peer_rank(r, num_nodes, tasks_per_node) == rank]
+    def held_by(rank: int, num_nodes: int, tasks_per_node: int) -> list[int]:
+        """The rank whose replica `rank` holds: the same local rank on the node half the
+        ring back (snapshot.ranks_held_by, the inverse of replica_peer_rank)."""
+        node, local = divmod(rank, tasks_per_node)
+        return [ranks_held_by(node, num_nodes, tasks_per_node)[local]]
 
     @property
     def trusted(self) -> bool:
         """Send carried copies: one step showed this rank's state stays put after the
         all-reduce, and none showed it moving."""
         return self.record.verified >= 1 and not self.record.moved
+
+    def start(self) -> None:
+        """This step's all-reduce of the region, started (average_gradients starts it before
+        the gradients' chunks and finishes it after them)."""
+        self._work = dist.all_reduce(self.region(), async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the all-reduce `start` began, and take the held ranks' slots."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+            self.take(self._region)
 
     def region(self) -> torch.Tensor:
         """The region to all-reduce: zeros, and this rank's state now in its own slot when
@@ -165,9 +180,9 @@ class Carry:
     def take(self, region: torch.Tensor) -> None:
         """After the all-reduce: the held ranks' slots into this rank's replicas (a slot that
         is refused is an event; the holder keeps what it had)."""
-        raw = region.numpy().tobytes() if self.held else b""
         for r in self.held:
-            slot = raw[r * SLOT_BYTES:(r + 1) * SLOT_BYTES]
+            # only the held slots are read: the region is world x SLOT_BYTES
+            slot = region[r * SLOT_BYTES:(r + 1) * SLOT_BYTES].numpy().tobytes()
             step = -1
             try:
                 got = decode(slot)

@@ -61,10 +61,8 @@ def average_gradients(grads: Iterable[torch.Tensor | None], world: int,
     `carry`: every rank's own small state goes along in an all-reduce of its own, started
     first (carry.py); the gradients' buffers, and so their sums, are the same without it."""
     tensors = [g for g in grads if g is not None]
-    carried = None
     if carry is not None:
-        region = carry.region()
-        carried = (dist.all_reduce(region, async_op=True), region)
+        carry.start()
     pending = []
     for chunk in chunk_layout(tensors):
         members = [tensors[i] for i in chunk]
@@ -83,9 +81,8 @@ def average_gradients(grads: Iterable[torch.Tensor | None], world: int,
             n = t.numel()
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
-    if carried is not None:
-        carried[0].wait()
-        carry.take(carried[1])  # type: ignore[union-attr]
+    if carry is not None:
+        carry.finish()
 
 
 def parameter_gradients(model: torch.nn.Module) -> list[torch.Tensor | None]:

@@ -8,11 +8,10 @@ One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
 either the old file or the new one. A large snapshot's data goes past the page cache
 (O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
-4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex, the BLAKE3 tree of
-protocol/digest.py) and covers the data,
-so saving hashes nothing new; the MAC is HMAC-SHA256 over everything before it, keyed with the
-job's secret: a plain digest anyone can compute would let whoever can write a file here hand
-the job a training state. Sizes are checked against the file before anything is allocated.
+4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex,
+the BLAKE3 tree of protocol/digest.py) and covers the data, so saving hashes nothing new;
+the MAC is HMAC-SHA256 over everything before it, keyed with the job's secret: a plain digest
+anyone can compute would let whoever can write a file here hand the job a training state. Sizes are checked against the file before anything is allocated.
 The last two are kept; `load_latest` falls back to the older if the newer fails its checks.
 
 Where a file lies says what it must hold, and the MAC binds that too: `kind` is "shared" under

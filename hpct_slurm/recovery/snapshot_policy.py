@@ -342,7 +342,7 @@ class SnapshotPolicy:
         world = self.standing.world_size
         if self._pushed is self.rank_snaps and Carry.applies(rank, world, n):
             self.carry = Carry(self.state, rank, world,
-                               Carry.held_by(rank, world, n, a.tasks_per_node), self.replicas,
+                               Carry.held_by(rank, n, a.tasks_per_node), self.replicas,
                                self.events, lambda: self.standing.step, self._carry_record,
                                rng=not RESEEDED)
 

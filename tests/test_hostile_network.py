@@ -187,6 +187,36 @@ def test_replica_store_refuses_an_older_step_and_keeps_both_slots():
     assert replicas.steps(0) == [4, 5]
 
 
+def test_a_pinned_replica_outlives_the_newer_ones_is_served_and_survives_a_rollback_to_it():
+    """The holder pins rank 0's copy of a full-commit step (here every 4th) as rank 0 pins its
+    own: both still hold it, and serve it, after later steps filled both slots twice over; a
+    rollback to it keeps it; the next pinned step replaces it."""
+    own = marked_store()
+    replicas = ReplicaStore(pin=lambda step: step % 4 == 0)
+    with TransferServer(SECRET, JOB, 1, replicas=replicas) as srv:
+        pusher = ReplicaPusher(own, 0, srv.address, SECRET, JOB, timeout=5)
+        for step in range(4, 8):
+            own.commit(step)
+            if step == 4:
+                assert own.slots.pin(4) and not own.slots.pin(3)
+            pusher.after_commit(step)
+        pusher.flush()
+        assert own.slots.steps() == replicas.steps(0) == [4, 6, 7]
+        got = fetch_state([srv.address], 0, SECRET, JOB, step=4)
+        with own.lease(4) as snap:
+            n = snap.layout.nbytes
+            assert got.step == 4 and bytes(as_memoryview(got.data)[:n]) == bytes(snap.data)
+            assert state_bytes_in(bytes(snap.data))  # its memory was never a later step's
+        assert replicas.forget_after(4) == [0] and replicas.steps(0) == [4]
+        assert replicas.latest(0).step == 4 and replicas.ranks() == [0]
+        for step in (5, 8):  # the replayed history, then the next pinned step
+            own.commit(step)
+            pusher.after_commit(step)
+        pusher.close()
+    assert replicas.steps(0) == [5, 8] and replicas.forget_after(7) == [0]
+    assert replicas.steps(0) == [5]
+
+
 def test_a_rollback_keeps_the_replica_of_the_restore_step_and_forgets_the_newer():
     """A planned move restores step 4 while the ring holder already has rank 0's step 5: the
     newcomer still fetches step 4 from it after the holder has rolled back (it lost that race

@@ -110,22 +110,23 @@ def test_the_mode_follows_the_state_and_the_mesh():
 def test_steps_between_full_commits_are_held_lazily_only_where_live_state_restores(tmp_path):
     policy, _ = _policy(tmp_path)
     assert policy.mode == "jit" and policy.snapshots.every == LAZY_FULL_EVERY
-    for blocked in (dict(state=_state(rank_state=True)), dict(mode="replicated"),
-                    dict(snapshot_lazy=False)):
+    for blocked in (dict(mode="replicated"), dict(snapshot_lazy=False)):
         policy, _ = _policy(tmp_path, **blocked)
         assert policy.snapshots.every == 1, blocked  # every step a full commit
     policy, _ = _policy(tmp_path, snapshot_every=4)
     assert policy.snapshots.every == 4  # given: kept, lazily held between
-    # per-rank state (a sampler) with persistence: lazily held too (issue 26.3); a fault in a
-    # step's update then rolls back to the last persisted step, its position read from disk
-    policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=10)
-    assert policy.snapshots.every == LAZY_FULL_EVERY
+    # per-rank state (a sampler), with or without disk persistence: lazily held too (issue
+    # 26.3); a fault in a step's update rolls back to the last full commit, every position
+    # at it pinned in memory
+    for persist_every in (0, 10):
+        policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=persist_every)
+        assert policy.snapshots.every == LAZY_FULL_EVERY, persist_every
 
 
 def test_with_per_rank_state_a_lazy_step_still_commits_and_pushes_the_ranks_own(tmp_path,
                                                                                monkeypatch):
     calls: list = []
-    policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=10)
+    policy, _ = _policy(tmp_path, state=_state(rank_state=True))
     _spy(monkeypatch, policy.snapshots, calls)
     rank_calls: list = []
     _spy(monkeypatch, policy.rank_snaps, rank_calls)
@@ -133,7 +134,42 @@ def test_with_per_rank_state_a_lazy_step_still_commits_and_pushes_the_ranks_own(
         policy.end_step(step)
     assert calls == [("commit", 0), ("prepare_lazy", 1), ("prepare_lazy", 2)]
     assert rank_calls == [("commit", 0), ("commit", 1), ("commit", 2)]
-    assert policy.rank_snaps.slots.steps() == [1, 2]
+    # the position at the last full commit (step 0) is pinned beside the two newest
+    assert policy.rank_snaps.slots.steps() == [0, 1, 2]
+
+
+def test_the_position_at_the_last_full_commit_stays_in_memory_here_and_at_the_holder(
+        tmp_path):
+    """A fault inside a step's update rolls the group back to the last full commit: every
+    rank's own state at that step must still be held, by the rank and by its ring holder,
+    however many lazy steps came since (before: only the two newest were, and such a fault
+    needed disk persistence or escalated)."""
+    policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=10)
+    for step in range(0, LAZY_FULL_EVERY + 4):
+        policy.end_step(step)
+    # full commits at 0, 10 (persisted) and 16: the last one pinned
+    assert policy.rank_snaps.slots.steps() == [16, 18, 19]
+    with policy.rank_snaps.lease(16) as snap:
+        assert snap is not None and snap.step == 16
+    # the holder keeps the same steps of the ranks it holds (the same rule on every rank)
+    pins = [s for s in range(0, 40) if policy._pins(s)]
+    assert pins == [0, 10, 16, 20, 30, 32]
+    holder = policy.replicas
+    with policy.rank_snaps.lease(19) as snap:
+        layout, data = snap.layout, bytes(snap.data)
+    for step in range(14, 20):  # rank 3's copies arriving, step by step
+        idx, slot = holder.begin(3, len(data), step)
+        slot[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        holder.finish(3, idx, slot, step, layout, P.part_digest(data))
+    assert holder.steps(3) == [16, 18, 19]
+    # a restore (here at step 18) stands the group at a step as a full commit does
+    policy.hold_restored(18)
+    assert policy.rank_snaps.slots.steps() == [18] and holder.steps(3) == [18, 19]
+    # without lazy holds nothing is pinned: every step is a full commit anyway
+    policy, _ = _policy(tmp_path, state=_state(rank_state=True), snapshot_lazy=False)
+    for step in range(0, 4):
+        policy.end_step(step)
+    assert policy.rank_snaps.slots.steps() == [2, 3] and not policy._pins(0)
 
 
 def test_end_step_commits_fully_lazily_or_in_the_background(tmp_path, monkeypatch):

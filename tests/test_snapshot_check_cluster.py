@@ -10,8 +10,10 @@ an uninterrupted run, with the steps they had to recompute counted.
   before the main one in every step; a rank dies right after that update. The hold must be
   dropped by that optimizer's step too (torch's global pre-hook), not only the main one's.
 
-No --position: without per-rank state the job holds steps lazily (its default), which is
-what these scripts break.
+The SAM script has no per-rank state. The GAN script registers a sampler position and runs
+without disk persistence (HPCT_PERSIST_EVERY=0): it holds steps lazily all the same, and the
+rollback to the last full commit finds every rank's position at it in memory (pinned by the
+rank and by its ring holder), where it once needed a persisted step or escalated.
 """
 from __future__ import annotations
 
@@ -35,21 +37,23 @@ def _train(*extra: str) -> list[str]:
             "--step-sleep", "0.02", *extra]
 
 
-def _run(cluster, run_dir, argv: list[str], spares: int) -> int:
+def _run(cluster, run_dir, argv: list[str], spares: int, env: dict[str, str]) -> int:
     return submit(cluster, run_dir, TEMPLATE, argv, nodes=ACTIVE + spares,
-                  env={"HPCT_ACTIVE_NODES": str(ACTIVE), "HPCT_SPARE_NODES": str(spares)})
+                  env={"HPCT_ACTIVE_NODES": str(ACTIVE), "HPCT_SPARE_NODES": str(spares), **env})
 
 
-@pytest.mark.parametrize("script", [["--sam", "0.05"], ["--gan"]], ids=["sam", "gan"])
+@pytest.mark.parametrize("script,env", [(["--sam", "0.05"], {}),
+                                        (["--gan", "--position"], {"HPCT_PERSIST_EVERY": "0"})],
+                         ids=["sam", "gan_position_no_disk"])
 def test_a_crash_inside_the_window_ends_bit_identical_with_the_recompute_counted(
-        cluster, tmp_path_factory, script):
+        cluster, tmp_path_factory, script, env):
     ref_dir = tmp_path_factory.mktemp("check-reference")
-    wait_job(cluster, _run(cluster, ref_dir, _train(*script), 0), ref_dir, 240,
+    wait_job(cluster, _run(cluster, ref_dir, _train(*script), 0, env), ref_dir, 240,
              label="reference")
     ref = collect(ref_dir, ACTIVE)
     run_dir = tmp_path_factory.mktemp("check-crash")
     jid = _run(cluster, run_dir, _train(*script, "--die-in-step", str(DIE_IN),
-                                        "--fault-rank", "1"), 1)
+                                        "--fault-rank", "1"), 1, env)
     wait_job(cluster, jid, run_dir, 240, label="crash-in-window")
     assert bitwise_equal(ref, collect(run_dir, ACTIVE), run_dir)
     refused = [e for e in rank_events(run_dir) if e["event"] == "snapshot.not_the_step"]
@@ -60,4 +64,9 @@ def test_a_crash_inside_the_window_ends_bit_identical_with_the_recompute_counted
         # the survivors' holds of step 20 were refused by the check, not published
         assert refused and all(e["step"] == DIE_IN - 1 for e in refused), refused
     assert restore < DIE_IN - 1  # rolled back to the last full commit
+    if env:
+        # the last full commit (every 16 steps), every rank's position from memory: the
+        # survivors' own pinned copies, the lost rank's from its ring holder
+        assert restore == 16 and not (run_dir / "persist-rank").exists()
+        assert set(assigns[0]["sources"].values()) <= {"own", "peer"}, assigns[0]
     assert recomputed_steps(run_dir) > 0  # counted, not hidden

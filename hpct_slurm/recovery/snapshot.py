@@ -131,13 +131,17 @@ _SEALER: BackgroundQueue[Snapshot] = BackgroundQueue("hpct-sealer", _seal, lazy=
 
 
 class DoubleBuffer:
-    """Two slots of flat bytes with an atomic flip and reader leases (thread-safe)."""
+    """Two slots of flat bytes with an atomic flip and reader leases (thread-safe), and at
+    most one snapshot pinned beside them (`pin`): an older step kept while the slots move on."""
 
     def __init__(self) -> None:
         self._bufs: list[torch.Tensor | None] = [None, None]
         self._snaps: list[Snapshot | None] = [None, None]
         self._leases = [0, 0]
         self._current = -1
+        # The pinned snapshot owns its memory: its slot let go of the buffer when it was
+        # pinned, so no writer overwrites it, and it lives until another is pinned.
+        self._pinned: Snapshot | None = None
         self._cond = threading.Condition()
         # One writer at a time: held from acquire_target until publish or abandon.
         self._writer = threading.Lock()
@@ -155,7 +159,7 @@ class DoubleBuffer:
             with self._cond:
                 idx = self._target()
                 old = self._snaps[idx]
-                if old is not None:
+                if old is not None and old is not self._pinned:
                     old.superseded.set()
                 self._cond.wait_for(lambda: self._leases[idx] == 0)
                 self._snaps[idx] = None
@@ -186,12 +190,35 @@ class DoubleBuffer:
         self._writer.release()
 
     def latest(self) -> Snapshot | None:
+        """The current slot's snapshot (the pinned one where both slots are empty)."""
         with self._cond:
-            return self._snaps[self._current] if self._current >= 0 else None
+            return self._snaps[self._current] if self._current >= 0 else self._pinned
 
     def steps(self) -> list[int]:
         with self._cond:
-            return sorted(s.step for s in self._snaps if s is not None)
+            held = {s.step for s in self._snaps if s is not None}
+            if self._pinned is not None:
+                held.add(self._pinned.step)
+            return sorted(held)
+
+    def pin(self, step: int) -> bool:
+        """Keep the snapshot of `step`, held in a slot now, after the slots move on, until
+        another is pinned (the step a group can roll back to when the two newest are no
+        step's state: SnapshotPolicy). No copy: the slot gives its buffer up to it and its
+        next writer allocates another. Whether `step` was held."""
+        with self._cond:
+            for i, s in enumerate(self._snaps):
+                if s is not None and s.step == step:
+                    if s is not self._pinned:
+                        self._pinned = s
+                        self._bufs[i] = None
+                    return True
+        return False
+
+    @property
+    def pinned(self) -> int | None:
+        with self._cond:
+            return self._pinned.step if self._pinned is not None else None
 
     @contextlib.contextmanager
     def lease(self, step: int | None = None) -> Iterator[Snapshot | None]:
@@ -203,10 +230,13 @@ class DoubleBuffer:
             snap = self._snaps[idx] if idx >= 0 else None
             if snap is not None:
                 self._leases[idx] += 1
+            elif self._pinned is not None and step in (None, self._pinned.step):
+                # no writer ever reuses a pinned snapshot's memory: nothing to count
+                snap, idx = self._pinned, -1
         try:
             yield snap
         finally:
-            if snap is not None:
+            if snap is not None and idx >= 0:
                 with self._cond:
                     self._leases[idx] -= 1
                     self._cond.notify_all()
@@ -215,7 +245,7 @@ class DoubleBuffer:
         """Forget the snapshots newer than `step`; one at `step` or older stays. Whether any
         was dropped."""
         with self._cond:
-            newer = [x for x in self._snaps if x is not None and x.step > step]
+            newer = [x for x in [*self._snaps, self._pinned] if x is not None and x.step > step]
         for x in newer:
             self.discard(x)
         return bool(newer)
@@ -223,6 +253,8 @@ class DoubleBuffer:
     def discard(self, snap: Snapshot) -> None:
         """Forget a snapshot found corrupt, so it is not offered again."""
         with self._cond:
+            if snap is self._pinned:
+                self._pinned = None
             for i, s in enumerate(self._snaps):
                 if s is snap:
                     self._snaps[i] = None
@@ -533,11 +565,14 @@ class SnapshotStore:
 
 
 class ReplicaStore:
-    """Replicas of other ranks' snapshots, each rank double-buffered."""
+    """Replicas of other ranks' snapshots, each rank double-buffered. `pin(step)`: whether a
+    replica of `step` is kept after the newer ones move on (DoubleBuffer.pin): the steps the
+    owners keep too (SnapshotPolicy: a rank's own state at its last full commit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: Callable[[int], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[int, DoubleBuffer] = {}
+        self._pin = pin
 
     def _slots(self, rank: int) -> DoubleBuffer:
         with self._lock:
@@ -610,7 +645,17 @@ class ReplicaStore:
             self.abandon(rank, idx)
             raise HpctError(f"replica of rank {rank} at step {step} does not match the sender's "
                             f"digest {digest.hex()[:16]}...; kept the previous replica")
-        return slots.publish(idx, buf, step, layout, digest)
+        snap = slots.publish(idx, buf, step, layout, digest)
+        if self._pin is not None and self._pin(step):
+            slots.pin(step)
+        return snap
+
+    def pin(self, step: int) -> list[int]:
+        """Pin every rank's replica of `step` where one is held (the step a group restored:
+        SnapshotPolicy.hold_restored). The ranks pinned."""
+        with self._lock:
+            held = list(self._ranks.items())
+        return sorted(r for r, db in held if db.pin(step))
 
     def abandon(self, rank: int, idx: int) -> None:
         self._slots(rank).abandon(idx)

@@ -101,9 +101,10 @@ class SnapshotPolicy:
         # Between full commits, hold each step's shared state where it lies and copy it only
         # at a fault (see _lazy); 0 makes every step a full commit.
         self.lazy = s.snapshot_lazy
-        self.persist_every = persist_every  # read by _lazy
+        self.persist_every = persist_every  # read by _full_commit and the persisters
         self.set_mode(self.mode)
-        self.replicas = ReplicaStore()
+        # Other ranks' copies; each one's own state at the last full commit stays pinned
+        self.replicas = ReplicaStore(pin=self._pins)
         self.pusher: ReplicaPusher | None = None
         # This rank's own state carried in the gradient all-reduce to its ring holder, where
         # the group allows it (carry.py); the record of whether its state stays put after the
@@ -141,17 +142,25 @@ class SnapshotPolicy:
         (SnapshotStore.prepare_lazy). Only where every survivor's live state at a fault is
         a state the group can restore: jit mode (a replicated ring push needs the bytes).
 
-        With per-rank state (a sampler position) as well, only where it is persisted: its
-        own small snapshot is still taken and pushed to the ring holder every step, so a
-        fault before the next optimizer update restores the held step exactly as without
-        it; but a fault inside a step's update (from the update's start to the step's end)
-        finds the survivors' held step dropped, and a lost rank's position exists in memory
-        only at its last two steps, not at the last full commit. Those faults roll back to
-        the last persisted step instead (its position read from `persist-rank/`), the
-        recomputed steps counted; without persistence they would escalate, so there every
-        step stays a full commit."""
-        return self.lazy and self.mode == "jit" and (
-            self.rank_snaps is None or self.persist_every > 0)
+        With per-rank state (a sampler position) as well: its own small snapshot is still
+        taken every step and sent to the ring holder, so a fault before the next optimizer
+        update restores the held step exactly as without it. A fault inside a step's update
+        (from the update's start to the step's end: a loss all-reduce for logging after
+        `optimizer.step()`) finds the survivors' held step dropped: the group rolls back to
+        the last full commit, and every rank's position at it is pinned in memory, by the
+        rank and by its ring holder (`_pins`), beside the two newest. No disk needed."""
+        return self.lazy and self.mode == "jit"
+
+    def _full_commit(self, step: int) -> bool:
+        """Whether `step` ends in a full commit: the same rule on every rank, so the commit
+        steps line up."""
+        return self.snapshots.due(step) or (
+            bool(self.persist_every) and step % self.persist_every == 0)
+
+    def _pins(self, step: int) -> bool:
+        """Whether a rank's own state at `step` is pinned (by the rank and by its holder):
+        at every full commit while the steps between are held lazily."""
+        return self.rank_snaps is not None and self._lazy() and self._full_commit(step)
 
     def _overlap(self) -> bool:
         if self._overlap_given is not None:
@@ -162,10 +171,10 @@ class SnapshotPolicy:
     def end_step(self, step: int) -> None:
         """After a step: its snapshot, when one is due (full, its copy overlapping the next
         step or not), else held lazily where that is allowed."""
-        # the same rule on every rank: the commit steps line up
-        persist_due = bool(self.persist_every) and step % self.persist_every == 0
-        if self.snapshots.due(step) or persist_due:
+        if self._full_commit(step):
             self._commit_rank_state(step)
+            if self._pins(step):
+                self.rank_snaps.slots.pin(step)  # type: ignore[union-attr]
             if self._overlap():
                 self.snapshots.commit_async(step, then=self._after_shared_commit)
             else:
@@ -299,6 +308,11 @@ class SnapshotPolicy:
                         store.slots.discard(snap)
             if step not in store.slots.steps():
                 store.commit(step)
+        if self.rank_snaps is not None and self._lazy():
+            # The group stands here as at a full commit: until the next one, a fault inside
+            # an update rolls back to this step, every rank's position at it in memory.
+            self.rank_snaps.slots.pin(step)
+            self.replicas.pin(step)
 
     def open_persisters(self, key: Callable[[int], int]) -> None:
         """The disk persisters of the rank this process now holds (`key`: a rank's shard key)."""

@@ -201,10 +201,15 @@ SETTINGS: tuple[Setting, ...] = (
        "forming a generation's process group gives up after this long (a plain srun "
        "step's rendezvous env: 600)", scope="job"),
     # on by default: a requeued job (no spare left, the batch host lost, the time limit) and a
-    # shard whose every holder is lost resume from these files (the templates' --requeue)
-    _s(PERSIST_EVERY, "int", 10, CONTROLLER, _RANK, "steps between asynchronous disk "
-       "snapshots, what a requeued job resumes from (`controller --persist-every`; 0: none, "
-       "a requeued job starts over)", lo=0, hi=UINT32_MAX, scope="job"),
+    # shard whose every holder is lost resume from these files (the templates' --requeue).
+    # 500 steps, a training framework's usual checkpoint interval (torchtitan's): a file of
+    # the whole state costs one copy, one hash and one write, which every few steps would
+    # cost more than the recovery state held in memory (docs/benchmarks.md, item 3); faults
+    # of a node recover from memory, not from these files.
+    _s(PERSIST_EVERY, "int", 500, CONTROLLER, _RANK, "steps between asynchronous disk "
+       "snapshots, what a requeued job resumes from (`controller --persist-every`, or this "
+       "variable exported before sbatch; 0: none, a requeued job starts over)", lo=0,
+       hi=UINT32_MAX, scope="job"),
     _s(HEARTBEAT_S, "seconds", 0.5, CONTROLLER, _RANK,
        "a rank's heartbeat interval; the controller stretches it beyond 1,000 ranks so the "
        "aggregate stays within its message budget (controller/pacing.py)", scope="job"),

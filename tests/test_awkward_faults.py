@@ -121,7 +121,8 @@ def test_neighbouring_nodes_lost_together_fall_back_to_disk_honestly(cluster, re
     Memory cannot serve a consistent state: the group restores the last persisted step for
     every rank, says so, counts the recomputed steps, and ends bit-identical."""
     ref = reference(3)
-    jid = _start(cluster, tmp_path, 3)
+    # disk persistence every 10 steps (the default is 500): a persisted step to fall back to
+    jid = _start(cluster, tmp_path, 3, env={"HPCT_PERSIST_EVERY": "10"})
     _when("step 14", lambda: rank_events(tmp_path),
           lambda e: e["event"] == "rank.step" and e["step"] >= 14)
     cluster.kill_node("n2")

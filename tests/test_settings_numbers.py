@@ -174,7 +174,11 @@ def test_disk_persistence_has_one_default_and_it_is_on():
 
     default = C.BY_NAME[C.PERSIST_EVERY].default
     assert default > 0
-    assert _controller_parser().parse_args([]).persist_every == default
+    # the flag's own default is None: `controller.cli.run` reads the variable (exported
+    # before sbatch; the templates pass no flag), then the table
+    assert _controller_parser().parse_args([]).persist_every is None
+    assert C.read({}, C.PERSIST_EVERY) == default
+    assert C.read({C.PERSIST_EVERY: "0"}, C.PERSIST_EVERY) == 0
     assert Options.__dataclass_fields__["persist_every"].default == default
     assert inspect.signature(main_from_env).parameters["persist_every"].default == default
     for template in ("train.sbatch", "pool.sbatch"):

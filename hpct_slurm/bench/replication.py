@@ -10,10 +10,13 @@ snapshots):
   defaults, the headline `overhead_pct`: a sampler registered (per-rank state), the shared
   state held lazily (as in `jit_lazy`), the rank's own small state (the sampler position; not
   the RNG states, which `Job` reseeds before every step) carried to its ring holder in the
-  step's gradient all-reduce (carry.py), and the disk persistence every 10 steps that lazy
-  holds with per-rank state rely on (a full commit, its file written by one rank, every
-  rank's own file; background threads). This process is its own holder here: it pays for
-  its slot, the extra all-reduce, and taking a held rank's slot into its replicas.
+  step's gradient all-reduce (carry.py), and the controller's default disk persistence
+  (every HPCT_PERSIST_EVERY = 500 steps: a full commit, its file written by one rank, every
+  rank's own file; background threads; this variant's blocks are that long, so each holds
+  one persisted step). This process is its own holder here: it pays for its slot, the extra
+  all-reduce, and taking a held rank's slot into its replicas.
+- `jit_lazy_rank_persist10`: the same persisting every 10 steps (the default before: what a
+  persisted file costs, side by side).
 - `jit_lazy_rank`: the same without the disk persistence: what its memory path costs.
 - `jit_lazy_rank_pushed`: that memory path as `Job` did it before carrying: the rank's state
   committed and pushed to the ring peer after every step, its acknowledgement awaited at the
@@ -53,12 +56,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import config as C
 from . import replication_sharded
 from .common import plot_bars, write_result
 
 JOB = "bench"
 BUDGET_PCT = 3.0
-PERSIST_EVERY = 10  # the settings table's default (HPCT_PERSIST_EVERY): the templates' jobs
+# the settings table's default (HPCT_PERSIST_EVERY): the templates' jobs
+PERSIST_EVERY: int = C.BY_NAME[C.PERSIST_EVERY].default  # type: ignore[assignment]
+PERSIST_BEFORE = 10  # the default until 2026-11-26
 
 
 class _Position:
@@ -121,6 +127,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                                                      every=LAZY_FULL_EVERY), False),
               "jit_lazy_rank_persist": (SnapshotStore(state, ("shared",),
                                                       every=LAZY_FULL_EVERY), False),
+              "jit_lazy_rank_persist10": (SnapshotStore(state, ("shared",),
+                                                        every=LAZY_FULL_EVERY), False),
               "jit_k1": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sync": (SnapshotStore(state, ("shared",), every=1), False),
               "jit_k1_sealed": (SnapshotStore(state, ("shared",), every=1, background_seal=True),
@@ -138,9 +146,12 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     # pushed to the ring peer, each push's acknowledgement awaited at the next step's end.
     position = _Position()
     rank_state = TrainState(model=model, optimizer=opt, sampler=position)
+    # persisting variant -> its interval; smoke: short enough for its one short block
+    persisting = {"jit_lazy_rank_persist": 4 if smoke else 100 if quick else PERSIST_EVERY,
+                  "jit_lazy_rank_persist10": PERSIST_BEFORE}
     rank_stores = {v: SnapshotStore(rank_state, ("rank",), every=1, rng=False)
-                   for v in ("jit_lazy_rank", "jit_lazy_rank_pushed", "jit_lazy_rank_persist")}
-    carried = ("jit_lazy_rank", "jit_lazy_rank_persist")
+                   for v in ("jit_lazy_rank", "jit_lazy_rank_pushed", *persisting)}
+    carried = ("jit_lazy_rank", *persisting)
     # Job's gradient all-reduce, in every variant: over a group of one rank here, which is
     # also its own ring holder (it takes its own slot into its replicas)
     store_file = tempfile.NamedTemporaryFile(prefix="hpct-bench-pg-", delete=False)
@@ -183,13 +194,14 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                    for v, (store, push) in stores.items() if push}
         rank_pushers = {v: ReplicaPusher(rs, 0, peer, secret, JOB)
                         for v, rs in rank_stores.items()}
-        # the template's disk persistence (every PERSIST_EVERY steps, the shared state's file
-        # written by one rank per key, every rank's own file), on background threads as in Job
+        # the template's disk persistence (the shared state's file written by one rank per
+        # key, every rank's own file), on background threads as in Job
         disk = out_dir / "replication-persist"
-        persisters = [DiskPersister(stores["jit_lazy_rank_persist"][0], disk / "persist", 0,
-                                    PERSIST_EVERY, key=secret),
-                      DiskPersister(rank_stores["jit_lazy_rank_persist"], disk / "persist-rank",
-                                    0, PERSIST_EVERY, key=secret)]
+        persisters = {v: (DiskPersister(stores[v][0], disk / v / "persist", 0, every,
+                                        key=secret),
+                          DiskPersister(rank_stores[v], disk / v / "persist-rank", 0, every,
+                                        key=secret))
+                      for v, every in persisting.items()}
         train_step()
         for v, (store, _) in stores.items():  # warm-up: both slots and the peer's buffers
             for _ in range(2):
@@ -208,23 +220,27 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 overlap = variant == "jit_k1"
                 lazy = variant.startswith("jit_lazy")
                 rank_store = rank_stores.get(variant)
-                persist = variant == "jit_lazy_rank_persist"
+                persist = persisting.get(variant, 0)
+                # a persisting block: whole lazy cycles, at least `persist` steps (any run of
+                # them holds one multiple of `persist`: its share of the files, on average)
+                steps = (max(block, LAZY_FULL_EVERY * math.ceil(persist / LAZY_FULL_EVERY))
+                         if persist and not smoke else block)
                 overlapped["store"] = store if overlap or lazy else None
                 reduce_with["carry"] = carry if variant in carried else None
                 t_block = time.perf_counter()
-                for _ in range(block):
+                for _ in range(steps):
                     step += 1  # the step in progress (Job.step), what the carry labels
                     position.consumed += 64  # the step's batch drawn
                     train_step()
                     if rank_store is not None:  # SnapshotPolicy._commit_rank_state
                         snap = rank_store.commit(step)
                         if persist:
-                            persisters[1].after_commit(step)
+                            persisters[variant][1].after_commit(step)
                         if variant not in carried or carry.confirm(step, snap) != "carried":
                             rank_pushers[variant].push_next(step)
-                    if persist and step % PERSIST_EVERY == 0:  # a persist step: a full commit
+                    if persist and step % persist == 0:  # a persist step: a full commit
                         store.commit(step)  # type: ignore[union-attr]
-                        persisters[0].after_commit(step)
+                        persisters[variant][0].after_commit(step)
                     elif lazy and not store.due(step):  # type: ignore[union-attr]
                         store.prepare_lazy(step)  # type: ignore[union-attr]
                     elif store is not None and store.due(step):
@@ -238,7 +254,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                         if push:
                             pushers[variant].after_commit(step)
                         if persist:
-                            persisters[0].after_commit(step)
+                            persisters[variant][0].after_commit(step)
                 if (overlap or lazy) and store is not None:
                     store.wait()
                     store.drop_pending()
@@ -249,14 +265,15 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 if store is not None and store.background_seal:
                     settle(last)
                 if rnd:
-                    times[variant].append((time.perf_counter() - t_block) / block)
+                    times[variant].append((time.perf_counter() - t_block) / steps)
         carried_steps = carry.record.verified
         disk_mb_s = _disk_write_rate(stores["jit_k1"][0], out_dir, secret)
         acked = {v: p.acked_step for v, p in pushers.items()}
         for p in [*pushers.values(), *rank_pushers.values()]:
             p.close()
-        for persister in persisters:
-            persister.close()
+        for pair in persisters.values():
+            for persister in pair:
+                persister.close()
         parent.send("stop")
     finally:
         dist.destroy_process_group()
@@ -284,7 +301,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                "commit_ms": round(commit_ms, 2),
                "step_ms": {v: round(s * 1e3, 2) for v, s in step_s.items()},
                "state_mb": round(nbytes / 1e6, 1), "disk_write_mb_s": round(disk_mb_s),
-               "persist_every": PERSIST_EVERY}
+               "persist_every": persisting[default]}
     write_result(out_dir, "replication", {**summary, "quick": quick, "smoke": smoke, "k": k,
                                           "overhead_spread_by_mode": spread,
                                           "sharded": sharded, "sharded_config": sharded_cfg,

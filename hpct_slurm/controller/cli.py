@@ -22,7 +22,7 @@ MIRRORS: dict[str, str] = {
 }
 # ... whose default on the command line is None: `run` reads the variable, then the table
 # (config.py's precedence rule: the flag, the sbatch option the SPANK plugin exports, the table)
-FROM_ENVIRON = ("--spares", "--store", "--progress-timeout")
+FROM_ENVIRON = ("--spares", "--store", "--progress-timeout", "--persist-every")
 # ... range-checked by their entry, with a default of their own: the templates always pass
 # them, and left out by hand they mean what no template value does (no fixed number of active
 # nodes, no spares expected; tasks: the table's unset is "the step's own" to the rendezvous,
@@ -128,9 +128,13 @@ def run(args: argparse.Namespace) -> int:
     progress_timeout = args.progress_timeout
     if progress_timeout is None:
         progress_timeout = C.read(os.environ, C.PROGRESS_TIMEOUT_S)
+    # `HPCT_PERSIST_EVERY=0 sbatch train.sbatch ...`: the templates pass no flag of their own
+    persist_every = args.persist_every
+    if persist_every is None:
+        persist_every = C.read(os.environ, C.PERSIST_EVERY)
     return main_from_env(cmd, args.run_dir, spares, args.tasks_per_node, store,
                          args.heartbeat_timeout, args.on_no_spare, args.active,
-                         args.persist_every, args.pool_spares, args.pool_reservation,
+                         persist_every, args.pool_spares, args.pool_reservation,
                          progress_timeout_s=progress_timeout,
                          want_spares=args.want_spares, on_few_spares=args.on_few_spares)
 

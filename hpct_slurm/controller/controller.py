@@ -179,7 +179,7 @@ def _resolve(host: str) -> str:
 
 def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_per_node: int,
                   store: str, heartbeat_timeout_s: float, on_no_spare: str,
-                  active: int | None = None, persist_every: int = 10,
+                  active: int | None = None, persist_every: int = 500,
                   pool_spares: int = 0, pool_reservation: str = "hpct_spares",
                   progress_timeout_s: float = 300.0, want_spares: int | None = None,
                   on_few_spares: str = "warn") -> int:

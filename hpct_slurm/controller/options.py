@@ -15,7 +15,7 @@ class Options:
     batch_host: str
     spares: int = 1
     active: int | None = None
-    persist_every: int = 10
+    persist_every: int = 500
     tasks_per_node: int = 1
     heartbeat_timeout_s: float = 3.0
     ready_timeout_s: float = 60.0

@@ -44,7 +44,7 @@ def _pid_of(run_dir: Path, node: str) -> int:
 
 def _start(cluster, tmp_path, active=4, nodes=5):
     # disk persistence every 10 steps (the default is 500): the requeue tests resume from a
-    # persisted step within these 60-step jobs
+    # persisted step within these 40-step jobs
     return submit(cluster, tmp_path, TEMPLATE, TRAIN, nodes=nodes,
                   env={"HPCT_ACTIVE_NODES": str(active), "HPCT_PERSIST_EVERY": "10"})
 

@@ -404,8 +404,10 @@ def test_a_dead_slurmd_is_seen_in_slurm_state_and_the_rank_moves(cluster, refere
     node NOT_RESPONDING; the controller's throttled poll of Slurm's node states sees it, downs
     the node and moves its rank to the spare."""
     ref = reference(4)
-    # slower steps (the same results): Slurm needs SlurmdTimeout (10 s) to notice
-    jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--step-sleep", "0.8"], nodes=5,
+    # slower steps until the fault (the same results): Slurm needs SlurmdTimeout (6 s) and a
+    # ping to notice
+    jid = submit(cluster, tmp_path, TEMPLATE,
+                 [*TRAIN, "--step-sleep", "0.8", "--later-step-sleep", "0.1"], nodes=5,
                  env={"HPCT_ACTIVE_NODES": "4"})
     wait_step(tmp_path, 3)
     os.kill(cluster.state().slurmd_pids["n3"], signal.SIGKILL)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest

@@ -68,6 +68,9 @@ def main() -> None:
                     help="test: block the training thread forever in this step on "
                          "--fault-rank (the process and its heartbeats stay alive)")
     ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--later-step-sleep", type=float, default=None, metavar="S",
+                    help="--step-sleep from generation 1 on (after the first fault): a test "
+                         "that waits for Slurm to notice a fault trains slowly only until then")
     ap.add_argument("--slow-at", type=int, default=None, metavar="STEP",
                     help="test: every rank sleeps --slow-s in this step, after moving its data "
                          "position and before the collective (a window to crash a node in)")
@@ -115,23 +118,27 @@ def main() -> None:
         if step == args.hang_at:
             threading.Event().wait()
 
+    def step_sleep() -> float:
+        later = args.later_step_sleep
+        return args.step_sleep if later is None or job.generation == 0 else later
+
     def train_step(step: int) -> float:  # hpct: one optimizer step
         inject(step)
         position.advance(job.rank, args.batch)
         if step == args.slow_at and job.generation == 0:
             time.sleep(args.slow_s)
         if args.ddp:  # plain DDP: the wrapper re-creates it for every generation
-            return one_step(job.ddp, opt, args.batch, lambda: None, args.step_sleep)
+            return one_step(job.ddp, opt, args.batch, lambda: None, step_sleep())
         if disc is not None:
             gan_step(disc, disc_opt, args.batch, job.allreduce_gradients, lambda: die_here(step))
         if args.sam is not None:
             return sam_step(model, opt, args.batch, job.allreduce_gradients, args.sam,
                             lambda: die_here(step))
-        return one_step(model, opt, args.batch, job.allreduce_gradients, args.step_sleep)
+        return one_step(model, opt, args.batch, job.allreduce_gradients, step_sleep())
 
     def micro_step(step: int) -> float:  # forward + backward only: the job may shrink
         position.advance(job.rank, args.batch)
-        return forward_backward(model, args.batch, args.step_sleep)
+        return forward_backward(model, args.batch, step_sleep())
 
     trained = (job.run(None, args.steps, micro_step=micro_step) if args.micro
                else job.run(train_step, args.steps))  # hpct

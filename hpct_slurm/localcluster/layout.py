@@ -155,6 +155,10 @@ def slurm_conf(lay: Layout, hooks: Hooks = Hooks()) -> str:
         "MinJobAge=600",
         "InactiveLimit=0",
         "JobRequeue=1",
+        # A job whose BeginTime passes (a requeued job, hpct's StartTime=now+10) waits for the
+        # next scheduling pass: 30 s (backfill) or 60 s (main loop) by default, measured 23 s
+        # here. A cluster of a few test jobs affords a pass every second or two.
+        "SchedulerParameters=bf_interval=1,sched_interval=2",
         f"PlugStackConfig={lay.plugstack}",
         "PrologFlags=Alloc",
     ]

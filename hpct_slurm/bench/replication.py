@@ -12,8 +12,8 @@ snapshots):
   the RNG states, which `Job` reseeds before every step) carried to its ring holder in the
   step's gradient all-reduce (carry.py), and the controller's default disk persistence
   (every HPCT_PERSIST_EVERY = 500 steps: a full commit, its file written by one rank, every
-  rank's own file; background threads; this variant's blocks are that long, so each holds
-  one persisted step). This process is its own holder here: it pays for its slot, the extra
+  rank's own file; background threads; this variant's blocks are whole 16-step cycles at
+  least that long, so each holds its share of the files). This process is its own holder here: it pays for its slot, the extra
   all-reduce, and taking a held rank's slot into its replicas.
 - `jit_lazy_rank_persist10`: the same persisting every 10 steps (the default before: what a
   persisted file costs, side by side).

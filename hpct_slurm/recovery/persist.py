@@ -125,7 +125,7 @@ def _write_direct(fd: int, data: memoryview) -> None:
 
     Why: a buffered write of a whole training state fills the page cache and makes the kernel
     write it back while the step computes. `hpct-slurm bench replication` measured the
-    persistence of the time (100 MB every 10 steps of 40 ms) at +38 % of the step on 2 cores,
+    persistence as it then was (100 MB every 10 steps of 40 ms) at +38 % of the step on 2 cores,
     and a compute loop beside a writer of 100 MB files slowed +18 % with buffered writes,
     +3.5-8.8 % with O_DIRECT (the same run)."""
     mv = memoryview(data).cast("B")

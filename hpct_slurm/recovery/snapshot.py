@@ -215,11 +215,6 @@ class DoubleBuffer:
                     return True
         return False
 
-    @property
-    def pinned(self) -> int | None:
-        with self._cond:
-            return self._pinned.step if self._pinned is not None else None
-
     @contextlib.contextmanager
     def lease(self, step: int | None = None) -> Iterator[Snapshot | None]:
         """Hold the snapshot at `step` (None: the latest) so no writer overwrites it meanwhile."""

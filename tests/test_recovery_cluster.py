@@ -31,6 +31,17 @@ def reference(_session_cluster, tmp_path_factory):
     return collect(d, 4)
 
 
+def _no_survivor_waited_out_the_collective_timeout(run_dir) -> None:
+    """Every survivor left the failed collective through the STOP or its peers' teardown,
+    none through gloo's collective timeout (10 s, "Application timeout caused pair closure"):
+    a rank that gave up a step kept its connections open while works it never waited for
+    held its gloo context (the carry's all-reduce, recovery/gradients.py), and the survivor
+    waiting on it sat out the timeout (seen in the relay test every time, before the fix)."""
+    timed_out = [e for e in rank_events(run_dir) if e["event"] == "rank.fault"
+                 and "Application timeout" in e.get("error", "")]
+    assert not timed_out, timed_out
+
+
 def test_node_crash_warm_spare_takes_over_bit_identical(cluster, reference, tmp_path):
     jid = submit(cluster, tmp_path, TEMPLATE, [*TRAIN, "--position"])
     t_kill = wait_job(cluster, jid, tmp_path, 240, kill_at=12, label="node-crash")
@@ -56,6 +67,7 @@ def test_node_crash_warm_spare_takes_over_bit_identical(cluster, reference, tmp_
     assert any(e["rank"] == 2 and e["source"].split(":")[0] == n1 for e in fetched)
     stored = [e for e in rank_events(tmp_path, "n1") if e["event"] == "replica.stored"]
     assert stored and max(e["nbytes"] for e in stored) < 64 * 1024
+    _no_survivor_waited_out_the_collective_timeout(tmp_path)
 
 
 def test_rank_process_kill_recovers_in_process(cluster, reference, tmp_path):
@@ -177,3 +189,4 @@ def test_two_ranks_per_node_go_through_one_relay_and_recover_bit_identical(clust
     assert not [e for e in evs if e["event"] == "recovery.disk_fallback"]
     assert done["lost_steps"] <= 1 or done["restore_step"] % LAZY_FULL_EVERY == 0, done
     assert (got[4]["node"], got[5]["node"]) == ("n4", "n4")
+    _no_survivor_waited_out_the_collective_timeout(run)

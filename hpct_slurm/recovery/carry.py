@@ -152,6 +152,12 @@ class Carry:
             work.wait()
             self.take(self._region)
 
+    def abandon(self) -> None:
+        """Let go of a started all-reduce that will not be waited for (the step failed): the
+        work holds the group's gloo context, and with it this rank's connections
+        (average_gradients says why that matters)."""
+        self._work = None
+
     def region(self) -> torch.Tensor:
         """The region to all-reduce: zeros, and this rank's state now in its own slot when
         it is trusted (its state is captured either way, for the step's end to verify)."""

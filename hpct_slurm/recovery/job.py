@@ -762,9 +762,14 @@ class Job:
             self.events.emit(Ev.REPLICA_ROLLED_BACK, ranks=dropped, step=a.restore_step)
         self._group.renew_ddp()
         self._policy.open_persisters(self._group.key)
-        if self.mesh_spec is not None:  # a STOP cuts every connection of a sharded job's group
-            self.client.group_addrs = {str(h) for h, _ in a.peers.values()} - {self.host_addr}
         self._policy.ring(a)
+        # A STOP cuts every connection of the group where a rank may wait on a live peer that
+        # left for recovery: a sharded job's sub-groups, and a job that carries its ranks'
+        # state in an all-reduce of its own beside the gradients' (carry.py: two collectives
+        # in flight; a survivor waited out the collective timeout on such a peer, 10 s).
+        self.client.group_addrs = (
+            {str(h) for h, _ in a.peers.values()} - {self.host_addr}
+            if self.mesh_spec is not None or self._policy.carry is not None else set())
         self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)

@@ -36,7 +36,9 @@ def _no_survivor_waited_out_the_collective_timeout(run_dir) -> None:
     none through gloo's collective timeout (10 s, "Application timeout caused pair closure"):
     a rank that gave up a step kept its connections open while works it never waited for
     held its gloo context (the carry's all-reduce, recovery/gradients.py), and the survivor
-    waiting on it sat out the timeout (seen in the relay test every time, before the fix)."""
+    waiting on it sat out the timeout (seen in the relay test in 2 of 3 runs before the fix,
+    and in CI's node-crash and drain tests: not deterministic, so this can pass on the old
+    code)."""
     timed_out = [e for e in rank_events(run_dir) if e["event"] == "rank.fault"
                  and "Application timeout" in e.get("error", "")]
     assert not timed_out, timed_out

@@ -192,6 +192,39 @@ def test_unsupported_values_and_registrations_are_clear_errors():
         TrainState(model=model).restore_from(layout, buf)
 
 
+def test_an_unsupported_value_deep_in_a_state_dict_is_named_by_its_path():
+    state = TrainState()
+    state.extras = {"runs": [{"ok": 1}, {7: (2, {"cb": print})}]}
+    with pytest.raises(HpctError, match=r"state\.extras\.runs\[1\]\.7\[1\]\.cb: values of "
+                                        r"type builtin_function_or_method"):
+        state.capture_into(None)
+    state.extras = {object(): 1}  # a key is named as one
+    with pytest.raises(HpctError, match=r"state\.extras key: values of type object"):
+        state.capture_into(None)
+
+
+def test_a_plan_reused_from_the_last_step_follows_a_change_of_shape():
+    """A plan reuses its entries while the tensors keep their kinds and shapes; a tensor
+    replaced by one of another shape (or dtype) gets a layout of its own, and the snapshot
+    restores it."""
+    model, _, state, step = make_training()
+    step()
+    first, _ = state.plan()
+    again, _ = state.plan()
+    assert again.entries is first.entries  # reused, not rebuilt
+    state.extras = {"ema": torch.arange(6.0)}
+    grown, _ = state.plan()
+    assert len(grown.entries) == len(first.entries) + 1
+    state.extras = {"ema": torch.arange(10.0).reshape(2, 5).to(torch.float64)}
+    layout, buf = state.capture_into(None)
+    assert layout.entries is not grown.entries
+    assert (layout.entries[-1].shape, layout.entries[-1].dtype) == ((2, 5), "float64")
+    state.extras = {}
+    state.restore_from(Layout.from_json(layout.to_json()), buf)
+    assert torch.equal(state.extras["ema"], torch.arange(10.0).reshape(2, 5).to(torch.float64))
+    assert layout.nbytes == Layout.from_json(layout.to_json()).nbytes
+
+
 def test_replica_store_keeps_previous_on_checksum_mismatch():
     _, _, state, step = make_training()
     step()

@@ -362,14 +362,16 @@ class SnapshotStore:
             # (a walk over every parameter and optimizer state: not for a snapshot with
             # nothing to copy, such as a rank's own small state without tensors)
             stable = self.state.stable_ptrs() if pairs else set()
+            split: tuple[list, list] = ([], [])  # (early, late), in one pass
+            for pair in pairs:
+                split[pair[1].data_ptr() in stable].append(pair)
+            early_pairs, late = split
             ready = mark_ready(pairs)
-            early = issue_copies([(d, t) for d, t in pairs if t.data_ptr() not in stable],
-                                 ready)
+            early = issue_copies(early_pairs, ready)
             order_after(early)
         except BaseException:
             self.slots.abandon(idx)
             raise
-        late = [(d, t) for d, t in pairs if t.data_ptr() in stable]
         return idx, buf, layout, late, ready + early, Unchanged([t for _, t in late])
 
     def _finish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,

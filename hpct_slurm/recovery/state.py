@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -75,15 +76,28 @@ def _align(n: int) -> int:
 # --- the JSON tree. Containers are always tagged one-key dicts, scalars are plain JSON, so a
 # user dict can never be mistaken for a tag and int/tuple keys survive the round trip.
 
-def _encode(obj: Any, tensors: list, path: str) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+def _encode(obj: Any, tensors: list, path: Any) -> Any:
+    """The JSON tree of `obj`, its tensors appended to `tensors`. `path` names where `obj`
+    sits, for an error only: a chain of (parent, suffix) pairs (`_path`), built as tuples
+    because a plan walks every node of the state dicts before every lazily held step, and
+    formatting a string per node was most of that walk's cost (docs/benchmarks.md)."""
+    kind = type(obj)
+    if obj is None or kind in _SCALARS:
+        return obj
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        tensors.append((obj, False))
+        return {"T": len(tensors) - 1}
+    if kind is dict or kind is OrderedDict:  # a module's state dict is an OrderedDict
+        return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
+                      for k, v in obj.items()]}
+    if isinstance(obj, (bool, int, float, str)):
         return obj
     if _is_dtensor(obj):
         # A shard of a sharded tensor (FSDP2, HSDP, TP): its local piece is copied like any
         # tensor; where it sits on the mesh goes with it, so a restore can refuse a shard
         # meant for another coordinate.
         tensors.append((obj.to_local(), False))
-        return {"D": [len(tensors) - 1, _dtensor_meta(obj, path)]}
+        return {"D": [len(tensors) - 1, _dtensor_meta(obj, _path(path))]}
     if isinstance(obj, torch.Tensor):
         tensors.append((obj, False))
         return {"T": len(tensors) - 1}
@@ -91,14 +105,29 @@ def _encode(obj: Any, tensors: list, path: str) -> Any:
         tensors.append((torch.from_numpy(np.ascontiguousarray(obj)), True))
         return {"T": len(tensors) - 1}
     if isinstance(obj, list):
-        return {"l": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"l": [_encode(v, tensors, (path, "[", i, "]")) for i, v in enumerate(obj)]}
     if isinstance(obj, tuple):
-        return {"t": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"t": [_encode(v, tensors, (path, "[", i, "]")) for i, v in enumerate(obj)]}
     if isinstance(obj, dict):
-        return {"d": [[_encode(k, tensors, f"{path} key"), _encode(v, tensors, f"{path}.{k}")]
+        return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
                       for k, v in obj.items()]}
-    raise HpctError(f"cannot snapshot {path}: values of type {type(obj).__name__} are not "
-                    f"supported (tensors, numpy arrays, JSON scalars, lists, tuples, dicts are)")
+    raise HpctError(f"cannot snapshot {_path(path)}: values of type {type(obj).__name__} are "
+                    f"not supported (tensors, numpy arrays, JSON scalars, lists, tuples, dicts "
+                    f"are)")
+
+
+_SCALARS = frozenset({bool, int, float, str})
+
+
+def _path(chain: Any) -> str:
+    """The dotted name of a node from `_encode`'s chain: ("state", ".", "model") ->
+    "state.model"."""
+    parts: list[str] = []
+    while isinstance(chain, tuple):
+        parts.extend(str(p) for p in reversed(chain[1:]))
+        chain = chain[0]
+    parts.append(str(chain))
+    return "".join(reversed(parts))
 
 
 def _decode(node: Any, tensors: list, dtensor: Any = None, path: str = "state") -> Any:
@@ -200,6 +229,8 @@ def mark_ready(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Marks:
     now: called by the thread that ran the step, right after it, it marks the step's last
     write to them. Copies ordered after it read the step's state, and nothing later."""
     marks: Marks = []
+    if not torch.cuda.is_initialized():  # no tensor can be on a GPU: no walk over them
+        return marks
     for device in {src.device for _, src in pairs if src.is_cuda}:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
@@ -281,6 +312,8 @@ class TrainState:
         self.extras: dict[str, Any] = {}
         # Destination views per buffer (two slots alternate), rebuilt only when the layout changes.
         self._dst_cache: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
+        # (scopes, rng) -> the tensors' kinds, the entries and size of the last plan (`plan`)
+        self._plans: dict[tuple, tuple[list, tuple[TensorEntry, ...], int]] = {}
         # A sharded job's DeviceMesh and its replicated dimension names (set by `Job` for each
         # generation): where restored shards are placed, and which coordinates must match.
         self.mesh: Any = None
@@ -330,13 +363,24 @@ class TrainState:
         with the RNG states, where the scopes include `rank`)."""
         tensors: list[tuple[torch.Tensor, bool]] = []
         tree = _encode(self._gather(scopes, rng), tensors, "state")
-        entries, off = [], 0
-        for t, is_np in tensors:
-            nbytes = t.numel() * t.element_size()
-            entries.append(TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape), off,
-                                       nbytes, is_np))
-            off = _align(off + nbytes)
-        return Layout(tuple(entries), tree, off), [t for t, _ in tensors]
+        # The entries follow from the tensors' kinds and shapes alone, which stay the same
+        # from step to step: built again only when they change (a plan runs before every
+        # lazily held step; building an entry per tensor was a third of its cost).
+        kinds = [(t.dtype, t.shape, is_np) for t, is_np in tensors]
+        key = (tuple(scopes), rng)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] == kinds:
+            entries, off = cached[1], cached[2]
+        else:
+            built, off = [], 0
+            for t, is_np in tensors:
+                nbytes = t.numel() * t.element_size()
+                built.append(TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                         off, nbytes, is_np))
+                off = _align(off + nbytes)
+            entries = tuple(built)
+            self._plans[key] = (kinds, entries, off)
+        return Layout(entries, tree, off), [t for t, _ in tensors]
 
     def capture_into(self, buf: torch.Tensor | None,
                      scopes: Iterable[Scope] = ("shared", "rank"), rng: bool = True
@@ -361,14 +405,15 @@ class TrainState:
         if buf is None or buf.numel() < layout.nbytes:
             on_cuda = any(t.is_cuda for t in live)
             buf = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
-        sig = layout.signature()
         cached = self._dst_cache.get(buf.data_ptr())
-        if cached is None or cached[0] != sig:
+        # the same entries object as a plan's last (the common case) or equal ones
+        if cached is None or (cached[0] is not layout.entries
+                              and cached[0] != layout.entries):
             if len(self._dst_cache) >= 4:
                 self._dst_cache.clear()
             dsts = [buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
                     for e in layout.entries]
-            cached = self._dst_cache[buf.data_ptr()] = (sig, dsts)
+            cached = self._dst_cache[buf.data_ptr()] = (layout.entries, dsts)
         return layout, buf, list(zip(cached[1], live))
 
     def stable_ptrs(self) -> set[int]:

@@ -26,7 +26,9 @@ CASES = {
     "rendezvous": (["--quick", "--sizes", "3", "--reps", "1"],
                    {"bench", "ranks", "rootless_busiest_over_avg", "tcpstore_busiest_over_avg",
                     "rootless_init_s", "tcpstore_init_s", "init_s_per_size", "goals"}),
-    "replication": (["--quick", "--smoke"], {"bench", "overhead_pct"}),
+    "replication": (["--quick", "--smoke"], {"bench", "overhead_pct", "overhead_ci95",
+                                             "overhead_paired_median_pct", "pairs",
+                                             "persisted_in_pairs"}),
     "transfer": (["--quick", "--smoke"], {"bench", "throughput_ratio"}),
     "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
     "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
@@ -189,3 +191,25 @@ def test_bench_gpu_runs_where_a_gpu_is_and_says_why_not_where_none_is(tmp_path):
         assert proc.returncode != 0
         assert "bench gpu needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+
+def test_the_paired_headline_counts_a_rare_cost_and_says_how_sure_it_is():
+    """`bench replication`'s headline estimator: the ratio of the pairs' totals counts a cost
+    that lands in one pair in twenty (a persisted file); the median pair does not; each
+    comes with a resampled interval around it, the same for the same pairs."""
+    from hpct_slurm.bench.replication import paired_overhead
+
+    pairs = [(1.0, 1.02 + 0.01 * (i % 3 - 1)) for i in range(40)]
+    pairs[7] = (1.0, 3.0)  # one pair held the file: +200 % alone
+    got = paired_overhead(pairs)
+    total = (sum(b for _, b in pairs) / sum(a for a, _ in pairs) - 1) * 100
+    assert got["mean_pct"] == round(total, 1) and got["mean_pct"] > 6
+    assert got["median_pct"] == 2.0
+    lo, hi = got["median_ci95"]
+    assert lo <= 2.0 <= hi and hi - lo <= 2.0
+    lo, hi = got["mean_ci95"]
+    assert lo <= got["mean_pct"] <= hi and lo < hi
+    assert got["spread"] == [1.0, 200.0]
+    assert paired_overhead(pairs) == got
+    with pytest.raises(ValueError, match="no pairs"):
+        paired_overhead([])

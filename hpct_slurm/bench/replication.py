@@ -11,10 +11,10 @@ snapshots):
   state held lazily (as in `jit_lazy`), the rank's own small state (the sampler position; not
   the RNG states, which `Job` reseeds before every step) carried to its ring holder in the
   step's gradient all-reduce (carry.py), and the controller's default disk persistence
-  (every HPCT_PERSIST_EVERY = 500 steps: a full commit, its file written by one rank, every
-  rank's own file; background threads; this variant's blocks are whole 16-step cycles at
-  least that long, so each holds its share of the files). This process is its own holder here: it pays for its slot, the extra
-  all-reduce, and taking a held rank's slot into its replicas.
+  (every HPCT_PERSIST_EVERY = 500 of its steps: a full commit, its file written by one rank,
+  every rank's own file; background threads, whose files a block waits for). This process is
+  its own holder here: it pays for its slot, the extra all-reduce, and taking a held rank's
+  slot into its replicas.
 - `jit_lazy_rank_persist10`: the same persisting every 10 steps (the default before: what a
   persisted file costs, side by side).
 - `jit_lazy_rank`: the same without the disk persistence: what its memory path costs.
@@ -33,13 +33,24 @@ snapshots):
 - `jit_kK`: the same as `jit_k1_sync`, committing every K steps (`HPCT_SNAPSHOT_EVERY=K`).
 - `replicated_k1` / `replicated_kK`: commit + push to the peer every 1 / K steps (sharded setups).
 
-Each block pays for what it started: pushes are flushed and, with background sealing, the last
-commit's seal awaited before the clock stops. `min_k_for_3pct` is the smallest commit
-interval whose measured per-commit cost fits in 3%. Every figure is the median of the
-per-block overheads against the `off` block of the same round (>= 5 rounds outside --smoke),
-the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of writing one
-full-state file as the persistence writes it, measured in the same run: the persistence's
-cost follows it.
+Each block pays for what it started: pushes are flushed, files written and, with background
+sealing, the last commit's seal awaited before the clock stops. `min_k_for_3pct` is the
+smallest commit interval whose measured per-commit cost fits in 3%. `overhead_pct_by_mode`:
+every variant's median per-block overhead against the `off` block of the same round (>= 5
+rounds outside --smoke; a persisting variant's blocks are whole 16-step cycles at least one
+interval long), the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of
+writing one full-state file as the persistence writes it, measured in the same run: the
+persistence's cost follows it.
+
+The headline is measured apart, in pairs: after the rounds, `pairs` (25 per round) pairs of
+adjacent 16-step blocks, `off` and the documented adoption, alternately first. On this
+project's 2-core VM a step's time wanders by +-10 % over seconds; a round's blocks are
+seconds apart (`off`, then ten other variants, then the headline), and the headline's median
+over the rounds moved by several % from one run to the next. Within a pair the drift is
+nearly the same on both sides. `overhead_pct` is the ratio of the pairs' totals (every cost,
+the persisted files included: they land in their share of the pairs), `overhead_ci95` its 95 %
+interval by resampling the pairs; `overhead_paired_median_pct` the median pair (the typical
+step) and its interval.
 
 Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
 their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
@@ -48,6 +59,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import random
 import secrets
 import shutil
 import statistics
@@ -186,6 +198,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     proc = ctx.Process(target=_peer, args=(child, secret), daemon=True)
     proc.start()
     times: dict[str, list[float]] = {v: [] for v in variants}
+    # the headline's pairs: (seconds of an `off` block, of the adjacent default block)
+    paired: list[tuple[float, float]] = []
+    pairs = 2 if smoke else 8 * rounds if quick else 25 * rounds
     commit_s: list[float] = []
     step = 0
     try:
@@ -197,11 +212,11 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
         # the template's disk persistence (the shared state's file written by one rank per
         # key, every rank's own file), on background threads as in Job
         disk = out_dir / "replication-persist"
-        persisters = {v: (DiskPersister(stores[v][0], disk / v / "persist", 0, every,
-                                        key=secret),
-                          DiskPersister(rank_stores[v], disk / v / "persist-rank", 0, every,
+        # (every=1: a block hands them only its persist steps, its own every `persist`)
+        persisters = {v: (DiskPersister(stores[v][0], disk / v / "persist", 0, 1, key=secret),
+                          DiskPersister(rank_stores[v], disk / v / "persist-rank", 0, 1,
                                         key=secret))
-                      for v, every in persisting.items()}
+                      for v in persisting}
         train_step()
         for v, (store, _) in stores.items():  # warm-up: both slots and the peer's buffers
             for _ in range(2):
@@ -210,62 +225,90 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 if v in pushers:
                     pushers[v].after_commit(step)
                     pushers[v].flush()
+        vsteps = {v: 0 for v in variants}  # each variant's own steps: its persistence's clock
+
+        def run_block(variant: str, steps: int, record_commit: bool = False) -> float:
+            """`steps` steps of `variant`; the seconds they took, the work they started
+            (pushes, seals, files being written) done before the clock stops."""
+            nonlocal step
+            store, push = stores.get(variant, (None, False))
+            last = None
+            overlap = variant == "jit_k1"
+            lazy = variant.startswith("jit_lazy")
+            rank_store = rank_stores.get(variant)
+            persist = persisting.get(variant, 0)
+            overlapped["store"] = store if overlap or lazy else None
+            reduce_with["carry"] = carry if variant in carried else None
+            t_block = time.perf_counter()
+            for _ in range(steps):
+                step += 1  # the step in progress (Job.step), what the carry labels
+                vsteps[variant] += 1
+                position.consumed += 64  # the step's batch drawn
+                train_step()
+                # a persist step: every `persist` of this variant's steps, a full commit,
+                # its file written by one rank, every rank's own file (as Job, whose
+                # persisters save at multiples of HPCT_PERSIST_EVERY)
+                persist_now = bool(persist) and vsteps[variant] % persist == 0
+                if rank_store is not None:  # SnapshotPolicy._commit_rank_state
+                    snap = rank_store.commit(step)
+                    if persist_now:
+                        persisters[variant][1].after_commit(step)
+                    if variant not in carried or carry.confirm(step, snap) != "carried":
+                        rank_pushers[variant].push_next(step)
+                if persist_now:
+                    store.commit(step)  # type: ignore[union-attr]
+                    persisters[variant][0].after_commit(step)
+                elif lazy and not store.due(step):  # type: ignore[union-attr]
+                    store.prepare_lazy(step)  # type: ignore[union-attr]
+                elif store is not None and store.due(step):
+                    t0 = time.perf_counter()
+                    if overlap:
+                        store.commit_async(step)
+                    else:
+                        last = store.commit(step)
+                    if record_commit and variant == "jit_k1_sync":
+                        commit_s.append(time.perf_counter() - t0)
+                    if push:
+                        pushers[variant].after_commit(step)
+            if (overlap or lazy) and store is not None:
+                store.wait()
+                store.drop_pending()
+            if push:
+                pushers[variant].flush()
+            if rank_store is not None:
+                rank_pushers[variant].flush()  # the last step's push, acknowledged
+            if persist:
+                for persister in persisters[variant]:
+                    persister.flush()  # its files on disk
+            if store is not None and store.background_seal:
+                settle(last)
+            return time.perf_counter() - t_block
+
         for rnd in range(rounds + 1):  # round 0 is warm-up, not recorded
             # a rotating order: no variant always follows the same one (whose leftover work,
             # e.g. the peer still storing a push, would land on it)
             for variant in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                 time.sleep(0.05)  # let the previous block's background work drain
-                store, push = stores.get(variant, (None, False))
-                last = None
-                overlap = variant == "jit_k1"
-                lazy = variant.startswith("jit_lazy")
-                rank_store = rank_stores.get(variant)
                 persist = persisting.get(variant, 0)
                 # a persisting block: whole lazy cycles, at least `persist` steps (any run of
                 # them holds one multiple of `persist`: its share of the files, on average)
                 steps = (max(block, LAZY_FULL_EVERY * math.ceil(persist / LAZY_FULL_EVERY))
                          if persist and not smoke else block)
-                overlapped["store"] = store if overlap or lazy else None
-                reduce_with["carry"] = carry if variant in carried else None
-                t_block = time.perf_counter()
-                for _ in range(steps):
-                    step += 1  # the step in progress (Job.step), what the carry labels
-                    position.consumed += 64  # the step's batch drawn
-                    train_step()
-                    if rank_store is not None:  # SnapshotPolicy._commit_rank_state
-                        snap = rank_store.commit(step)
-                        if persist:
-                            persisters[variant][1].after_commit(step)
-                        if variant not in carried or carry.confirm(step, snap) != "carried":
-                            rank_pushers[variant].push_next(step)
-                    if persist and step % persist == 0:  # a persist step: a full commit
-                        store.commit(step)  # type: ignore[union-attr]
-                        persisters[variant][0].after_commit(step)
-                    elif lazy and not store.due(step):  # type: ignore[union-attr]
-                        store.prepare_lazy(step)  # type: ignore[union-attr]
-                    elif store is not None and store.due(step):
-                        t0 = time.perf_counter()
-                        if overlap:
-                            store.commit_async(step)
-                        else:
-                            last = store.commit(step)
-                        if variant == "jit_k1_sync" and rnd:
-                            commit_s.append(time.perf_counter() - t0)
-                        if push:
-                            pushers[variant].after_commit(step)
-                        if persist:
-                            persisters[variant][0].after_commit(step)
-                if (overlap or lazy) and store is not None:
-                    store.wait()
-                    store.drop_pending()
-                if push:
-                    pushers[variant].flush()
-                if rank_store is not None:
-                    rank_pushers[variant].flush()  # the last step's push, acknowledged
-                if store is not None and store.background_seal:
-                    settle(last)
+                took = run_block(variant, steps, record_commit=bool(rnd))
                 if rnd:
-                    times[variant].append((time.perf_counter() - t_block) / steps)
+                    times[variant].append(took / steps)
+        # The headline, side by side: adjacent blocks of `off` and the documented adoption,
+        # alternately first, each pair seconds apart, so the machine's drift (this VM's steps
+        # wander by +-10 % over seconds) falls on both sides of a pair. Its persistence runs
+        # at its cadence in its own steps, so the pairs hold their share of its files.
+        persisted_before = vsteps[default] // persisting[default]
+        for i in range(pairs):
+            got = {}
+            for variant in (("off", default) if i % 2 == 0 else (default, "off")):
+                time.sleep(0.05)
+                got[variant] = run_block(variant, block)
+            paired.append((got["off"], got[default]))
+        persisted_in_pairs = vsteps[default] // persisting[default] - persisted_before
         carried_steps = carry.record.verified
         disk_mb_s = _disk_write_rate(stores["jit_k1"][0], out_dir, secret)
         acked = {v: p.acked_step for v, p in pushers.items()}
@@ -285,6 +328,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     per_block = {v: [(a / b - 1) * 100 for a, b in zip(times[v], times["off"])]
                  for v in variants}
     pct = {v: round(statistics.median(per_block[v]), 1) for v in variants}
+    headline = paired_overhead(paired)
     spread = {v: [round(min(per_block[v]), 1), round(max(per_block[v]), 1)] for v in variants}
     commit_ms = statistics.median(commit_s) * 1e3
     nbytes = stores["jit_k1"][0].latest().layout.nbytes  # type: ignore[union-attr]
@@ -292,8 +336,12 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                    else {"width": 512, "depth": 4, "batch": 16, "block": 16, "rounds": 5}
                    if quick else {"width": 1664, "depth": 3, "batch": 16, "block": 16, "rounds": 5})
     sharded = {p: replication_sharded.measure(p, sharded_cfg) for p in ("fsdp", "hsdp")}
-    summary = {"bench": "replication", "overhead_pct": pct[default], "default_mode": default,
-               "overhead_spread": spread[default],
+    summary = {"bench": "replication", "overhead_pct": headline["mean_pct"],
+               "overhead_ci95": headline["mean_ci95"],
+               "overhead_paired_median_pct": headline["median_pct"],
+               "overhead_paired_median_ci95": headline["median_ci95"],
+               "overhead_spread": headline["spread"], "pairs": len(paired),
+               "persisted_in_pairs": persisted_in_pairs, "default_mode": default,
                **{f"overhead_{kind}_{par}": res[f"overhead_{kind}_{res['default_variant']}"]
                   for par, res in sharded.items() for kind in ("pct", "spread")},
                "overhead_pct_by_mode": pct,
@@ -308,9 +356,11 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                                           "block_steps": block,
                                           "rounds": rounds, "last_acked_step": acked,
                                           "carried_steps_verified": carried_steps,
-                                          "per_block_step_s": times})
-    labels = [f"ddp {v}" for v in variants if v != "off"]
-    values = [pct[v] for v in variants if v != "off"]
+                                          "per_block_step_s": times,
+                                          "paired_block_s": paired})
+    # the headline's bar is its paired figure (the rounds' median of it is in the JSON)
+    labels = [f"ddp {v}" + (" (paired)" if v == default else "") for v in variants if v != "off"]
+    values = [headline["mean_pct"] if v == default else pct[v] for v in variants if v != "off"]
     for par, res in sharded.items():
         # lazy holds need another holder of each shard: not a recovery mode of 1-D FSDP
         for v in ("overlap", "sync") if res["ring_push"] else ("lazy", "overlap", "sync"):
@@ -320,6 +370,39 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
               f"Cost of recovery state per step\n(ddp: {nbytes / 1e6:.0f} MB, one process; "
               f"fsdp/hsdp: {sharded['fsdp']['state_mb_total']:.0f} MB model+AdamW, 4 ranks)")
     return summary
+
+
+def paired_overhead(paired: list[tuple[float, float]], resamples: int = 2000) -> dict:
+    """The overhead of the B side of (A seconds, B seconds) pairs of adjacent blocks, in %:
+    `mean_pct`, the ratio of the totals (every cost counted, the rare ones too: a persisted
+    file lands in one pair in dozens), and `median_pct`, the median pair's ratio (the
+    typical step, unmoved by a rare cost or a rare stall), each with a 95 % interval from
+    resampling the pairs (a fixed seed: the same pairs give the same interval), and
+    `spread`, the lowest and highest pair's ratio."""
+    if not paired:
+        raise ValueError("no pairs measured")
+    ratios = [(b / a - 1) * 100 for a, b in paired]
+
+    def mean(sample: list[tuple[float, float]]) -> float:
+        return (sum(b for _, b in sample) / sum(a for a, _ in sample) - 1) * 100
+
+    rng = random.Random(0)
+    means, medians = [], []
+    for _ in range(resamples):
+        idx = [rng.randrange(len(paired)) for _ in paired]
+        means.append(mean([paired[i] for i in idx]))
+        medians.append(statistics.median(ratios[i] for i in idx))
+    means.sort()
+    medians.sort()
+    lo, hi = int(0.025 * resamples), int(0.975 * resamples) - 1
+
+    def r(x: float) -> float:
+        return round(x, 1)
+
+    return {"mean_pct": r(mean(paired)), "mean_ci95": [r(means[lo]), r(means[hi])],
+            "median_pct": r(statistics.median(ratios)),
+            "median_ci95": [r(medians[lo]), r(medians[hi])],
+            "spread": [r(min(ratios)), r(max(ratios))]}
 
 
 def _disk_write_rate(store: Any, out_dir: Path, key: bytes) -> float:

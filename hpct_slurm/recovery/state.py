@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -46,9 +45,6 @@ class Layout:
     tree: dict
     nbytes: int
 
-    def signature(self) -> tuple:
-        return tuple((e.dtype, e.shape) for e in self.entries)
-
     def to_json(self) -> bytes:
         return json.dumps({"nbytes": self.nbytes, "tree": self.tree,
                            "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes, e.numpy]
@@ -81,24 +77,18 @@ def _encode(obj: Any, tensors: list, path: Any) -> Any:
     sits, for an error only: a chain of (parent, suffix) pairs (`_path`), built as tuples
     because a plan walks every node of the state dicts before every lazily held step, and
     formatting a string per node was most of that walk's cost (docs/benchmarks.md)."""
-    kind = type(obj)
-    if obj is None or kind in _SCALARS:
+    if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
-        tensors.append((obj, False))
-        return {"T": len(tensors) - 1}
-    if kind is dict or kind is OrderedDict:  # a module's state dict is an OrderedDict
+    if isinstance(obj, dict):  # the commonest node (a state dict, a parameter's state)
         return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
                       for k, v in obj.items()]}
-    if isinstance(obj, (bool, int, float, str)):
-        return obj
-    if _is_dtensor(obj):
-        # A shard of a sharded tensor (FSDP2, HSDP, TP): its local piece is copied like any
-        # tensor; where it sits on the mesh goes with it, so a restore can refuse a shard
-        # meant for another coordinate.
-        tensors.append((obj.to_local(), False))
-        return {"D": [len(tensors) - 1, _dtensor_meta(obj, _path(path))]}
     if isinstance(obj, torch.Tensor):
+        if _is_dtensor(obj):
+            # A shard of a sharded tensor (FSDP2, HSDP, TP): its local piece is copied like
+            # any tensor; where it sits on the mesh goes with it, so a restore can refuse a
+            # shard meant for another coordinate.
+            tensors.append((obj.to_local(), False))
+            return {"D": [len(tensors) - 1, _dtensor_meta(obj, _path(path))]}
         tensors.append((obj, False))
         return {"T": len(tensors) - 1}
     if isinstance(obj, np.ndarray):
@@ -108,15 +98,9 @@ def _encode(obj: Any, tensors: list, path: Any) -> Any:
         return {"l": [_encode(v, tensors, (path, "[", i, "]")) for i, v in enumerate(obj)]}
     if isinstance(obj, tuple):
         return {"t": [_encode(v, tensors, (path, "[", i, "]")) for i, v in enumerate(obj)]}
-    if isinstance(obj, dict):
-        return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
-                      for k, v in obj.items()]}
     raise HpctError(f"cannot snapshot {_path(path)}: values of type {type(obj).__name__} are "
                     f"not supported (tensors, numpy arrays, JSON scalars, lists, tuples, dicts "
                     f"are)")
-
-
-_SCALARS = frozenset({bool, int, float, str})
 
 
 def _path(chain: Any) -> str:

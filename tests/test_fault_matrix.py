@@ -291,17 +291,23 @@ def test_no_spare_left_requeues_and_restores_from_disk(cluster, reference, tmp_p
 
 
 def test_batch_host_loss_requeues_and_resumes(cluster, reference, tmp_path):
+    """The batch host dies without a word (its link first, then every process: a power loss
+    sends no FIN). Slurm keeps the --no-kill job RUNNING without its batch script, so the
+    ranks must see their controller's connection fail on its own and requeue the job (CI once
+    saw a plain kill end with every survivor waiting and the job never requeued)."""
     ref = reference(4)
     jid = _start(cluster, tmp_path, active=4, nodes="4-5")
     wait_step(tmp_path, 25)
     restarts = cluster.client().show_job(jid).restart_count
-    cluster.kill_node("n1")  # the batch host: Slurm itself kills and requeues the job
+    cluster.cut_link("n1")  # the batch host
+    cluster.kill_node("n1")
     # Slurm may hold the requeued job back (BeginTime, or held after a failed batch launch):
     # release it as an admin would, so the test measures our resume, not Slurm's hold.
     release_when_pending(cluster, jid, 180, after_restarts=restarts)
     wait_job(cluster, jid, tmp_path, 300, label="batch-host")
     got = collect(tmp_path, 4)
     assert bitwise_equal(ref, got, tmp_path)
+    assert any(e["event"] == "rank.requeued_job" for e in rank_events(tmp_path))
     resumed = [e for e in controller_events(tmp_path) if e["event"] == "controller.resume_from_disk"]
     assert resumed and resumed[0]["step"] >= 9
     assert "n1" not in {r["node"] for r in got.values()}

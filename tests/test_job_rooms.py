@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -621,3 +622,113 @@ def test_the_ranks_requeue_a_job_whose_controller_died_once(tmp_path):
     ControllerLoss("127.0.0.1:9", env, events.log, _standing(), lambda: failing).requeue()
     assert [e["error"] for e in events.named("rank.requeue_failed")] == [
         "slurmctld not responding"]
+
+
+class RacedSlurm(FakeSlurm):
+    """Another rank's requeue lands between this rank's look and its own requeue."""
+
+    def requeue(self, job_id) -> None:
+        self.job = SimpleNamespace(state="PENDING", restart_count=1)
+        raise HpctError("scontrol requeue 28017 failed (exit 1): Job is pending execution")
+
+
+def test_a_requeue_refused_after_another_ranks_is_not_a_failure():
+    events = Events()
+    ControllerLoss("127.0.0.1:9", SlurmEnv.from_environ(TASK), events.log, _standing(),
+                   lambda: RacedSlurm()).requeue()
+    assert events.named("rank.requeue_failed") == [] == events.named("rank.requeued_job")
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def _loss(events, slurm, peers, controller: str | None = None, **standing) -> ControllerLoss:
+    loss = ControllerLoss(controller or f"127.0.0.1:{_closed_port()}",
+                          SlurmEnv.from_environ(TASK), events.log, _standing(**standing),
+                          lambda: slurm, grace_s=0.3)
+    loss.probe_s, loss.peers = 0.2, peers
+    return loss
+
+
+def test_a_lost_controller_is_settled_once_by_requeue_only_where_another_node_answers():
+    """The controller gone and a peer answering: the batch host died, the job is requeued
+    (once, however many threads ask). No peer answering: this node is the one cut off, and
+    it leaves the job alone. No peer to ask (two nodes): the controller's probe decides."""
+    with socket.create_server(("127.0.0.1", 0)) as peer:
+        events, slurm = Events(), FakeSlurm()
+        loss = _loss(events, slurm, [peer.getsockname()[:2]])
+        loss.settle()
+        loss.settle()
+        assert slurm.requeued == [28017]
+        assert [e["by"] for e in events.named("rank.requeued_job")] == ["rank"]
+        # the controller alive: nothing, whatever the peers
+        events, alive = Events(), FakeSlurm()
+        _loss(events, alive, [], controller="%s:%d" % peer.getsockname()[:2]).settle()
+        assert alive.requeued == [] and len(events.named("rank.controller_alive")) == 1
+    events, cut_off = Events(), FakeSlurm()
+    _loss(events, cut_off, [("127.0.0.1", _closed_port())] * 2, rank=2).settle()
+    assert cut_off.requeued == []
+    assert [(e["rank"], e["peers"]) for e in events.named("rank.isolated")] == [(2, 2)]
+    events, pair = Events(), FakeSlurm()
+    _loss(events, pair, []).settle()
+    assert pair.requeued == [28017]
+
+
+def test_the_watchdog_settles_for_a_training_thread_stuck_in_its_step_only():
+    events, slurm = Events(), FakeSlurm()
+    stuck = _loss(events, slurm, [], step=25)
+    stuck.watch()
+    deadline = time.monotonic() + 5
+    while not slurm.requeued and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert slurm.requeued == [28017]
+    assert [e["by"] for e in events.named("rank.requeued_job")] == ["watchdog"]
+    # a thread that keeps stepping (the controller's process died, the host lives and so
+    # do the collectives) may still finish the job: the watchdog leaves it alone
+    events, busy = Events(), FakeSlurm()
+    training = _loss(events, busy, [], step=25)
+    training.watch()
+    for step in range(26, 36):
+        training.standing.step = step
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert busy.requeued == []
+
+
+def test_the_client_reports_a_controller_gone_without_a_goodbye_and_fails_a_silent_one():
+    """`on_lost` fires when the connection ends without the controller's Goodbye, not after
+    one, nor after this rank's own close; the connection fails on its own when the
+    controller's host stops acknowledging (TCP_USER_TIMEOUT), as a dead host sends no FIN."""
+    from hpct_slurm.recovery.client import (CONTROLLER_SILENCE_S, ControllerAddress,
+                                            CoordinationClient)
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for ending in ("vanish", "goodbye", "own close"):
+            def serve() -> None:
+                conn, _ = server.accept()
+                with conn:
+                    chan = P.server_hello(conn, SECRET, "28017", 5)
+                    chan.recv(conn)  # the Register
+                    if ending == "goodbye":
+                        chan.send(conn, P.Goodbye("done"))
+                    if ending == "own close":
+                        conn.recv(1 << 16)  # until the rank hangs up
+            t = threading.Thread(target=serve)
+            t.start()
+            client = CoordinationClient(ControllerAddress(*server.getsockname()[:2]), SECRET,
+                                        "28017")
+            assert client._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == \
+                int(CONTROLLER_SILENCE_S * 1000)
+            assert client._sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            lost = threading.Event()
+            client.on_lost = lost.set
+            client.register("n1", 0, "active", "127.0.0.1", 1)
+            if ending == "own close":
+                client.close()
+            assert client.closed.wait(5)
+            client._reader.join(5)
+            t.join(5)
+            assert lost.is_set() == (ending == "vanish"), ending
+            client.close()

@@ -166,8 +166,7 @@ def test_goodput_takes_the_scale_measurements_and_says_what_stays_assumed(tmp_pa
 def test_large_worlds_set_kernel_keepalives_small_ones_do_not():
     import socket
 
-    from hpct_slurm.controller.pacing import (KEEPALIVE_COUNT, KEEPALIVE_IDLE_S,
-                                              set_keepalive)
+    from hpct_slurm.protocol.pacing import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, set_keepalive
     assert pace(2304, 3.0).keepalive and not pace(64, 3.0).keepalive
     with socket.socket() as s:
         set_keepalive(s)

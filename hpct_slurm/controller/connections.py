@@ -21,8 +21,9 @@ from .. import events
 from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog, RankState, Role
+from ..protocol.pacing import set_keepalive
 from .options import Options
-from .pacing import Pacing, set_keepalive
+from .pacing import Pacing
 from .policy import Held, World
 
 # What a rank may say in a heartbeat (recovery/job.py sets them); anything else is refused.

@@ -18,7 +18,6 @@ a few sources of its own shard key, rotated so that restore reads spread over th
 from __future__ import annotations
 
 import bisect
-import socket
 from dataclasses import dataclass
 
 from ..protocol import pacing as rank_side
@@ -31,12 +30,8 @@ BASE_HEARTBEAT_S = 0.5
 MESSAGE_BUDGET_PER_S = 2000.0
 # A silent rank is lost after this many missed intervals (3 s at 0.5 s: the old default).
 MISSED_BEATS = 6
-# Beyond the base rate the controller's connections carry TCP keepalives: a node that died
-# without a word (power, kernel, link) stops answering the kernel's probes and its
-# connections fail after KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S (6 s),
-# however long the heartbeat interval is, at no cost to the event loop. (A hung process on a
-# live kernel still answers them: that one waits for the silence timeout.)
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 3, 1, 3
+# Beyond the base rate the controller's connections carry TCP keepalives
+# (protocol/pacing.py, set_keepalive): a node that died without a word stops answering them.
 # Up to this many ranks an Assign carries the whole peer table and every source.
 FULL_VIEW_MAX = 512
 # Restore sources per rank beyond FULL_VIEW_MAX (a bad source costs one retry each).
@@ -135,13 +130,3 @@ def compact_members(members: list[str], world_size: int) -> tuple[list[str], str
     from ..slurm.hostlist import compress
     return [], compress(members)
 
-
-def set_keepalive(sock: socket.socket | None) -> None:
-    """Kernel keepalive probes on one accepted connection (see KEEPALIVE_IDLE_S)."""
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
-        if hasattr(socket, name):  # Linux; elsewhere the system defaults apply
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

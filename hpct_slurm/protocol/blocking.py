@@ -39,7 +39,10 @@ def _recv_exact(sock: socket.socket, buf: memoryview, deadline: float | None, wh
             sock.settimeout(left)
         try:
             n = sock.recv_into(buf[got:got + CHUNK])
-        except (socket.timeout, TimeoutError):
+        except (socket.timeout, TimeoutError) as exc:
+            if deadline is None and sock.gettimeout() is None:
+                # no timeout of ours: the kernel gave up on the peer's host (ETIMEDOUT)
+                raise ProtocolError(f"connection failed receiving {what}: {exc}") from None
             raise ProtocolTimeout(f"timed out receiving {what}") from None
         except OSError as exc:
             raise ProtocolError(f"connection failed receiving {what}: {exc}") from None

@@ -16,12 +16,17 @@ from typing import Callable
 
 from .. import config as C
 from .. import protocol as P
-from ..protocol.pacing import should_report
+from ..protocol.pacing import set_keepalive, should_report
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from .sever import sever
 
 HEARTBEAT_S = 0.5
+# A controller whose host died without a word (power, kernel, link: no FIN ever comes) leaves
+# a rank's heartbeats unacknowledged: after this long the kernel fails the connection and the
+# rank learns what a closed one would have told it (seen on the cluster: without it the
+# survivors of a silent batch-host loss waited on the dead connection, and no one requeued).
+CONTROLLER_SILENCE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ class CoordinationClient:
         # controller, in the process that runs it: job.py).
         self.keep_fds: set[int] = set()
         self.closed = threading.Event()
+        # Called from the receiving thread when the connection ended without the controller's
+        # Goodbye and without this process closing it: the controller (or its host) may be
+        # gone, and the training thread may be stuck where it never asks (job.py).
+        self.on_lost: Callable[[], None] | None = None
+        self._bye_received = False
         self.rank = -1
         self.generation = -1
         self.step = -1
@@ -91,6 +101,7 @@ class CoordinationClient:
                 sock = socket.create_connection((address.host, address.port), timeout=5)
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    set_keepalive(sock, unacked_s=CONTROLLER_SILENCE_S)
                     # The controller's nonce binds every frame to this connection.
                     chan = P.client_hello(sock, secret, job_id, timeout=5)
                     sock.settimeout(None)
@@ -237,6 +248,7 @@ class CoordinationClient:
                         if interrupt is not None:
                             interrupt()
                 elif isinstance(msg, (P.Assign, P.Goodbye)):
+                    self._bye_received |= isinstance(msg, P.Goodbye)
                     self.assignments.put(msg)
                 elif isinstance(msg, P.Ack):
                     continue
@@ -248,7 +260,10 @@ class CoordinationClient:
             if not self.closed.is_set():
                 self.events.emit(Ev.RANK_CONTROLLER_LOST, error=str(exc))
         finally:
+            lost = not self.closed.is_set() and not self._bye_received
             self.closed.set()
+            if lost and self.on_lost is not None:
+                self.on_lost()
 
     def _beat_loop(self) -> None:
         while not self.closed.wait(self.heartbeat_s):

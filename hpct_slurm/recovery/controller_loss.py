@@ -1,9 +1,12 @@
 """A rank that lost its controller connection: whether the controller is really gone (its
 node, the batch host, died) and then the requeue of the job, which the ranks do themselves.
-`Job.run` (job.py) asks this when the connection ends in a "controller connection lost"."""
+`Job.run` (job.py) asks this when the connection ends in a "controller connection lost"; a
+watchdog asks it for a training thread that never gets there (stuck where the dead batch host
+left it)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -35,16 +38,69 @@ class ControllerLoss:
     real `SlurmClient` unless a test passes a fake)."""
 
     def __init__(self, controller: str, slurm: SlurmEnv, events: EventLog, standing: Standing,
-                 slurm_client: Callable[[], Any] | None = None):
+                 slurm_client: Callable[[], Any] | None = None, grace_s: float = 15.0):
         self.controller, self.slurm, self.events = controller, slurm, events
         self.standing = standing
         self._slurm_client = slurm_client
+        # How long the watchdog leaves the training thread to settle it (a collective it is
+        # in waits out its timeout first).
+        self.grace_s = grace_s
+        self.probe_s = 3.0  # how long gone() tries the controller's port
+        # Other nodes' transfer servers, (host, port), set at every adoption: the witnesses
+        # that tell a dead batch host from this node cut off (peers_answer).
+        self.peers: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self._settled = False
 
-    def gone(self, probe_s: float = 3.0) -> bool:
+    def settle(self, by: str = "rank") -> None:
+        """Once per process, whichever thread comes first (the others wait for it): the
+        controller gone and another node answering means the batch host died, so the job is
+        requeued. The controller gone and no node answering means this node is the one cut
+        off: it leaves (its controller, if alive, replaces it), never requeueing a job that
+        may be running fine without it."""
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+            if not self.gone():
+                return
+            if self.peers and not self.peers_answer():
+                self.events.emit(Ev.RANK_ISOLATED, rank=self.standing.rank,
+                                 peers=len(self.peers))
+                return
+            self.requeue(by=by)
+
+    def peers_answer(self, timeout_s: float = 1.0) -> bool:
+        """Whether any other node's transfer server accepts a connection."""
+        for host, port in self.peers:
+            try:
+                with socket.create_connection((host, port), timeout=timeout_s) as s:
+                    _hang_up(s)
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def watch(self) -> None:
+        """The connection ended without a Goodbye (CoordinationClient.on_lost). A training
+        thread that is waiting or faulting settles it within `grace_s`; one that made no step
+        meanwhile is stuck (seen on CI: every survivor of a batch host's loss sat in its step
+        for minutes and no one requeued the job), and this thread settles it instead. One that
+        keeps training leaves it for later: the job may still finish."""
+        step = self.standing.step
+
+        def run() -> None:
+            time.sleep(self.grace_s)
+            if self.standing.step == step:
+                self.settle(by="watchdog")
+
+        threading.Thread(target=run, daemon=True, name="hpct-controller-loss").start()
+
+    def gone(self, probe_s: float | None = None) -> bool:
         """Whether the controller's listening socket is really gone (its host died), not just
         this connection (a rejected or broken stream): then, and only then, requeue."""
         addr = ControllerAddress.parse(self.controller)
-        deadline = time.monotonic() + probe_s
+        deadline = time.monotonic() + (self.probe_s if probe_s is None else probe_s)
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection((addr.host, addr.port), timeout=1.0) as s:
@@ -55,13 +111,15 @@ class ControllerLoss:
                 time.sleep(0.2)
         return True
 
-    def requeue(self) -> None:
+    def requeue(self, by: str = "rank") -> None:
         """The controller is gone: its node (the batch host) died, and with it the job's batch
         script. Slurm keeps such a --no-kill job RUNNING on the other nodes, so the ranks
         requeue it themselves; the restarted job resumes from the last persisted snapshot,
         eligible at once rather than after Slurm's hold of about two minutes
         (SlurmClient.requeue). Lowest rank first; the others find the job already requeued and
-        leave it alone."""
+        leave it alone. `by`: "watchdog" from a thread other than the main one, which cannot
+        keep Slurm's SIGTERM off this process (sigterm_ignored): the requeue stands, but the
+        early start may be lost with the process (the job then waits out Slurm's hold)."""
         from ..slurm.client import REQUEUE_BEGIN_S, SlurmClient, sigterm_ignored
 
         make = self._slurm_client or SlurmClient
@@ -77,8 +135,17 @@ class ControllerLoss:
                 with sigterm_ignored():
                     late = slurm.requeue(self.slurm.job_id)
                 self.events.emit(Ev.RANK_REQUEUED_JOB, rank=rank, job_id=str(self.slurm.job_id),
-                                 reason="controller lost",
+                                 reason="controller lost", by=by,
                                  **({"begin_error": late} if late else
                                     {"begin_in_s": REQUEUE_BEGIN_S}))
         except HpctError as exc:
-            self.events.emit(Ev.RANK_REQUEUE_FAILED, rank=rank, error=exc.message)
+            if not self._requeued_by_another(slurm):
+                self.events.emit(Ev.RANK_REQUEUE_FAILED, rank=rank, error=exc.message)
+
+    def _requeued_by_another(self, slurm: Any) -> bool:
+        """A refused requeue after another rank's, whose probes ended sooner ("Job is pending
+        execution"): not a failure."""
+        try:
+            return slurm.show_job(self.slurm.job_id).restart_count != self.slurm.restart_count
+        except HpctError:
+            return False

@@ -75,6 +75,7 @@ _SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes po
 # What a failed step or formation raises: the whole group restarts in place, or re-forms
 _FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
+PEER_WITNESSES = 4  # other nodes a rank that lost its controller asks (ControllerLoss.settle)
 
 
 class Job:
@@ -224,7 +225,8 @@ class Job:
         self.data_ranks: list[int] = []
         self.data_world = 0
         self._controller_addr = ControllerAddress.parse(s.controller)  # a bad one fails here
-        self._controller_loss = ControllerLoss(s.controller, self.slurm, self.events, self)
+        self._controller_loss = ControllerLoss(s.controller, self.slurm, self.events, self,
+                                               grace_s=s.collective_timeout_s + 5.0)
         # Set by _start, on the first run: the transfer server's socket, the controller
         # connection and the registration are side effects, not configuration.
         self.host_addr = ""
@@ -271,6 +273,7 @@ class Job:
         if self.relay is not None:
             self.client.keep_fds.add(self.relay.upstream_fd)
         self._group.arm_abort(self.client)
+        self.client.on_lost = self._on_controller_lost
         self.client.register(self.node, self.slurm.localid or 0, self.role, self.host_addr,
                              self.transfer.address[1])
         # the settings this rank runs with, whoever set them (the controller; a task prolog
@@ -555,10 +558,14 @@ class Job:
             self.loop.enter(msg.restore_step)
             self.client.state = "running"
 
+    def _on_controller_lost(self) -> None:
+        if self._trained:  # as in _goodbye
+            self._controller_loss.watch()
+
     def _goodbye(self, msg: P.Goodbye) -> None:
         # A spare that never trained holds nothing the job needs: it just leaves.
-        if msg.reason == LOST and self._trained and self._controller_loss.gone():
-            self._controller_loss.requeue()
+        if msg.reason == LOST and self._trained:
+            self._controller_loss.settle()
         self._shutdown(msg.reason)
 
     def _finish_inline(self) -> bool:
@@ -770,6 +777,12 @@ class Job:
         self.client.group_addrs = (
             {str(h) for h, _ in a.peers.values()} - {self.host_addr}
             if self.mesh_spec is not None or self._policy.carry is not None else set())
+        # Witnesses for a lost controller: the next ranks round the ring on other nodes than
+        # this one and the batch host (a node cut off reaches none of them).
+        others = sorted((r for r, (h, _) in a.peers.items()
+                         if str(h) not in (self.host_addr, self._controller_addr.host)),
+                        key=lambda r: (r - a.rank) % max(a.world_size, 1))
+        self._controller_loss.peers = [a.peers[r] for r in others[:PEER_WITNESSES]]
         self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)

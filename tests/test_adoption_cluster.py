@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, VICTIM, collect, controller_events,
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, VICTIM, collect, controller_events,
                                           rank_events, recomputed_steps, step_events, submit,
                                           wait_job)
 
@@ -34,7 +34,7 @@ def _params(run_dir) -> dict[int, str]:
 def reference(_session_cluster, tmp_path_factory):
     _session_cluster.heal()
     d = tmp_path_factory.mktemp("adopted-reference")
-    wait_job(_session_cluster, submit(_session_cluster, d, TEMPLATE, ADOPTED), d, 240,
+    wait_job(_session_cluster, submit(_session_cluster, d, TEMPLATE, [*ADOPTED, *UNPACED]), d, 240,
              label="adopted-reference")
     return _params(d)
 
@@ -72,7 +72,7 @@ def test_adopted_inline_fsdp_script_survives_a_node_crash_bit_identical(cluster,
     replica holds it), the loop inline: the whole model gathered at the end (a collective
     after the loop, with the group still formed) is the one of the run without a fault."""
     ref = tmp_path / "reference"
-    wait_job(cluster, submit(cluster, ref, TEMPLATE, _sharded(parallel)), ref, 240,
+    wait_job(cluster, submit(cluster, ref, TEMPLATE, [*_sharded(parallel), *UNPACED]), ref, 240,
              label=f"{parallel}-reference")
     crash = tmp_path / "crash"
     assert wait_job(cluster, submit(cluster, crash, TEMPLATE, _sharded(parallel)), crash, 240,

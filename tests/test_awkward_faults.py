@@ -14,7 +14,8 @@ from typing import Callable
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events,
                                           release_requeued,
                                           rank_events, recomputed_steps, submit, wait_finished,
                                           wait_job)
@@ -32,7 +33,7 @@ def reference(cluster, tmp_path_factory):
         key = (active, extra)
         if key not in _references:
             d = tmp_path_factory.mktemp(f"awkward-reference{active}")
-            jid = submit(cluster, d, TEMPLATE, [*TRAIN, *extra], nodes=active,
+            jid = submit(cluster, d, TEMPLATE, [*TRAIN, *extra, *UNPACED], nodes=active,
                          env={"HPCT_ACTIVE_NODES": str(active), "HPCT_SPARE_NODES": "0"})
             wait_job(cluster, jid, d, 240, label=f"reference{active}")
             _references[key] = collect(d, active)

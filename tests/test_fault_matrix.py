@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
-                                          last_step, release_requeued, release_when_pending,
-                                          rank_events, recomputed_steps, step_events, submit,
-                                          wait_job, wait_step)
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events, last_step, release_requeued,
+                                          release_when_pending, rank_events, recomputed_steps,
+                                          step_events, submit, wait_job, wait_step)
 
 pytestmark = pytest.mark.cluster
 STEPS = 40
@@ -29,7 +29,7 @@ def reference(cluster, tmp_path_factory):
         key = (active, extra)
         if key not in _references:
             d = tmp_path_factory.mktemp(f"reference{active}")
-            jid = submit(cluster, d, TEMPLATE, [*TRAIN, *extra], nodes=active,
+            jid = submit(cluster, d, TEMPLATE, [*TRAIN, *extra, *UNPACED], nodes=active,
                          env={"HPCT_ACTIVE_NODES": str(active)})
             wait_job(cluster, jid, d, 240, label=f"reference{active}")
             _references[key] = collect(d, active)

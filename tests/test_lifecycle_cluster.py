@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events,
                                           crash_at, rank_events, rolled_back_steps, submit,
                                           wait_job, wait_step)
 
@@ -39,7 +40,8 @@ def test_a_fault_then_a_drain_moves_the_ranks_bit_identical_and_slurm_records_bo
                                                                                  tmp_path):
     args = train(150, "--position")
     ref = tmp_path / "reference"
-    wait_job(cluster, submit(cluster, ref, TEMPLATE, args), ref, 240, label="reference")
+    wait_job(cluster, submit(cluster, ref, TEMPLATE, [*args, *UNPACED]), ref, 240,
+             label="reference")
     run = tmp_path / "drain"
     jid = submit(cluster, run, TEMPLATE, args)
     # a fault first: n2's training process dies (its node lives: Slurm keeps it in the job),

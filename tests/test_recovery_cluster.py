@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, VICTIM, back_to_speed, bitwise_equal,
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, VICTIM, back_to_speed, bitwise_equal,
                                           collect, controller_events, rank_events,
                                           recomputed_steps, rolled_back_steps, step_events,
                                           submit, wait_job)
@@ -26,7 +26,7 @@ TRAIN = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(STEPS
 def reference(_session_cluster, tmp_path_factory):
     _session_cluster.heal()
     d = tmp_path_factory.mktemp("reference")
-    jid = submit(_session_cluster, d, TEMPLATE, [*TRAIN, "--position"])
+    jid = submit(_session_cluster, d, TEMPLATE, [*TRAIN, "--position", *UNPACED])
     wait_job(_session_cluster, jid, d, 240, label="reference")
     return collect(d, 4)
 

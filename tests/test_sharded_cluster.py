@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events,
                                           release_requeued,
                                           rank_events, rolled_back_steps, submit, wait_job,
                                           wait_step)
@@ -41,7 +42,7 @@ def reference(_session_cluster, tmp_path_factory):
         if parallel not in _references:
             _session_cluster.heal()
             d = tmp_path_factory.mktemp(f"reference-{parallel}")
-            jid = submit(_session_cluster, d, TEMPLATE, _train(parallel), nodes=4,
+            jid = submit(_session_cluster, d, TEMPLATE, [*_train(parallel), *UNPACED], nodes=4,
                          env={"HPCT_ACTIVE_NODES": "4"})
             wait_job(_session_cluster, jid, d, 240, label=f"reference-{parallel}")
             _references[parallel] = collect(d, 4)
@@ -89,7 +90,7 @@ def test_node_crash_at_a_random_step_recovers_bit_identical(cluster, reference, 
 
 def test_both_holders_of_a_shard_lost_fall_back_to_disk(cluster, tmp_path):
     ref_dir = tmp_path / "reference"
-    jid = submit(cluster, ref_dir, TEMPLATE, _train("hsdp", "--shard-major"), nodes=4,
+    jid = submit(cluster, ref_dir, TEMPLATE, _train("hsdp", "--shard-major", *UNPACED), nodes=4,
                  env={"HPCT_ACTIVE_NODES": "4"})
     wait_job(cluster, jid, ref_dir, 240, label="reference-hsdp-shard-major")
     ref = collect(ref_dir, 4)

@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events,
                                           rank_events, recomputed_steps, submit, wait_job)
 
 pytestmark = pytest.mark.cluster
@@ -48,7 +49,7 @@ def _run(cluster, run_dir, argv: list[str], spares: int, env: dict[str, str]) ->
 def test_a_crash_inside_the_window_ends_bit_identical_with_the_recompute_counted(
         cluster, tmp_path_factory, script, env):
     ref_dir = tmp_path_factory.mktemp("check-reference")
-    wait_job(cluster, _run(cluster, ref_dir, _train(*script), 0, env), ref_dir, 240,
+    wait_job(cluster, _run(cluster, ref_dir, _train(*script, *UNPACED), 0, env), ref_dir, 240,
              label="reference")
     ref = collect(ref_dir, ACTIVE)
     run_dir = tmp_path_factory.mktemp("check-crash")

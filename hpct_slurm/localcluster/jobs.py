@@ -29,6 +29,9 @@ from .cluster import LocalCluster
 NODES = 5  # 4 active + 1 spare: the demo's shape, the recovery benchmark's and the tests'
 VICTIM = "n3"
 TEMPLATE = Path(__file__).parent.parent / "templates" / "train.sbatch"
+# Appended to a reference run's arguments (the last --step-sleep wins): the pacing only gives
+# a faulted run's kill its moment, and an uninterrupted run computes the same without it.
+UNPACED = ("--step-sleep", "0")
 # Every state a node of a cluster left behind by a killed run may be in.
 ANY_STATE = {"idle", "mixed", "allocated", "completing", "drained", "draining", "down",
              "down*", "idle*", "drained*"}

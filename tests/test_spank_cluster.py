@@ -4,6 +4,7 @@ sweep), health-check drains, and 4 ranks on one node sharing one cache copy."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from hpct_slurm.controller.controller import Options
 from hpct_slurm.hooks.install import plugstack_line
 from hpct_slurm.hooks.prolog import DRAIN_PREFIX
+from hpct_slurm.localcluster.jobs import wait_finished
 from hpct_slurm.localcluster.layout import Hooks
 
 pytestmark = pytest.mark.cluster
@@ -26,8 +28,6 @@ CONTROLLER_SETTINGS = {"collective_timeout_s": Options.collective_timeout_s,
 def artifacts(tmp_path_factory, _session_cluster):
     """The admin's steps of docs/admin.md, through the same commands: `hpct-slurm hooks
     install`, then `hpct-slurm spank build` (which prints the plugstack.conf line)."""
-    import subprocess
-
     d = tmp_path_factory.mktemp("hpct-spank")
     log = d / "hooks.jsonl"
     inst = subprocess.run([HPCT, "hooks", "install", str(d / "hooks"), "--python", sys.executable,
@@ -55,8 +55,8 @@ def _wait_hooks_active(cluster, log: Path) -> None:
     runs without the Prolog. Probe every node until its prolog has run."""
     nodes = len(cluster.nodes)
     for _ in range(30):
-        p = cluster.run(["sbatch", "--parsable", "--wait", f"-N{nodes}", "-o", "/dev/null",
-                         "--wrap", "true"], timeout=60)
+        p = _sbatch_wait(cluster, ["sbatch", "--parsable", f"-N{nodes}", "-o", "/dev/null",
+                                   "--wrap", "true"], timeout=60)
         assert p.returncode == 0, p.stderr
         ran = {e["node"] for e in _hook_events(log, _job_id(p.stdout))
                if e["event"] == "hook_job_dir"}
@@ -89,6 +89,19 @@ def _env_lines(text: str) -> list[dict[str, str]]:
 
 def _job_id(text: str) -> int:
     return int(text.strip().split(";")[0])
+
+
+def _sbatch_wait(cluster, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`sbatch --parsable ...` and its job waited for every 0.3 s, the CompletedProcess of the
+    submission with the job's exit code as its returncode. `sbatch --wait` looks after 2, 8,
+    then 32 s (Slurm 22.05): a job of 11 s in a busy CI run held its test for 42 s."""
+    assert "--wait" not in argv and "--parsable" in argv
+    p = cluster.run(argv, timeout=timeout)
+    if p.returncode == 0:
+        job = _job_id(p.stdout)
+        wait_finished(cluster, job, timeout, f"job {job}")
+        p.returncode = cluster.client().show_job(job).exit_code
+    return p
 
 
 def _hook_events(log: Path, job_id: int) -> list[dict]:
@@ -136,7 +149,7 @@ def test_srun_options_reach_every_task_with_the_derived_env(hpct, artifacts):
 
 def test_sbatch_options_reach_prolog_batch_script_and_steps(hpct, artifacts, tmp_path):
     out = tmp_path / "out.txt"
-    p = hpct.run(["sbatch", "--parsable", "--wait", "-N1", "-w", "n2", "--hpct-spares=2",
+    p = _sbatch_wait(hpct, ["sbatch", "--parsable", "-N1", "-w", "n2", "--hpct-spares=2",
                   "--hpct-cache-mb=32", "-o", str(out), "--wrap",
                   "env; echo ---; srun -n1 env; echo ---"], timeout=60)
     assert p.returncode == 0, p.stderr
@@ -268,7 +281,7 @@ def test_sbatch_hpct_options_drive_the_controller(hpct, tmp_path):
 
     run_dir = tmp_path / "run"
     train = [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", "3"]
-    p = hpct.run(["sbatch", "--parsable", "--wait", "-N2", "--hpct-spares=1",
+    p = _sbatch_wait(hpct, ["sbatch", "--parsable", "-N2", "--hpct-spares=1",
                   "--hpct-rendezvous=tcpstore", "-o", str(tmp_path / "out.txt"),
                   "--wrap", shlex.join([HPCT, "controller", "--run-dir", str(run_dir), "--",
                                         *train])], timeout=180)

@@ -335,7 +335,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     sharded_cfg = ({"width": 256, "depth": 2, "batch": 8, "block": 2, "rounds": 1} if smoke
                    else {"width": 512, "depth": 4, "batch": 16, "block": 16, "rounds": 5}
                    if quick else {"width": 1664, "depth": 3, "batch": 16, "block": 16, "rounds": 5})
-    sharded = {p: replication_sharded.measure(p, sharded_cfg) for p in ("fsdp", "hsdp")}
+    sharded = replication_sharded.measure(("fsdp", "hsdp"), sharded_cfg)
     summary = {"bench": "replication", "overhead_pct": headline["mean_pct"],
                "overhead_ci95": headline["mean_ci95"],
                "overhead_paired_median_pct": headline["median_pct"],

@@ -31,9 +31,29 @@ MESHES = {"fsdp": ((4,), ("shard",), ()),
           "hsdp": ((2, 2), ("replicate", "shard"), ("replicate",))}
 VARIANTS = ("off", "overlap", "sync", "lazy")
 LAZY_FULL_EVERY = 16
+WORLD = 4  # both meshes
 
 
-def _rank(rank: int, tmp: str, parallel: str, cfg: dict, secret: bytes, q: Any) -> None:
+def _rank(rank: int, tmp: str, parallels: tuple[str, ...], cfg: dict, secret: bytes,
+          q: Any) -> None:
+    """One of the 4 processes: every mesh of `parallels` measured in turn in one group (each
+    spawn imports torch anew: a group per mesh cost the smoke run 8 s more)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                                world_size=WORLD)
+        for parallel in parallels:
+            q.put((rank, parallel, _measure_rank(rank, parallel, cfg, secret)))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put((rank, None, {"error": f"{type(exc).__name__}: {exc}"}))
+
+
+def _measure_rank(rank: int, parallel: str, cfg: dict, secret: bytes) -> dict:
+    """This rank's blocks of every variant on the mesh of `parallel`, in the formed group."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -45,135 +65,134 @@ def _rank(rank: int, tmp: str, parallel: str, cfg: dict, secret: bytes, q: Any) 
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher, TransferServer
 
-    try:
-        torch.set_num_threads(1)
-        shape, names, replicate = MESHES[parallel]
-        spec = MeshSpec(shape, names, replicate)
-        world = spec.world_size
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
-                                world_size=world)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        torch.manual_seed(0)
-        width, depth = cfg["width"], cfg["depth"]
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        state = TrainState(model=model, optimizer=opt)
-        state.mesh, state.replicate = mesh, spec.replicate
-        ring = spec.replicas < 2  # no other holder of this shard: a ring copy, as Job does
-        store = SnapshotStore(state, ("shared", "rank") if ring else ("shared",), every=1)
-        server = TransferServer(secret, JOB, rank, replicas=ReplicaStore())
-        addrs: list[Any] = [None] * world
-        dist.all_gather_object(addrs, server.address)
-        pusher = (ReplicaPusher(store, rank, tuple(addrs[replica_peer_rank(rank, world, 1)]),
-                                secret, JOB) if ring else None)
-        active = {"variant": "off"}
-        phases: dict[str, list[float]] = {"wait": [], "commit_call": [], "push": []}
+    shape, names, replicate = MESHES[parallel]
+    spec = MeshSpec(shape, names, replicate)
+    world = spec.world_size
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    width, depth = cfg["width"], cfg["depth"]
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    state = TrainState(model=model, optimizer=opt)
+    state.mesh, state.replicate = mesh, spec.replicate
+    ring = spec.replicas < 2  # no other holder of this shard: a ring copy, as Job does
+    store = SnapshotStore(state, ("shared", "rank") if ring else ("shared",), every=1)
+    server = TransferServer(secret, JOB, rank, replicas=ReplicaStore())
+    addrs: list[Any] = [None] * world
+    dist.all_gather_object(addrs, server.address)
+    pusher = (ReplicaPusher(store, rank, tuple(addrs[replica_peer_rank(rank, world, 1)]),
+                            secret, JOB) if ring else None)
+    active = {"variant": "off"}
+    phases: dict[str, list[float]] = {"wait": [], "commit_call": [], "push": []}
 
-        def prehook(*_: Any) -> None:
-            if active["variant"] in ("overlap", "lazy"):
-                t0 = time.perf_counter()
-                store.before_optimizer_step()
-                phases["wait"].append(time.perf_counter() - t0)
+    def prehook(*_: Any) -> None:
+        if active["variant"] in ("overlap", "lazy"):
+            t0 = time.perf_counter()
+            store.before_optimizer_step()
+            phases["wait"].append(time.perf_counter() - t0)
 
-        opt.register_step_pre_hook(prehook)
+    opt.register_step_pre_hook(prehook)
 
-        def follow_up(snap: Any) -> None:
-            if pusher is not None:
-                t0 = time.perf_counter()
-                pusher.after_commit(snap.step)
-                pusher.flush()
-                phases["push"].append(time.perf_counter() - t0)
-
-        x = torch.randn(cfg["batch"], width)
-
-        def train_step() -> None:
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-
-        step = 0
-        train_step()
-        for _ in range(2):  # both slots and the peer's buffers allocated before timing
-            step += 1
-            follow_up(store.commit(step))
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for rnd in range(cfg["rounds"] + 1):  # round 0 warms up, not recorded
-            order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
-            for variant in order:
-                active["variant"] = variant
-                dist.barrier()
-                t_block = time.perf_counter()
-                for _ in range(cfg["block"]):
-                    train_step()
-                    step += 1
-                    if variant == "overlap":
-                        t0 = time.perf_counter()
-                        store.commit_async(step, then=follow_up)
-                        phases["commit_call"].append(time.perf_counter() - t0)
-                    elif variant == "sync" or (variant == "lazy"
-                                               and step % LAZY_FULL_EVERY == 0):
-                        follow_up(store.commit(step))
-                    elif variant == "lazy":
-                        t0 = time.perf_counter()
-                        store.prepare_lazy(step)
-                        phases.setdefault("lazy_hold", []).append(time.perf_counter() - t0)
-                store.wait()
-                store.drop_pending()
-                dist.barrier()
-                if rnd:
-                    times[variant].append((time.perf_counter() - t_block) / cfg["block"])
-        # the phases on their own, on a quiet group: one copy, one digest of this rank's state
-        dist.barrier()
-        t0 = time.perf_counter()
-        snap = store.commit(step + 1)
-        copy_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        P.part_digest(snap.data)
-        digest_s = time.perf_counter() - t0
-        nbytes = snap.layout.nbytes
+    def follow_up(snap: Any) -> None:
         if pusher is not None:
-            pusher.close()
-        server.close()
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((rank, {"times": times, "copy_s": copy_s, "digest_s": digest_s,
-                      "nbytes": nbytes, "ring": ring,
-                      "phases": {k: statistics.median(v) if v else 0.0
-                                 for k, v in phases.items()}}))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+            t0 = time.perf_counter()
+            pusher.after_commit(snap.step)
+            pusher.flush()
+            phases["push"].append(time.perf_counter() - t0)
+
+    x = torch.randn(cfg["batch"], width)
+
+    def train_step() -> None:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    step = 0
+    train_step()
+    for _ in range(2):  # both slots and the peer's buffers allocated before timing
+        step += 1
+        follow_up(store.commit(step))
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for rnd in range(cfg["rounds"] + 1):  # round 0 warms up, not recorded
+        order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
+        for variant in order:
+            active["variant"] = variant
+            dist.barrier()
+            t_block = time.perf_counter()
+            for _ in range(cfg["block"]):
+                train_step()
+                step += 1
+                if variant == "overlap":
+                    t0 = time.perf_counter()
+                    store.commit_async(step, then=follow_up)
+                    phases["commit_call"].append(time.perf_counter() - t0)
+                elif variant == "sync" or (variant == "lazy"
+                                           and step % LAZY_FULL_EVERY == 0):
+                    follow_up(store.commit(step))
+                elif variant == "lazy":
+                    t0 = time.perf_counter()
+                    store.prepare_lazy(step)
+                    phases.setdefault("lazy_hold", []).append(time.perf_counter() - t0)
+            store.wait()
+            store.drop_pending()
+            dist.barrier()
+            if rnd:
+                times[variant].append((time.perf_counter() - t_block) / cfg["block"])
+    # the phases on their own, on a quiet group: one copy, one digest of this rank's state
+    dist.barrier()
+    t0 = time.perf_counter()
+    snap = store.commit(step + 1)
+    copy_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    P.part_digest(snap.data)
+    digest_s = time.perf_counter() - t0
+    nbytes = snap.layout.nbytes
+    if pusher is not None:
+        pusher.close()
+    server.close()
+    dist.barrier()
+    return {"times": times, "copy_s": copy_s, "digest_s": digest_s,
+            "nbytes": nbytes, "ring": ring,
+            "phases": {k: statistics.median(v) if v else 0.0 for k, v in phases.items()}}
 
 
-def measure(parallel: str, cfg: dict) -> dict:
-    """Run the 4-process group for `parallel` and summarise: overhead % per variant (median of
-    the per-block overheads, with min and max), step times, and the phases of rank 0."""
+def measure(parallels: tuple[str, ...], cfg: dict) -> dict[str, dict]:
+    """Run the 4-process group through every mesh of `parallels` and summarise each:
+    overhead % per variant (median of the per-block overheads, with min and max), step times,
+    and the phases of rank 0."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     secret = secrets.token_bytes(32)
-    world = 4
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, tmp, parallel, cfg, secret, q))
-                 for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, tmp, tuple(parallels), cfg, secret, q))
+                 for r in range(WORLD)]
         for p in procs:
             p.start()
-        got: dict[int, dict] = {}
+        got: dict[str, dict[int, dict]] = {p: {} for p in parallels}
+        errors: dict[int, str] = {}
         try:
-            for _ in range(world):
-                rank, res = q.get(timeout=cfg.get("timeout", 900))
-                got[rank] = res
+            for _ in range(WORLD * len(parallels)):
+                rank, parallel, res = q.get(timeout=cfg.get("timeout", 900))
+                if "error" in res:
+                    errors[rank] = res["error"]
+                    break
+                got[parallel][rank] = res
         finally:
             for p in procs:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
-    errors = {r: g["error"] for r, g in got.items() if "error" in g}
     if errors:
-        raise RuntimeError(f"bench replication {parallel}: {errors}")
+        raise RuntimeError(f"bench replication {'/'.join(parallels)}: {errors}")
+    return {p: _summary(got[p]) for p in parallels}
+
+
+def _summary(got: dict[int, dict]) -> dict:
     r0 = got[0]
     times = r0["times"]
     out: dict[str, Any] = {"step_ms": {v: round(statistics.median(t) * 1e3, 2)

@@ -169,7 +169,8 @@ def test_two_ranks_per_node_go_through_one_relay_and_recover_bit_identical(clust
     tpn = {"HPCT_TASKS_PER_NODE": "2", "HPCT_ACTIVE_NODES": "3"}
     args = [*TRAIN, "--position"]
     ref = tmp_path / "reference"
-    jid = submit(cluster, ref, TEMPLATE, args, nodes=3, env={**tpn, "HPCT_SPARE_NODES": "0"})
+    jid = submit(cluster, ref, TEMPLATE, [*args, *UNPACED], nodes=3,
+                 env={**tpn, "HPCT_SPARE_NODES": "0"})
     wait_job(cluster, jid, ref, 240, label="relay-reference")
     run = tmp_path / "run"
     jid = submit(cluster, run, TEMPLATE, args, nodes=5, env={**tpn, "HPCT_SPARE_NODES": "2"})

@@ -100,6 +100,7 @@ class Ev(_Name):
     RANK_EXIT = "rank.exit"
     RANK_CONTROLLER_ALIVE = "rank.controller_alive"
     RANK_ISOLATED = "rank.isolated"
+    RANK_STUCK = "rank.stuck"
     RANK_CONTROLLER_LOST = "rank.controller_lost"
     RANK_REQUEUED_JOB = "rank.requeued_job"
     RANK_REQUEUE_FAILED = "rank.requeue_failed"

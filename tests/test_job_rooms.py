@@ -685,6 +685,9 @@ def test_the_watchdog_settles_for_a_training_thread_stuck_in_its_step_only():
         time.sleep(0.05)
     assert slurm.requeued == [28017]
     assert [e["by"] for e in events.named("rank.requeued_job")] == ["watchdog"]
+    [stuck] = events.named("rank.stuck")
+    assert stuck["step"] == 25 and stuck["where"]  # this test's own frame, the main thread's
+    assert any("test_the_watchdog_settles" in f for f in stuck["where"])
     # a thread that keeps stepping (the controller's process died, the host lives and so
     # do the collectives) may still finish the job: the watchdog leaves it alone
     events, busy = Events(), FakeSlurm()

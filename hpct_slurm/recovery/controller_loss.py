@@ -6,8 +6,10 @@ left it)."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import HpctError
@@ -17,6 +19,13 @@ from .client import ControllerAddress
 
 if TYPE_CHECKING:
     from .generation import Standing
+
+
+def main_thread_stack(frames: int = 12) -> list[str]:
+    """The main thread's innermost Python frames, as `file:line function` (innermost last)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return [f"{f.filename}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack(frame)[-frames:]] if frame is not None else []
 
 
 def _hang_up(s: socket.socket) -> None:
@@ -92,6 +101,9 @@ class ControllerLoss:
         def run() -> None:
             time.sleep(self.grace_s)
             if self.standing.step == step:
+                # where it sits, for whoever reads why the job was requeued from here
+                self.events.emit(Ev.RANK_STUCK, rank=self.standing.rank, step=step,
+                                 waited_s=self.grace_s, where=main_thread_stack())
                 self.settle(by="watchdog")
 
         threading.Thread(target=run, daemon=True, name="hpct-controller-loss").start()

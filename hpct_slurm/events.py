@@ -9,7 +9,6 @@ JSON lines hold the plain strings, and a member compares equal to its string.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -222,10 +221,6 @@ class EventLog:
         self._stream = stream
         self._source = source
         self._lock = threading.Lock()
-        # The log's descriptor, opened at the first record and kept: a rank emits a record or
-        # two every step, and an open and a close per record are two metadata operations on
-        # the run directory's (shared) file system per rank per step.
-        self._fd: int | None = None
         if self._path:
             self._path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -238,32 +233,11 @@ class EventLog:
         line = json.dumps(record, sort_keys=False, default=str)
         with self._lock:
             if self._path:
-                self._append((line + "\n").encode())
+                _append(self._path, (line + "\n").encode())
             if self._stream:
                 self._stream.write(line + "\n")
                 self._stream.flush()
         return record
-
-    def _append(self, data: bytes) -> None:
-        if self._fd is None:
-            self._fd = _open_log(self._path)
-        try:
-            _write_all(self._fd, data)
-        except OSError:
-            # the descriptor went bad (a file system that dropped it): once more, opened anew
-            self.close()
-            self._fd = _open_log(self._path)
-            _write_all(self._fd, data)
-
-    def close(self) -> None:
-        """Let go of the log's descriptor (the next record opens it again)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def __del__(self) -> None:
-        self.close()
 
 
 # Never through a symlink, never into a fifo or a device: the hooks log as root and the
@@ -273,7 +247,11 @@ _APPEND_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_N
                  | os.O_CLOEXEC)
 
 
-def _open_log(path: Path) -> int:
+def _append(path: Path, data: bytes) -> None:
+    # Opened and closed per record, although a rank writes one or two a step: on NFS a record
+    # reaches the server (and other nodes' readers) at its close, and a newcomer reads its
+    # lost predecessor's loss records from this file (recovery/losses.py); a descriptor kept
+    # open would leave them in the dead node's cache.
     try:
         fd = os.open(path, _APPEND_FLAGS, 0o644)
     except OSError as exc:
@@ -281,16 +259,14 @@ def _open_log(path: Path) -> int:
             raise HpctError(f"event log {path} is a symlink; logs are never written through "
                             f"a link: remove it") from None
         raise HpctError(f"event log {path} cannot be opened ({exc.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HpctError(f"event log {path} is not a regular file: remove it")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
         os.close(fd)
-        raise HpctError(f"event log {path} is not a regular file: remove it")
-    return fd
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def read_events(path: str | os.PathLike) -> Iterator[dict]:

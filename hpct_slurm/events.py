@@ -99,6 +99,7 @@ class Ev(_Name):
     RANK_EXIT = "rank.exit"
     RANK_CONTROLLER_ALIVE = "rank.controller_alive"
     RANK_ISOLATED = "rank.isolated"
+    RANK_BATCH_HOST_ALIVE = "rank.batch_host_alive"
     RANK_STUCK = "rank.stuck"
     RANK_CONTROLLER_LOST = "rank.controller_lost"
     RANK_REQUEUED_JOB = "rank.requeued_job"

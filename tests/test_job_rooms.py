@@ -559,14 +559,21 @@ def test_holdings_list_what_this_process_can_serve(tmp_path):
 # ---- the controller's loss ----------------------------------------------------------------
 
 class FakeSlurm:
-    def __init__(self, state: str = "RUNNING", restart_count: int = 0, fail: bool = False):
-        self.job = SimpleNamespace(state=state, restart_count=restart_count)
+    def __init__(self, state: str = "RUNNING", restart_count: int = 0, fail: bool = False,
+                 host_lost_after: int = 0):
+        self.job = SimpleNamespace(state=state, restart_count=restart_count, batch_host="n1")
         self.fail, self.requeued = fail, []
+        self.host_asked, self.host_lost_after = 0, host_lost_after  # -1: never lost
 
     def show_job(self, job_id):
         if self.fail:
             raise HpctError("slurmctld not responding")
         return self.job
+
+    def show_node(self, name):
+        assert name == "n1"
+        self.host_asked += 1
+        return SimpleNamespace(lost=0 <= self.host_lost_after < self.host_asked)
 
     def requeue(self, job_id) -> None:
         self.requeued.append(job_id)
@@ -649,6 +656,7 @@ def _loss(events, slurm, peers, controller: str | None = None, **standing) -> Co
                           SlurmEnv.from_environ(TASK), events.log, _standing(**standing),
                           lambda: slurm, grace_s=0.3)
     loss.probe_s, loss.peers = 0.2, peers
+    loss.verdict_s, loss.verdict_every_s = 0.5, 0.05
     return loss
 
 
@@ -674,6 +682,32 @@ def test_a_lost_controller_is_settled_once_by_requeue_only_where_another_node_an
     events, pair = Events(), FakeSlurm()
     _loss(events, pair, []).settle()
     assert pair.requeued == [28017]
+
+
+def test_a_lost_controller_requeues_only_once_slurm_has_marked_the_batch_host_lost():
+    """Slurm is the arbiter: the batch host lost after a few looks, the job is requeued, the
+    wait on the record; Slurm still hearing from it (only the way from this node to it is
+    cut), the rank leaves the job alone."""
+    events, slow = Events(), FakeSlurm(host_lost_after=3)
+    _loss(events, slow, []).settle()
+    assert slow.requeued == [28017] and slow.host_asked == 4
+    [ev] = events.named("rank.requeued_job")
+    assert ev["batch_host"] == "n1" and ev["verdict_s"] >= 0.1
+    events, alive = Events(), FakeSlurm(host_lost_after=-1)
+    _loss(events, alive, []).settle()
+    assert alive.requeued == [] and alive.host_asked >= 5
+    assert [e["rank"] for e in events.named("rank.batch_host_alive")] == [0]
+
+
+def test_a_ranks_witnesses_are_other_hosts_nearest_round_the_ring():
+    from hpct_slurm.recovery.job import witnesses
+
+    # 12 ranks, 3 a node: ranks 0-2 on the batch host h0, this rank (4) on h1
+    peers = {r: (f"h{r // 3}", 7000 + r) for r in range(12)}
+    a = P.Assign(generation=0, rank=4, world_size=12, members=[], tasks_per_node=3,
+                 restore_step=-1, peers=peers)
+    assert witnesses(a, {"h1", "h0"}) == [("h2", 7006), ("h3", 7009)]
+    assert witnesses(a, {"h9"})[:2] == [("h1", 7004), ("h2", 7006)]
 
 
 def test_the_watchdog_settles_for_a_training_thread_stuck_in_its_step_only():

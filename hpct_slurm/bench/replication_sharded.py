@@ -20,6 +20,7 @@ median, with the lowest and highest next to it.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import secrets
 import statistics
 import tempfile
@@ -175,16 +176,25 @@ def measure(parallels: tuple[str, ...], cfg: dict) -> dict[str, dict]:
             p.start()
         got: dict[str, dict[int, dict]] = {p: {} for p in parallels}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + cfg.get("timeout", 900)
         try:
-            for _ in range(WORLD * len(parallels)):
-                rank, parallel, res = q.get(timeout=cfg.get("timeout", 900))
+            while sum(map(len, got.values())) < WORLD * len(parallels) and not errors:
+                try:
+                    rank, parallel, res = q.get(timeout=1.0)
+                except queue.Empty:
+                    # a rank that died without a word (killed, crashed) never reports
+                    dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode}
+                    if dead or time.monotonic() > deadline:
+                        errors.update({r: f"exited with {c}" for r, c in dead.items()}
+                                      or {-1: "no result within the timeout"})
+                    continue
                 if "error" in res:
                     errors[rank] = res["error"]
-                    break
-                got[parallel][rank] = res
+                else:
+                    got[parallel][rank] = res
         finally:
             for p in procs:
-                p.join(30)
+                p.join(30 if not errors else 0)
                 if p.is_alive():
                     p.kill()
     if errors:

@@ -190,6 +190,7 @@ class Connections:
     job_ranks: int
     conns: dict[tuple[str, int], Conn]
     unregistered: dict[asyncio.StreamWriter, None]  # oldest first
+    heard_from: set[str]
     finished: asyncio.Event
     fault_event: asyncio.Event
     recovering: bool
@@ -261,6 +262,7 @@ class Connections:
                     writer, chan, link=link)
         self.unregistered.pop(writer, None)
         self.conns[(r.node, r.local_rank)] = conn
+        self.heard_from.add(r.node)
         # transfer: the "host:port" that transfer.* events name as a source
         self.events.emit(Ev.RANK_REGISTER, node=r.node, local_rank=r.local_rank,
                          role=r.role, pid=r.pid,

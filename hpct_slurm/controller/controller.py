@@ -97,6 +97,7 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         self.conns: dict[tuple[str, int], Conn] = {}
         self.unregistered: dict[asyncio.StreamWriter, None] = {}  # oldest first
         self.steps: dict[str, asyncio.subprocess.Process] = {}
+        self.heard_from: set[str] = set()  # nodes whose step now running has registered
         self.dead_nodes: set[str] = set()
         self.expected_exits: set[int] = set()  # pids of steps we cancelled ourselves
         self.fencing: dict[str, asyncio.Future[None]] = {}  # live nodes: step cancel under way

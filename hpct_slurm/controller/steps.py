@@ -63,6 +63,7 @@ class Steps:
     relayed: bool
     data_world: int
     steps: dict[str, asyncio.subprocess.Process]
+    heard_from: set[str]
     dead_nodes: set[str]
     expected_exits: set[int]  # pids of steps we cancelled ourselves
     borrowed: list[int]
@@ -95,6 +96,7 @@ class Steps:
         return env
 
     def _launch(self, node: str, role: str) -> None:
+        self.heard_from.discard(node)
         env = self._step_env(role)
         argv = srun_argv(node, self.o.command, ntasks=self.o.tasks_per_node,
                          job_id=self.o.job_id,
@@ -146,6 +148,13 @@ class Steps:
                 f"{error}", script=True))
 
     async def _stop_steps(self, grace: float = 15.0) -> None:
+        # A step none of whose ranks registered (a spare relaunched moments before the end,
+        # still importing torch) holds nothing and hears no Goodbye: ended now, not waited
+        # for (it held every such job's end for the whole grace, 15 s).
+        for node, proc in list(self.steps.items()):
+            if node not in self.heard_from:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
         deadline = time.monotonic() + grace
         for proc in list(self.steps.values()):
             with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):

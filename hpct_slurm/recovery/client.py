@@ -81,6 +81,7 @@ class CoordinationClient:
         # gone, and the training thread may be stuck where it never asks (job.py).
         self.on_lost: Callable[[], None] | None = None
         self._bye_received = False
+        self._closing = False  # this process hangs up (close): not a loss
         self.rank = -1
         self.generation = -1
         self.step = -1
@@ -215,6 +216,7 @@ class CoordinationClient:
                     raise HpctError(f"no assignment from the controller within {timeout:.0f} s")
 
     def close(self, reason: str = "done") -> None:
+        self._closing = True  # before the Goodbye: the controller may hang up as it reads it
         if not self.closed.is_set():
             try:
                 self.send(P.Goodbye(reason))
@@ -260,7 +262,8 @@ class CoordinationClient:
             if not self.closed.is_set():
                 self.events.emit(Ev.RANK_CONTROLLER_LOST, error=str(exc))
         finally:
-            lost = not self.closed.is_set() and not self._bye_received
+            # not `closed`: a failed heartbeat's send sets it too, as the connection dies
+            lost = not self._closing and not self._bye_received
             self.closed.set()
             if lost and self.on_lost is not None:
                 self.on_lost()

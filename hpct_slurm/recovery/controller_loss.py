@@ -55,6 +55,9 @@ class ControllerLoss:
         # in waits out its timeout first).
         self.grace_s = grace_s
         self.probe_s = 3.0  # how long gone() tries the controller's port
+        # How long a rank waits for Slurm to mark the batch host lost (its SlurmdTimeout, 300 s
+        # by default, plus a ping), and how often it asks.
+        self.verdict_s, self.verdict_every_s = 600.0, 2.0
         # Other nodes' transfer servers, (host, port), set at every adoption: the witnesses
         # that tell a dead batch host from this node cut off (peers_answer).
         self.peers: list[tuple[str, int]] = []
@@ -62,11 +65,13 @@ class ControllerLoss:
         self._settled = False
 
     def settle(self, by: str = "rank") -> None:
-        """Once per process, whichever thread comes first (the others wait for it): the
-        controller gone and another node answering means the batch host died, so the job is
-        requeued. The controller gone and no node answering means this node is the one cut
-        off: it leaves (its controller, if alive, replaces it), never requeueing a job that
-        may be running fine without it."""
+        """Once per process, whichever thread comes first (the others wait for it). The job is
+        requeued only when the controller is gone, another node answers, and Slurm has marked
+        the batch host lost: then the batch host died. No node answering means this node is
+        the one cut off; Slurm still hearing from the batch host means only the way between
+        this node and it failed. Either way this rank leaves (its controller, if alive,
+        replaces it), never requeueing a job that may be running fine without it: a requeue
+        throws away every step since the last persisted one."""
         with self._lock:
             if self._settled:
                 return
@@ -77,7 +82,34 @@ class ControllerLoss:
                 self.events.emit(Ev.RANK_ISOLATED, rank=self.standing.rank,
                                  peers=len(self.peers))
                 return
-            self.requeue(by=by)
+            t0 = time.monotonic()
+            host = self.batch_host_lost()
+            if host is None:
+                self.events.emit(Ev.RANK_BATCH_HOST_ALIVE, rank=self.standing.rank,
+                                 waited_s=round(time.monotonic() - t0, 1))
+                return
+            self.requeue(by=by, batch_host=host, verdict_s=round(time.monotonic() - t0, 1))
+
+    def batch_host_lost(self) -> str | None:
+        """The batch host's name once Slurm has marked it lost (not responding, or down),
+        asked every `verdict_every_s` for at most `verdict_s`; None if it never did, or the
+        job left this incarnation meanwhile (another rank requeued it, or it ended)."""
+        from ..slurm.client import SlurmClient
+
+        slurm = (self._slurm_client or SlurmClient)()
+        deadline = time.monotonic() + self.verdict_s
+        while True:
+            try:
+                job = slurm.show_job(self.slurm.job_id)
+                if job.state != "RUNNING" or job.restart_count != self.slurm.restart_count:
+                    return None
+                if job.batch_host and slurm.show_node(job.batch_host).lost:
+                    return job.batch_host
+            except HpctError:
+                pass  # slurmctld busy or out of reach: ask again
+            if time.monotonic() + self.verdict_every_s > deadline:
+                return None
+            time.sleep(self.verdict_every_s)
 
     def peers_answer(self, timeout_s: float = 1.0) -> bool:
         """Whether any other node's transfer server accepts a connection."""
@@ -100,7 +132,7 @@ class ControllerLoss:
 
         def run() -> None:
             time.sleep(self.grace_s)
-            if self.standing.step == step:
+            if self.standing.step == step and not self._settled:
                 # where it sits, for whoever reads why the job was requeued from here
                 self.events.emit(Ev.RANK_STUCK, rank=self.standing.rank, step=step,
                                  waited_s=self.grace_s, where=main_thread_stack())
@@ -123,7 +155,7 @@ class ControllerLoss:
                 time.sleep(0.2)
         return True
 
-    def requeue(self, by: str = "rank") -> None:
+    def requeue(self, by: str = "rank", **why: Any) -> None:
         """The controller is gone: its node (the batch host) died, and with it the job's batch
         script. Slurm keeps such a --no-kill job RUNNING on the other nodes, so the ranks
         requeue it themselves; the restarted job resumes from the last persisted snapshot,
@@ -147,7 +179,7 @@ class ControllerLoss:
                 with sigterm_ignored():
                     late = slurm.requeue(self.slurm.job_id)
                 self.events.emit(Ev.RANK_REQUEUED_JOB, rank=rank, job_id=str(self.slurm.job_id),
-                                 reason="controller lost", by=by,
+                                 reason="controller lost", by=by, **why,
                                  **({"begin_error": late} if late else
                                     {"begin_in_s": REQUEUE_BEGIN_S}))
         except HpctError as exc:

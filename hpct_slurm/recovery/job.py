@@ -75,7 +75,22 @@ _SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes po
 # What a failed step or formation raises: the whole group restarts in place, or re-forms
 _FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
-PEER_WITNESSES = 4  # other nodes a rank that lost its controller asks (ControllerLoss.settle)
+PEER_WITNESSES = 4  # other hosts a rank that lost its controller asks (ControllerLoss.settle)
+
+
+def witnesses(a: P.Assign, not_hosts: set[str]) -> list[tuple[str, int]]:
+    """Whom a rank that lost its controller asks whether it is the one cut off: one transfer
+    server on each of up to PEER_WITNESSES other hosts (not this one, not the batch host),
+    the nearest round the ring first. Distinct hosts: with several ranks a node, four
+    neighbours are often one node, which may have died with the batch host."""
+    chosen: dict[str, tuple[str, int]] = {}
+    for r in sorted(a.peers, key=lambda r: (r - a.rank) % max(a.world_size, 1)):
+        host = str(a.peers[r][0])
+        if host not in not_hosts and host not in chosen:
+            chosen[host] = a.peers[r]
+            if len(chosen) == PEER_WITNESSES:
+                break
+    return list(chosen.values())
 
 
 class Job:
@@ -777,12 +792,7 @@ class Job:
         self.client.group_addrs = (
             {str(h) for h, _ in a.peers.values()} - {self.host_addr}
             if self.mesh_spec is not None or self._policy.carry is not None else set())
-        # Witnesses for a lost controller: the next ranks round the ring on other nodes than
-        # this one and the batch host (a node cut off reaches none of them).
-        others = sorted((r for r, (h, _) in a.peers.items()
-                         if str(h) not in (self.host_addr, self._controller_addr.host)),
-                        key=lambda r: (r - a.rank) % max(a.world_size, 1))
-        self._controller_loss.peers = [a.peers[r] for r in others[:PEER_WITNESSES]]
+        self._controller_loss.peers = witnesses(a, {self.host_addr, self._controller_addr.host})
         self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,
                          reform_s=t_formed - t0, restore_s=time.time() - t_formed)

@@ -700,7 +700,7 @@ def test_a_lost_controller_requeues_only_once_slurm_has_marked_the_batch_host_lo
 
 
 def test_a_ranks_witnesses_are_other_hosts_nearest_round_the_ring():
-    from hpct_slurm.recovery.job import witnesses
+    from hpct_slurm.recovery.controller_loss import witnesses
 
     # 12 ranks, 3 a node: ranks 0-2 on the batch host h0, this rank (4) on h1
     peers = {r: (f"h{r // 3}", 7000 + r) for r in range(12)}

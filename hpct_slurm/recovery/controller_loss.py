@@ -12,6 +12,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
+from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from ..slurm.env import SlurmEnv
@@ -21,11 +22,39 @@ if TYPE_CHECKING:
     from .generation import Standing
 
 
+PEER_WITNESSES = 4  # other hosts a rank that lost its controller asks (settle)
+
+
+def witnesses(a: P.Assign, not_hosts: set[str]) -> list[tuple[str, int]]:
+    """Whom a rank that lost its controller asks whether it is the one cut off: one transfer
+    server on each of up to PEER_WITNESSES other hosts (not this one, not the batch host),
+    the nearest round the ring first. Distinct hosts: with several ranks a node, four
+    neighbours are often one node, which may have died with the batch host."""
+    chosen: dict[str, tuple[str, int]] = {}
+    for r in sorted(a.peers, key=lambda r: (r - a.rank) % max(a.world_size, 1)):
+        host = str(a.peers[r][0])
+        if host not in not_hosts and host not in chosen:
+            chosen[host] = a.peers[r]
+            if len(chosen) == PEER_WITNESSES:
+                break
+    return list(chosen.values())
+
+
 def main_thread_stack(frames: int = 12) -> list[str]:
     """The main thread's innermost Python frames, as `file:line function` (innermost last)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     return [f"{f.filename}:{f.lineno} {f.name}"
             for f in traceback.extract_stack(frame)[-frames:]] if frame is not None else []
+
+
+def _answers(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something listens at host:port: a connection, ended cleanly (_hang_up)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            _hang_up(s)
+            return True
+    except OSError:
+        return False
 
 
 def _hang_up(s: socket.socket) -> None:
@@ -101,7 +130,7 @@ class ControllerLoss:
         while True:
             try:
                 job = slurm.show_job(self.slurm.job_id)
-                if job.state != "RUNNING" or job.restart_count != self.slurm.restart_count:
+                if not self._this_incarnation_runs(job):
                     return None
                 if job.batch_host and slurm.show_node(job.batch_host).lost:
                     return job.batch_host
@@ -111,16 +140,9 @@ class ControllerLoss:
                 return None
             time.sleep(self.verdict_every_s)
 
-    def peers_answer(self, timeout_s: float = 1.0) -> bool:
+    def peers_answer(self) -> bool:
         """Whether any other node's transfer server accepts a connection."""
-        for host, port in self.peers:
-            try:
-                with socket.create_connection((host, port), timeout=timeout_s) as s:
-                    _hang_up(s)
-                    return True
-            except OSError:
-                continue
-        return False
+        return any(_answers(host, port) for host, port in self.peers)
 
     def watch(self) -> None:
         """The connection ended without a Goodbye (CoordinationClient.on_lost). A training
@@ -146,13 +168,10 @@ class ControllerLoss:
         addr = ControllerAddress.parse(self.controller)
         deadline = time.monotonic() + (self.probe_s if probe_s is None else probe_s)
         while time.monotonic() < deadline:
-            try:
-                with socket.create_connection((addr.host, addr.port), timeout=1.0) as s:
-                    self.events.emit(Ev.RANK_CONTROLLER_ALIVE, rank=self.standing.rank)
-                    _hang_up(s)
-                    return False
-            except OSError:
-                time.sleep(0.2)
+            if _answers(addr.host, addr.port):
+                self.events.emit(Ev.RANK_CONTROLLER_ALIVE, rank=self.standing.rank)
+                return False
+            time.sleep(0.2)
         return True
 
     def requeue(self, by: str = "rank", **why: Any) -> None:
@@ -172,8 +191,7 @@ class ControllerLoss:
         time.sleep(0.5 * max(rank, 0))
         slurm = make()
         try:
-            job = slurm.show_job(self.slurm.job_id)
-            if job.state == "RUNNING" and job.restart_count == self.slurm.restart_count:
+            if self._this_incarnation_runs(slurm.show_job(self.slurm.job_id)):
                 # the requeue has Slurm signal this process and its scontrol at once: the
                 # command that makes the job eligible early must outlive that
                 with sigterm_ignored():
@@ -185,6 +203,11 @@ class ControllerLoss:
         except HpctError as exc:
             if not self._requeued_by_another(slurm):
                 self.events.emit(Ev.RANK_REQUEUE_FAILED, rank=rank, error=exc.message)
+
+    def _this_incarnation_runs(self, job: Any) -> bool:
+        """The job RUNNING and not requeued since this process started (no other rank's
+        requeue, no Slurm requeue of its own)."""
+        return job.state == "RUNNING" and job.restart_count == self.slurm.restart_count
 
     def _requeued_by_another(self, slurm: Any) -> bool:
         """A refused requeue after another rank's, whose probes ended sooner ("Job is pending

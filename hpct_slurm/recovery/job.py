@@ -53,7 +53,7 @@ from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import ControllerAddress, CoordinationClient
-from .controller_loss import ControllerLoss
+from .controller_loss import ControllerLoss, witnesses
 from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
 from .inject import TakerFault
 from .health import health_check
@@ -75,22 +75,6 @@ _SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes po
 # What a failed step or formation raises: the whole group restarts in place, or re-forms
 _FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
-PEER_WITNESSES = 4  # other hosts a rank that lost its controller asks (ControllerLoss.settle)
-
-
-def witnesses(a: P.Assign, not_hosts: set[str]) -> list[tuple[str, int]]:
-    """Whom a rank that lost its controller asks whether it is the one cut off: one transfer
-    server on each of up to PEER_WITNESSES other hosts (not this one, not the batch host),
-    the nearest round the ring first. Distinct hosts: with several ranks a node, four
-    neighbours are often one node, which may have died with the batch host."""
-    chosen: dict[str, tuple[str, int]] = {}
-    for r in sorted(a.peers, key=lambda r: (r - a.rank) % max(a.world_size, 1)):
-        host = str(a.peers[r][0])
-        if host not in not_hosts and host not in chosen:
-            chosen[host] = a.peers[r]
-            if len(chosen) == PEER_WITNESSES:
-                break
-    return list(chosen.values())
 
 
 class Job:

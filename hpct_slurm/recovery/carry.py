@@ -34,6 +34,7 @@ import hmac
 import struct
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,7 +70,7 @@ def decode(slot: bytes) -> tuple[int, Layout, bytes] | None:
     nothing this step). A slot that is not one `encode` made raises, naming what is wrong."""
     if len(slot) != SLOT_BYTES:
         raise HpctError(f"carried slot is {len(slot)} bytes, not {SLOT_BYTES}")
-    if not any(slot):
+    if slot.count(0) == SLOT_BYTES:  # (counted in C: a loop over 512 bytes was not free)
         return None
     magic, step, n_layout, n_data = _HEAD.unpack_from(slot)
     end = _HEAD.size + n_layout + n_data
@@ -111,6 +112,10 @@ class Carry:
         self.replicas, self.events, self.step_now, self.record = replicas, events, step_now, record
         self.rng = rng
         self._region = torch.zeros(world * SLOT_BYTES, dtype=torch.uint8)
+        # The same memory as numpy: the per-step filling and reading of slots are numpy and
+        # bytes operations, each a fraction of a torch call's dispatch (this runs every step,
+        # right after the backward pass, when little of the interpreter is still in cache)
+        self._region_np = self._region.numpy()
         self._scratch: torch.Tensor | None = None
         # what this rank's slot said at the last all-reduce: (step, layout json, data, sent)
         self.captured: tuple[int, bytes, bytes, bool] | None = None
@@ -162,7 +167,7 @@ class Carry:
         """The region to all-reduce: zeros, and this rank's state now in its own slot when
         it is trusted (its state is captured either way, for the step's end to verify)."""
         step = self.step_now()
-        self._region.zero_()
+        self._region_np.fill(0)
         self.captured = None
         try:
             layout, buf = self.state.capture_into(self._scratch, ("rank",), self.rng)
@@ -171,7 +176,8 @@ class Carry:
             # others are already in it
             return self._region
         self._scratch = buf
-        layout_json, data = layout.to_json(), bytes(buf[:layout.nbytes].numpy())
+        layout_json = layout.to_json()
+        data = buf.numpy()[:layout.nbytes].tobytes() if layout.nbytes else b""
         blob = encode(step, layout_json, data) if self.trusted else None
         if self.trusted and blob is None and not self._too_big:
             self._too_big = True
@@ -179,16 +185,17 @@ class Carry:
                              nbytes=len(layout_json) + len(data), slot=SLOT_BYTES)
         if blob is not None:
             lo = self.rank * SLOT_BYTES
-            self._region[lo:lo + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            self._region_np[lo:lo + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         self.captured = (step, layout_json, data, blob is not None)
         return self._region
 
     def take(self, region: torch.Tensor) -> None:
         """After the all-reduce: the held ranks' slots into this rank's replicas (a slot that
         is refused is an event; the holder keeps what it had)."""
+        flat = region.numpy()
         for r in self.held:
             # only the held slots are read: the region is world x SLOT_BYTES
-            slot = region[r * SLOT_BYTES:(r + 1) * SLOT_BYTES].numpy().tobytes()
+            slot = flat[r * SLOT_BYTES:(r + 1) * SLOT_BYTES].tobytes()
             step = -1
             try:
                 got = decode(slot)
@@ -197,7 +204,7 @@ class Carry:
                 step, layout, data = got
                 idx, buf = self.replicas.begin(r, len(data), step)
                 if data:
-                    buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    buf.numpy()[:len(data)] = np.frombuffer(data, dtype=np.uint8)
                 # checked: the slot's own check passed; the digest is what a fetch serves
                 self.replicas.finish(r, idx, buf, step, layout, P.part_digest(data),
                                      checked=True)

@@ -72,12 +72,19 @@ def _align(n: int) -> int:
 # --- the JSON tree. Containers are always tagged one-key dicts, scalars are plain JSON, so a
 # user dict can never be mistaken for a tag and int/tuple keys survive the round trip.
 
+_JSON_SCALARS = frozenset((bool, int, float, str))
+
+
 def _encode(obj: Any, tensors: list, path: Any) -> Any:
     """The JSON tree of `obj`, its tensors appended to `tensors`. `path` names where `obj`
     sits, for an error only: a chain of (parent, suffix) pairs (`_path`), built as tuples
     because a plan walks every node of the state dicts before every lazily held step, and
     formatting a string per node was most of that walk's cost (docs/benchmarks.md)."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    kind = type(obj)
+    if kind is torch.Tensor:  # the commonest leaf, tested first (a plain tensor: no DTensor)
+        tensors.append((obj, False))
+        return {"T": len(tensors) - 1}
+    if obj is None or kind in _JSON_SCALARS or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, dict):  # the commonest node (a state dict, a parameter's state)
         return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]

@@ -100,14 +100,34 @@ def test_the_holder_keeps_the_carried_step_and_serves_it_as_a_pushed_one():
     # probation: the first step only checks that the state stays put; then it is carried
     assert outcomes == ["push", "carried", "carried", "carried"]
     assert held_by_1.steps(0) == [2, 3]
-    # rank 0's steps 1-3 (rank 1's end of step is never checked here: it carries nothing)
+    # rank 0's steps 1-3 are held (rank 1's end of step is never checked here: it carries
+    # nothing), and recorded once, where the run of carried steps began: not a record a step
     assert [(e["rank"], e["step"], e["via"]) for e in _named(stream, "replica.stored")] == [
-        (0, 1, "carry"), (0, 2, "carry"), (0, 3, "carry")]
+        (0, 1, "carry")]
     with TransferServer(SECRET, JOB, 1, replicas=held_by_1, events=log) as holder:
         got = fetch_state([holder.address], 0, SECRET, JOB, step=3)
     fresh = Position()
     TrainState(sampler=fresh).restore_from(got.layout, got.data, scopes=("rank",))
     assert fresh.consumed == 40
+
+
+def test_a_holder_records_where_each_run_of_carried_steps_begins():
+    """`replica.stored` once per run of consecutive carried steps of a held rank, not once a
+    step (each record is a write to the holder's event log on a shared file system): steps 1
+    and 2, then after a gap (the rank pushed meanwhile) steps 5 and 6, make two records; every
+    step is held all the same."""
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord())
+    layout = TrainState(sampler=Position()).plan(("rank",), rng=False)[0].to_json()
+    for s in (1, 2, 5, 6):
+        region = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
+        blob = C.encode(s, layout, b"")
+        region[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        carry.take(region)
+        assert held.latest(0).step == s
+    assert [(e["rank"], e["step"]) for e in _named(stream, "replica.stored")] == [(0, 1), (0, 5)]
 
 
 def test_a_state_that_moves_after_the_all_reduce_is_replaced_and_then_pushed():

@@ -121,6 +121,11 @@ class Carry:
         self.captured: tuple[int, bytes, bytes, bool] | None = None
         self._too_big = False
         self._work: dist.Work | None = None
+        # each held rank's last step taken: `replica.stored` is recorded where a run of
+        # consecutive carried steps begins, not for every step (a record every step was an
+        # open, a write and a close of the rank's event log on the run directory's shared
+        # file system, per rank and step, for what the holder's fault report says anyway)
+        self._last_taken: dict[int, int] = {}
 
     @classmethod
     def applies(cls, rank: int, world: int, num_nodes: int) -> bool:
@@ -208,8 +213,10 @@ class Carry:
                 # checked: the slot's own check passed; the digest is what a fetch serves
                 self.replicas.finish(r, idx, buf, step, layout, P.part_digest(data),
                                      checked=True)
-                self.events.emit(Ev.REPLICA_STORED, rank=r, step=step, nbytes=len(data),
-                                 via="carry")
+                if self._last_taken.get(r) != step - 1:
+                    self.events.emit(Ev.REPLICA_STORED, rank=r, step=step, nbytes=len(data),
+                                     via="carry")
+                self._last_taken[r] = step
             except HpctError as exc:
                 self.events.emit(Ev.REPLICA_REJECTED, rank=r, step=step, via="carry",
                                  error=exc.message)

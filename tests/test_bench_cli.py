@@ -28,7 +28,8 @@ CASES = {
                     "rootless_init_s", "tcpstore_init_s", "init_s_per_size", "goals"}),
     "replication": (["--quick", "--smoke"], {"bench", "overhead_pct", "overhead_ci95",
                                              "overhead_paired_median_pct", "pairs",
-                                             "persisted_in_pairs"}),
+                                             "persisted_in_pairs", "step_phases_ms",
+                                             "added_ms_by_phase"}),
     "transfer": (["--quick", "--smoke"], {"bench", "throughput_ratio"}),
     "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
     "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
@@ -62,6 +63,17 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
     assert machine["torch"]
     png = tmp_path / f"{name}.png"  # every one of these draws a plot
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+    if name == "replication":
+        # where a step's time goes, for both sides of the headline's pairs, timed in them
+        phases = summary["step_phases_ms"]
+        assert set(phases) == {"off", summary["default_mode"]}
+        for side in phases.values():
+            assert set(side) == {"compute", "reduce", "update", "step_end"}
+            assert side["compute"] > 0 and min(side.values()) >= 0
+        assert summary["added_ms_by_phase"] == pytest.approx(
+            {k: phases[summary["default_mode"]][k] - phases["off"][k] for k in phases["off"]},
+            abs=2e-3)
 
     if name == "rendezvous":
         assert summary["ranks"] == 3 and record["repetitions"] == 1

@@ -50,7 +50,10 @@ over the rounds moved by several % from one run to the next. Within a pair the d
 nearly the same on both sides. `overhead_pct` is the ratio of the pairs' totals (every cost,
 the persisted files included: they land in their share of the pairs), `overhead_ci95` its 95 %
 interval by resampling the pairs; `overhead_paired_median_pct` the median pair (the typical
-step) and its interval.
+step) and its interval. `step_phases_ms`: both sides' mean time a step in each phase, timed
+in the same pairs (forward and backward, gradient reduction, update, what the step's end
+adds), and `added_ms_by_phase` what the documented adoption adds to each: where the headline's
+cost lies (the carry's all-reduce and the holder's taking of slots fall in the reduction).
 
 Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
 their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
@@ -77,6 +80,8 @@ BUDGET_PCT = 3.0
 # the settings table's default (HPCT_PERSIST_EVERY): the templates' jobs
 PERSIST_EVERY: int = C.BY_NAME[C.PERSIST_EVERY].default  # type: ignore[assignment]
 PERSIST_BEFORE = 10  # the default until 2026-11-26
+# a step's phases, timed in the headline's pairs (run: `phase_s`)
+PHASES = ("compute", "reduce", "update", "step_end")
 
 
 class _Position:
@@ -182,11 +187,27 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
 
     opt.register_step_pre_hook(hold_copy)
 
+    # Where a step's time goes, phase by phase, in the headline's pairs (`phases`: the
+    # variant whose steps are being timed, else None): the forward and backward, the gradient
+    # reduction (with the carry's all-reduce and the holder's taking of slots in the
+    # documented adoption), the update (with its pre-hook), and what the step's end adds
+    # (the rank's commit, the lazy hold or the full commit, the persistence's start).
+    phases: dict[str, Any] = {"variant": None}
+    phase_s: dict[str, dict[str, list[float]]] = {}
+
     def train_step() -> None:
+        t0 = time.perf_counter()
         opt.zero_grad()
         model(x).pow(2).mean().backward()
+        t1 = time.perf_counter()
         average_gradients(parameter_gradients(model), 1, reduce_with["carry"])
+        t2 = time.perf_counter()
         opt.step()
+        if phases["variant"] is not None:
+            got = phase_s.setdefault(phases["variant"], {k: [] for k in PHASES})
+            got["compute"].append(t1 - t0)
+            got["reduce"].append(t2 - t1)
+            got["update"].append(time.perf_counter() - t2)
 
     def settle(snap: Snapshot | None) -> None:
         while snap is not None and not snap.sealed and not snap.superseded.is_set():
@@ -245,6 +266,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 vsteps[variant] += 1
                 position.consumed += 64  # the step's batch drawn
                 train_step()
+                t_end = time.perf_counter()
                 # a persist step: every `persist` of this variant's steps, a full commit,
                 # its file written by one rank, every rank's own file (as Job, whose
                 # persisters save at multiples of HPCT_PERSIST_EVERY)
@@ -270,6 +292,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                         commit_s.append(time.perf_counter() - t0)
                     if push:
                         pushers[variant].after_commit(step)
+                if phases["variant"] is not None:
+                    phase_s[phases["variant"]]["step_end"].append(time.perf_counter() - t_end)
             if (overlap or lazy) and store is not None:
                 store.wait()
                 store.drop_pending()
@@ -306,7 +330,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
             got = {}
             for variant in (("off", default) if i % 2 == 0 else (default, "off")):
                 time.sleep(0.05)
+                phases["variant"] = variant
                 got[variant] = run_block(variant, block)
+                phases["variant"] = None
             paired.append((got["off"], got[default]))
         persisted_in_pairs = vsteps[default] // persisting[default] - persisted_before
         carried_steps = carry.record.verified
@@ -329,6 +355,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                  for v in variants}
     pct = {v: round(statistics.median(per_block[v]), 1) for v in variants}
     headline = paired_overhead(paired)
+    phase_ms = {v: {k: round(statistics.mean(t) * 1e3, 3) for k, t in got.items()}
+                for v, got in phase_s.items()}
     spread = {v: [round(min(per_block[v]), 1), round(max(per_block[v]), 1)] for v in variants}
     commit_ms = statistics.median(commit_s) * 1e3
     nbytes = stores["jit_k1"][0].latest().layout.nbytes  # type: ignore[union-attr]
@@ -349,7 +377,13 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                "commit_ms": round(commit_ms, 2),
                "step_ms": {v: round(s * 1e3, 2) for v, s in step_s.items()},
                "state_mb": round(nbytes / 1e6, 1), "disk_write_mb_s": round(disk_mb_s),
-               "persist_every": persisting[default]}
+               "persist_every": persisting[default],
+               # per step, in the headline's pairs: each phase's mean (ms), and what the
+               # documented adoption adds to each (the full commits and files included, in
+               # their share of the steps)
+               "step_phases_ms": phase_ms,
+               "added_ms_by_phase": {k: round(phase_ms[default][k] - phase_ms["off"][k], 3)
+                                     for k in PHASES}}
     write_result(out_dir, "replication", {**summary, "quick": quick, "smoke": smoke, "k": k,
                                           "overhead_spread_by_mode": spread,
                                           "sharded": sharded, "sharded_config": sharded_cfg,

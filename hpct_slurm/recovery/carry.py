@@ -54,6 +54,9 @@ MAX_REGION_BYTES = 4 << 20
 _MAGIC = 0xC1
 _HEAD = struct.Struct("<BqHH")  # magic, step, layout length, data length
 _CHECK = 8                      # blake2b bytes over head and body: a torn or mixed slot
+# A sampler's slot has no tensor bytes (its position is in the layout's tree): the digest a
+# holder serves for it is this one, every step
+_EMPTY_DIGEST = P.part_digest(b"")
 
 
 def encode(step: int, layout_json: bytes, data: bytes) -> bytes | None:
@@ -116,6 +119,7 @@ class Carry:
         # bytes operations, each a fraction of a torch call's dispatch (this runs every step,
         # right after the backward pass, when little of the interpreter is still in cache)
         self._region_np = self._region.numpy()
+        self._region_mv = memoryview(self._region_np)
         self._scratch: torch.Tensor | None = None
         # what this rank's slot said at the last all-reduce: (step, layout json, data, sent)
         self.captured: tuple[int, bytes, bytes, bool] | None = None
@@ -190,14 +194,14 @@ class Carry:
                              nbytes=len(layout_json) + len(data), slot=SLOT_BYTES)
         if blob is not None:
             lo = self.rank * SLOT_BYTES
-            self._region_np[lo:lo + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            self._region_mv[lo:lo + len(blob)] = blob
         self.captured = (step, layout_json, data, blob is not None)
         return self._region
 
     def take(self, region: torch.Tensor) -> None:
         """After the all-reduce: the held ranks' slots into this rank's replicas (a slot that
         is refused is an event; the holder keeps what it had)."""
-        flat = region.numpy()
+        flat = self._region_mv if region is self._region else memoryview(region.numpy())
         for r in self.held:
             # only the held slots are read: the region is world x SLOT_BYTES
             slot = flat[r * SLOT_BYTES:(r + 1) * SLOT_BYTES].tobytes()
@@ -211,7 +215,8 @@ class Carry:
                 if data:
                     buf.numpy()[:len(data)] = np.frombuffer(data, dtype=np.uint8)
                 # checked: the slot's own check passed; the digest is what a fetch serves
-                self.replicas.finish(r, idx, buf, step, layout, P.part_digest(data),
+                self.replicas.finish(r, idx, buf, step, layout,
+                                     P.part_digest(data) if data else _EMPTY_DIGEST,
                                      checked=True)
                 if self._last_taken.get(r) != step - 1:
                     self.events.emit(Ev.REPLICA_STORED, rank=r, step=step, nbytes=len(data),

@@ -43,6 +43,24 @@ Mode = Literal["jit", "replicated"]
 DEFAULT_SNAPSHOT_EVERY = 1
 
 
+class Flag:
+    """The set()/is_set() half of a threading.Event, without its condition and lock: nothing
+    waits on a snapshot's `superseded`, it is only set and read, and a snapshot is made
+    several times a step (a rank's own, a carried replica), where an Event's condition was a
+    noticeable part of the cost. A bool's store and load are atomic under the GIL."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class Snapshot:
     """One published snapshot: `data` is exactly `layout.nbytes` bytes.
 
@@ -58,7 +76,7 @@ class Snapshot:
         self._leaves: list[bytes] | None = None
         self._leaves_lock = threading.Lock()  # a second caller of leaves() waits, not re-hashes
         # Set when the slot is about to be overwritten: a background seal in progress gives up.
-        self.superseded = threading.Event()
+        self.superseded = Flag()
 
     @property
     def sealed(self) -> bool:
@@ -161,7 +179,8 @@ class DoubleBuffer:
                 old = self._snaps[idx]
                 if old is not None and old is not self._pinned:
                     old.superseded.set()
-                self._cond.wait_for(lambda: self._leases[idx] == 0)
+                if self._leases[idx]:  # (mostly none: no wait to set up)
+                    self._cond.wait_for(lambda: self._leases[idx] == 0)
                 self._snaps[idx] = None
                 buf = self._bufs[idx]
                 if nbytes is not None and (buf is None or buf.numel() < nbytes):

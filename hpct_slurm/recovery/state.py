@@ -38,6 +38,12 @@ class TensorEntry:
     numpy: bool       # restored as a numpy array (numpy's RNG state), not a tensor
 
 
+# json.dumps(..., separators=...) builds an encoder per call; a layout is encoded several times
+# a step (a rank's own snapshot, its carried slot), so one encoder serves them all (the same
+# output as json.dumps with these separators)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each tensor of a snapshot lives in the flat buffer, plus the non-tensor tree."""
@@ -46,9 +52,9 @@ class Layout:
     nbytes: int
 
     def to_json(self) -> bytes:
-        return json.dumps({"nbytes": self.nbytes, "tree": self.tree,
-                           "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes, e.numpy]
-                                       for e in self.entries]}, separators=(",", ":")).encode()
+        return _COMPACT.encode({"nbytes": self.nbytes, "tree": self.tree,
+                                "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes, e.numpy]
+                                            for e in self.entries]}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Layout":

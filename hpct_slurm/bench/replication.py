@@ -193,7 +193,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     # documented adoption), the update (with its pre-hook), and what the step's end adds
     # (the rank's commit, the lazy hold or the full commit, the persistence's start).
     phases: dict[str, Any] = {"variant": None}
-    phase_s: dict[str, dict[str, list[float]]] = {}
+    phase_s = {v: {k: [] for k in PHASES} for v in ("off", default)}
 
     def train_step() -> None:
         t0 = time.perf_counter()
@@ -204,7 +204,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
         t2 = time.perf_counter()
         opt.step()
         if phases["variant"] is not None:
-            got = phase_s.setdefault(phases["variant"], {k: [] for k in PHASES})
+            got = phase_s[phases["variant"]]
             got["compute"].append(t1 - t0)
             got["reduce"].append(t2 - t1)
             got["update"].append(time.perf_counter() - t2)

@@ -27,7 +27,7 @@ import concurrent.futures
 import os
 import struct
 import threading
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import blake3
 
@@ -76,8 +76,15 @@ def _flat(data: bytes | bytearray | memoryview) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+class Cancel(Protocol):
+    """What stops a digest between leaves: a threading.Event, or a snapshot's superseded
+    mark (recovery.snapshot.Flag)."""
+
+    def is_set(self) -> bool: ...
+
+
 def part_digest(data: bytes | bytearray | memoryview, parallel: bool = True,
-                cancel: threading.Event | None = None) -> bytes | None:
+                cancel: Cancel | None = None) -> bytes | None:
     """The digest of one body part. `parallel`: leaves on the hash pool; otherwise in this thread,
     checking `cancel` between leaves (returns None once it is set)."""
     mv = _flat(data)
@@ -93,7 +100,7 @@ def part_digest(data: bytes | bytearray | memoryview, parallel: bool = True,
 
 
 def leaf_digests(data: bytes | bytearray | memoryview, parallel: bool = True,
-                 cancel: threading.Event | None = None) -> list[bytes] | None:
+                 cancel: Cancel | None = None) -> list[bytes] | None:
     """The leaves of `part_digest(data)`: kept with a snapshot when it is sealed, so any
     CHUNK-aligned range of it can be served under its own digest (`range_digest`) without
     hashing again. `parallel`: on the hash pool; otherwise in this thread, checking `cancel`

@@ -78,24 +78,12 @@ def _align(n: int) -> int:
 # --- the JSON tree. Containers are always tagged one-key dicts, scalars are plain JSON, so a
 # user dict can never be mistaken for a tag and int/tuple keys survive the round trip.
 
-_JSON_SCALARS = frozenset((bool, int, float, str))
-
-
 def _encode(obj: Any, tensors: list, path: Any) -> Any:
     """The JSON tree of `obj`, its tensors appended to `tensors`. `path` names where `obj`
     sits, for an error only: a chain of (parent, suffix) pairs (`_path`), built as tuples
     because a plan walks every node of the state dicts before every lazily held step, and
     formatting a string per node was most of that walk's cost (docs/benchmarks.md)."""
-    kind = type(obj)
-    if kind is torch.Tensor:  # the commonest leaf, tested first (a plain tensor: no DTensor)
-        tensors.append((obj, False))
-        return {"T": len(tensors) - 1}
-    if obj is None or kind in _JSON_SCALARS or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, dict):  # the commonest node (a state dict, a parameter's state)
-        return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
-                      for k, v in obj.items()]}
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):  # the commonest leaf, tested first
         if _is_dtensor(obj):
             # A shard of a sharded tensor (FSDP2, HSDP, TP): its local piece is copied like
             # any tensor; where it sits on the mesh goes with it, so a restore can refuse a
@@ -104,6 +92,11 @@ def _encode(obj: Any, tensors: list, path: Any) -> Any:
             return {"D": [len(tensors) - 1, _dtensor_meta(obj, _path(path))]}
         tensors.append((obj, False))
         return {"T": len(tensors) - 1}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):  # the commonest node (a state dict, a parameter's state)
+        return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
+                      for k, v in obj.items()]}
     if isinstance(obj, np.ndarray):
         tensors.append((torch.from_numpy(np.ascontiguousarray(obj)), True))
         return {"T": len(tensors) - 1}

@@ -230,7 +230,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s(RECOVERY_MODE, "choice", "auto", USER, _RANK, "jit, replicated or auto "
        "(`Job(recovery_mode=)` wins)", choices=("auto", "jit", "replicated"), scope="job"),
     _s(SNAPSHOT_EVERY, "int", None, USER, _RANK, "steps between full snapshot commits "
-       "(unset: every step, or every 16 when lazy)", lo=1, hi=UINT32_MAX, scope="job"),
+       "(unset: every step, or every 64 when lazy)", lo=1, hi=UINT32_MAX, scope="job"),
     _s(SNAPSHOT_OVERLAP, "choice", "auto", USER, _RANK, "copy a step's state while the next "
        "computes (auto: where the state is on a GPU)", choices=("auto", "1", "0"),
        scope="job"),

@@ -145,26 +145,27 @@ def test_the_position_at_the_last_full_commit_stays_in_memory_here_and_at_the_ho
     however many lazy steps came since (before: only the two newest were, and such a fault
     needed disk persistence or escalated)."""
     policy, _ = _policy(tmp_path, state=_state(rank_state=True), persist_every=10)
-    for step in range(0, LAZY_FULL_EVERY + 4):
+    k = LAZY_FULL_EVERY
+    for step in range(0, k + 4):
         policy.end_step(step)
-    # full commits at 0, 10 (persisted) and 16: the last one pinned
-    assert policy.rank_snaps.slots.steps() == [16, 18, 19]
-    with policy.rank_snaps.lease(16) as snap:
-        assert snap is not None and snap.step == 16
+    # full commits at 0, every 10th (persisted) and k: the last one pinned
+    assert policy.rank_snaps.slots.steps() == [k, k + 2, k + 3]
+    with policy.rank_snaps.lease(k) as snap:
+        assert snap is not None and snap.step == k
     # the holder keeps the same steps of the ranks it holds (the same rule on every rank)
-    pins = [s for s in range(0, 40) if policy._pins(s)]
-    assert pins == [0, 10, 16, 20, 30, 32]
+    pins = [s for s in range(0, 2 * k + 10) if policy._pins(s)]
+    assert pins == sorted({*range(0, 2 * k + 10, 10), k, 2 * k})
     holder = policy.replicas
-    with policy.rank_snaps.lease(19) as snap:
+    with policy.rank_snaps.lease(k + 3) as snap:
         layout, data = snap.layout, bytes(snap.data)
-    for step in range(14, 20):  # rank 3's copies arriving, step by step
+    for step in range(k - 2, k + 4):  # rank 3's copies arriving, step by step
         idx, slot = holder.begin(3, len(data), step)
         slot[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         holder.finish(3, idx, slot, step, layout, P.part_digest(data))
-    assert holder.steps(3) == [16, 18, 19]
-    # a restore (here at step 18) stands the group at a step as a full commit does
-    policy.hold_restored(18)
-    assert policy.rank_snaps.slots.steps() == [18] and holder.steps(3) == [18, 19]
+    assert holder.steps(3) == [k, k + 2, k + 3]
+    # a restore (here at step k + 2) stands the group at a step as a full commit does
+    policy.hold_restored(k + 2)
+    assert policy.rank_snaps.slots.steps() == [k + 2] and holder.steps(3) == [k + 2, k + 3]
     # without lazy holds nothing is pinned: every step is a full commit anyway
     policy, _ = _policy(tmp_path, state=_state(rank_state=True), snapshot_lazy=False)
     for step in range(0, 4):

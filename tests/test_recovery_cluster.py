@@ -187,7 +187,7 @@ def test_two_ranks_per_node_go_through_one_relay_and_recover_bit_identical(clust
     # From memory: the newest step or the one before. The lost ranks' positions reach their
     # holders in each step's gradient all-reduce (carry.py), so the window in which a crash
     # left them a step behind the lazily held shared state is closed; a crash inside a step's
-    # optimizer update restores the last full commit (every 16 steps), every position at it
+    # optimizer update restores the last full commit (every LAZY_FULL_EVERY steps), every position at it
     # pinned in memory: never the disk, never a wrong state.
     assert not [e for e in evs if e["event"] == "recovery.disk_fallback"]
     assert done["lost_steps"] <= 1 or done["restore_step"] % LAZY_FULL_EVERY == 0, done

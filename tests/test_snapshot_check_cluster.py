@@ -24,10 +24,12 @@ import pytest
 from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
                                           controller_events,
                                           rank_events, recomputed_steps, submit, wait_job)
+from hpct_slurm.recovery.snapshot_policy import LAZY_FULL_EVERY
 
 pytestmark = pytest.mark.cluster
 STEPS = 30
-# step 22 is neither a full commit (every 16) nor a persisted one (every 10, also a full commit):
+# step 22 is neither a full commit (every LAZY_FULL_EVERY) nor a persisted one (every 10, also
+# a full commit):
 # the survivors hold it lazily when a rank dies inside step 23
 DIE_IN = 23
 ACTIVE = 3
@@ -66,8 +68,9 @@ def test_a_crash_inside_the_window_ends_bit_identical_with_the_recompute_counted
         assert refused and all(e["step"] == DIE_IN - 1 for e in refused), refused
     assert restore < DIE_IN - 1  # rolled back to the last full commit
     if env:
-        # the last full commit (every 16 steps), every rank's position from memory: the
-        # survivors' own pinned copies, the lost rank's from its ring holder
-        assert restore == 16 and not (run_dir / "persist-rank").exists()
+        # the last full commit (every LAZY_FULL_EVERY steps), every rank's position from
+        # memory: the survivors' own pinned copies, the lost rank's from its ring holder
+        last_full = (DIE_IN - 1) // LAZY_FULL_EVERY * LAZY_FULL_EVERY
+        assert restore == last_full and not (run_dir / "persist-rank").exists()
         assert set(assigns[0]["sources"].values()) <= {"own", "peer"}, assigns[0]
     assert recomputed_steps(run_dir) > 0  # counted, not hidden

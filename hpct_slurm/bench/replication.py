@@ -22,8 +22,8 @@ snapshots):
   committed and pushed to the ring peer after every step, its acknowledgement awaited at the
   next step's end (`ReplicaPusher.push_next`).
 - `jit_lazy`: what `Job` does for data parallelism without per-rank state: a full
-  commit every 16 steps, and every step in between held where it lies and copied only if a
-  fault comes before the next optimizer step (`prepare_lazy`).
+  commit every LAZY_FULL_EVERY (64) of its own steps, and every step in between held where it
+  lies and copied only if a fault comes before the next optimizer step (`prepare_lazy`).
 - `jit_k1_sync`: what `Job` does on CPU with per-rank state registered and no disk
   persistence (HPCT_PERSIST_EVERY=0): a full commit (a copy; the digest is left to its first
   reader) after every step, before the step returns.
@@ -37,13 +37,14 @@ Each block pays for what it started: pushes are flushed, files written and, with
 sealing, the last commit's seal awaited before the clock stops. `min_k_for_3pct` is the
 smallest commit interval whose measured per-commit cost fits in 3%. `overhead_pct_by_mode`:
 every variant's median per-block overhead against the `off` block of the same round (>= 5
-rounds outside --smoke; a persisting variant's blocks are whole 16-step cycles at least one
-interval long), the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of
+rounds outside --smoke; a lazy variant's blocks are whole cycles of LAZY_FULL_EVERY steps, a
+persisting one's at least one interval long), the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of
 writing one full-state file as the persistence writes it, measured in the same run: the
 persistence's cost follows it.
 
 The headline is measured apart, in pairs: after the rounds, `pairs` (25 per round) pairs of
-adjacent 16-step blocks, `off` and the documented adoption, alternately first. On this
+adjacent 16-step blocks, `off` and the documented adoption, alternately first (its full commit
+lands in one of its blocks in four, every 64 of its steps: its share of the totals). On this
 project's 2-core VM a step's time wanders by +-10 % over seconds; a round's blocks are
 seconds apart (`off`, then ten other variants, then the headline), and the headline's median
 over the rounds moved by several % from one run to the next. Within a pair the drift is
@@ -125,9 +126,10 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     width, depth = (256, 2) if smoke else (1024, 2) if quick else (1440, 4)
     k, rounds = (4, 1) if smoke else (8, 5) if quick else (16, 5)
     rounds = reps or rounds
-    # one commit per block at every=K (and one full commit per block of jit_lazy), so every
-    # block of a variant does the same work
-    block = k if smoke else max(k, LAZY_FULL_EVERY)
+    # one commit per block at every=K, so every block of such a variant does the same work; a
+    # lazy variant's full commits fall on its own steps (one block in LAZY_FULL_EVERY / K: its
+    # share in the pairs' totals), and its blocks in the rounds are whole lazy cycles
+    block = k
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
@@ -258,6 +260,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
             lazy = variant.startswith("jit_lazy")
             rank_store = rank_stores.get(variant)
             persist = persisting.get(variant, 0)
+            # a lazy variant's full commits: every LAZY_FULL_EVERY of its own steps (the
+            # global step counts every variant's blocks, whose turns would place them unevenly)
+            clock = vsteps if lazy else None
             overlapped["store"] = store if overlap or lazy else None
             reduce_with["carry"] = carry if variant in carried else None
             t_block = time.perf_counter()
@@ -277,12 +282,13 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                         persisters[variant][1].after_commit(step)
                     if variant not in carried or carry.confirm(step, snap) != "carried":
                         rank_pushers[variant].push_next(step)
+                due = store is not None and store.due(clock[variant] if clock else step)
                 if persist_now:
                     store.commit(step)  # type: ignore[union-attr]
                     persisters[variant][0].after_commit(step)
-                elif lazy and not store.due(step):  # type: ignore[union-attr]
+                elif lazy and not due:
                     store.prepare_lazy(step)  # type: ignore[union-attr]
-                elif store is not None and store.due(step):
+                elif due:
                     t0 = time.perf_counter()
                     if overlap:
                         store.commit_async(step)
@@ -314,10 +320,11 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
             for variant in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                 time.sleep(0.05)  # let the previous block's background work drain
                 persist = persisting.get(variant, 0)
-                # a persisting block: whole lazy cycles, at least `persist` steps (any run of
-                # them holds one multiple of `persist`: its share of the files, on average)
-                steps = (max(block, LAZY_FULL_EVERY * math.ceil(persist / LAZY_FULL_EVERY))
-                         if persist and not smoke else block)
+                # a lazy block: whole lazy cycles; a persisting one at least `persist` steps
+                # too (any run of them holds one multiple of `persist`: its share of the files,
+                # on average)
+                steps = (block if smoke or not variant.startswith("jit_lazy") else
+                         LAZY_FULL_EVERY * max(1, math.ceil(persist / LAZY_FULL_EVERY)))
                 took = run_block(variant, steps, record_commit=bool(rnd))
                 if rnd:
                     times[variant].append(took / steps)

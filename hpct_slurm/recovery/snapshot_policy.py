@@ -28,7 +28,18 @@ from .transfer import ReplicaPusher
 if TYPE_CHECKING:
     from .generation import Standing
 
-LAZY_FULL_EVERY = 16
+# Between lazily held steps, a full commit (a copy of the whole state) every LAZY_FULL_EVERY
+# steps: what the group rolls back to where a held step cannot be used, i.e. a fault found
+# inside a step's optimizer update (a collective after `optimizer.step()`: a loss all-reduce
+# for logging) or a script that changes its weights outside the watched update (SAM, an EMA
+# at a step's start: the held step is refused). Every job pays the copy, 1/K of it a step;
+# only those faults pay the recompute, up to K-1 steps. At 16 the copy was a third of the
+# documented adoption's cost on CPU (100 MB, 47 ms steps: 7.7 ms / 16 = 0.48 ms a step, 1 %;
+# `hpct-slurm bench replication`) and on one H200 the lazy mode's +3.8 % (2.6 GB a commit),
+# against goals of 3 % and 1 %. At 64: 0.25 % on CPU, and such a fault recomputes up to 63
+# steps (3 s of 47 ms steps), still seconds against a restart's minutes.
+# HPCT_SNAPSHOT_EVERY sets it per job.
+LAZY_FULL_EVERY = 64
 # `Job` seeds every generator a snapshot could hold (python's, numpy's, torch's; seeds.py)
 # from (seed, rank, step) before each step's own code runs, in all three forms of `Job.run`:
 # the RNG states at a step's end are overwritten before anything reads them, so its snapshots

@@ -91,7 +91,7 @@ def _two_ranks(steps: int, moved_at: int | None = None
         carry1.take(total)
         if s == moved_at:
             pos0.consumed += 1  # moved after the all-reduce: the carried copy is not step s
-        outcomes.append(carry0.confirm(s, own0.commit(s)))
+        outcomes.append(carry0.commit(s, own0)[1])
     return outcomes, held_by_1, stream, own0, log
 
 
@@ -148,6 +148,42 @@ def test_a_state_that_moves_after_the_all_reduce_is_replaced_and_then_pushed():
     assert fresh.consumed == 31
 
 
+def test_the_steps_end_publishes_the_capture_itself_only_where_it_is_the_live_state():
+    """Carry.commit: a capture without tensor bytes whose fresh plan reads the same becomes
+    the rank's snapshot as it is (the same layout and bytes a commit makes); a state with
+    tensor bytes (an extra tensor) is committed from the live state, and compared."""
+    step = [0]
+    log, _ = _events()
+    pos, carry, own = _rank(0, step, ReplicaStore(), log)
+    reference = SnapshotStore(carry.state, ("rank",), rng=False)
+    calls = []
+    real_commit = own.commit
+    own.commit = lambda s: calls.append(s) or real_commit(s)  # type: ignore[method-assign]
+    for s in range(3):
+        step[0] = s
+        pos.consumed = 5 * s
+        carry.region()
+        snap, held = carry.commit(s, own)
+        assert held == ("push" if s == 0 else "carried")
+        ref = reference.commit(s)
+        assert (snap.step, snap.layout.to_json(), bytes(snap.data)) == (
+            ref.step, ref.layout.to_json(), bytes(ref.data))
+        assert own.latest() is snap
+    assert calls == []  # no second capture
+    carry.state.extras["counts"] = torch.arange(4)
+    step[0] = 3
+    carry.region()
+    snap, held = carry.commit(3, own)
+    # carried: only the tensor's 32 bytes are compared, not the padding after it (before,
+    # whatever an uninitialised buffer held there made this "replace" and every later step a
+    # push)
+    assert calls == [3] and held == "carried" and snap.layout.entries[0].nbytes == 32
+    step[0] = 4
+    carry.region()
+    carry.state.extras["counts"] += 1  # moved after the all-reduce: caught by the compare
+    assert carry.commit(4, own)[1] == "replace"
+
+
 def test_a_state_too_big_for_a_slot_is_pushed_and_said_once():
     step = [0]
     log, stream = _events()
@@ -161,7 +197,7 @@ def test_a_state_too_big_for_a_slot_is_pushed_and_said_once():
         step[0] = s
         region = carry.region()
         assert not region.any()  # nothing carried
-        assert carry.confirm(s, own.commit(s)) == "push"
+        assert carry.commit(s, own)[1] == "push"
     assert len(_named(stream, "rank.carry_too_big")) == 1
 
 
@@ -202,7 +238,7 @@ def _worker(rank: int, port: int, q) -> None:
         average_gradients(parameter_gradients(plain), WORLD)
         same_grads &= all(torch.equal(a.grad, b.grad) for a, b in
                           zip(model.parameters(), plain.parameters()))
-        outcomes.append(carry.confirm(s, own.commit(s)))
+        outcomes.append(carry.commit(s, own)[1])
     held = {}
     for r in carry.held:
         with replicas.lease(r) as snap:

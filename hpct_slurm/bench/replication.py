@@ -277,10 +277,14 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 # persisters save at multiples of HPCT_PERSIST_EVERY)
                 persist_now = bool(persist) and vsteps[variant] % persist == 0
                 if rank_store is not None:  # SnapshotPolicy._commit_rank_state
-                    snap = rank_store.commit(step)
+                    if variant in carried:
+                        held = carry.commit(step, rank_store)[1]
+                    else:
+                        rank_store.commit(step)
+                        held = "push"
                     if persist_now:
                         persisters[variant][1].after_commit(step)
-                    if variant not in carried or carry.confirm(step, snap) != "carried":
+                    if held != "carried":
                         rank_pushers[variant].push_next(step)
                 due = store is not None and store.due(clock[variant] if clock else step)
                 if persist_now:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
-from .snapshot import ReplicaStore, Snapshot, ranks_held_by
+from .snapshot import ReplicaStore, Snapshot, SnapshotStore, ranks_held_by
 from .state import Layout, TrainState
 
 # Part of every rank's layout of the collective: the same constant on every rank (a setting
@@ -89,6 +89,16 @@ def decode(slot: bytes) -> tuple[int, Layout, bytes] | None:
         raise HpctError(f"carried slot's layout says {layout.nbytes} bytes, the slot holds "
                         f"{len(data)}")
     return step, layout, data
+
+
+def _same_tensors(layout: Layout, a: bytes, b: memoryview) -> bool:
+    """Whether two captures of one layout hold the same tensor bytes. Only the entries' bytes
+    count: the alignment padding between them is whatever the buffer held before (torch.empty),
+    different in the carry's scratch buffer and the snapshot's slot, and compared whole it
+    made a rank state with a tensor of its own (not a multiple of 64 bytes) look moved after
+    every all-reduce."""
+    return all(a[e.offset:e.offset + e.nbytes] == b[e.offset:e.offset + e.nbytes]
+               for e in layout.entries)
 
 
 class CarryRecord:
@@ -226,6 +236,25 @@ class Carry:
                 self.events.emit(Ev.REPLICA_REJECTED, rank=r, step=step, via="carry",
                                  error=exc.message)
 
+    def commit(self, step: int, store: SnapshotStore) -> tuple[Snapshot, str]:
+        """This rank's own snapshot of `step`, committed into `store` at the step's end, and
+        what its holder needs now (`confirm`). Where this step's capture holds no tensor bytes
+        (a sampler's position is all in its layout's tree), a fresh plan of the state that
+        reads the same is proof the state did not move, and the capture itself becomes the
+        snapshot (SnapshotStore.put): no second capture into the store's slot, no second
+        comparison (a step's end measured 0.17 ms for commit and confirm, in place, on this
+        project's 2-core VM: most of it touching what the backward and the update had pushed
+        out of the caches)."""
+        captured = self.captured
+        if captured is not None and captured[0] == step and not captured[2]:
+            layout, live = self.state.plan(("rank",), self.rng)
+            if not live and layout.to_json() == captured[1]:
+                self.captured = None
+                self.record.verified += 1
+                return store.put(step, layout, b""), "carried" if captured[3] else "push"
+        snap = store.commit(step)
+        return snap, self.confirm(step, snap)
+
     def confirm(self, step: int, snap: Snapshot) -> str:
         """At the step's end, with this rank's committed snapshot of it, what its holder needs
         now: "carried" (it has exactly this step, carried in the all-reduce and unchanged
@@ -237,7 +266,7 @@ class Carry:
         if captured is None or captured[0] != step:
             return "push"  # no all-reduce through Job in this step
         _, layout_json, data, sent = captured
-        if layout_json == snap.layout.to_json() and data == bytes(snap.data):
+        if layout_json == snap.layout.to_json() and _same_tensors(snap.layout, data, snap.data):
             self.record.verified += 1
             return "carried" if sent else "push"
         if not self.record.moved:

@@ -347,6 +347,9 @@ class SnapshotStore:
         # prepare_lazy's slot: (index, buffer, step, layout, parameter copies still to make,
         # marks of copies running, the versions its live tensors must keep)
         self._pending: tuple | None = None
+        # _split's last answer: the live tensors' addresses, and which of them are late
+        self._split_ptrs: tuple[int, ...] | None = None
+        self._split_late: list[bool] = []
         # An overlapped commit's version counters read where the next update was ordered after
         # its copy (before_optimizer_step): changes from there on cannot reach the copy.
         self._ordered: list[int] | None = None
@@ -378,13 +381,7 @@ class SnapshotStore:
         idx, buf = self.slots.acquire_target()
         try:
             layout, buf, pairs = self.state.prepare(buf, self.scopes, self.rng)
-            # (a walk over every parameter and optimizer state: not for a snapshot with
-            # nothing to copy, such as a rank's own small state without tensors)
-            stable = self.state.stable_ptrs() if pairs else set()
-            split: tuple[list, list] = ([], [])  # (early, late), in one pass
-            for pair in pairs:
-                split[pair[1].data_ptr() in stable].append(pair)
-            early_pairs, late = split
+            early_pairs, late = self._split(pairs)
             ready = mark_ready(pairs)
             early = issue_copies(early_pairs, ready)
             order_after(early)
@@ -392,6 +389,23 @@ class SnapshotStore:
             self.slots.abandon(idx)
             raise
         return idx, buf, layout, late, ready + early, Unchanged([t for _, t in late])
+
+    def _split(self, pairs: list) -> tuple[list, list]:
+        """(early, late): the pairs whose live tensor anything may change before the next
+        optimizer step (buffers), and those only an optimizer step changes (parameters and
+        optimizer state: TrainState.stable_ptrs). The split is kept for the live tensors'
+        addresses, in order: a walk over every parameter and optimizer state a step was a
+        sixth of a lazy hold's cost, for the same answer while the tensors stay where they
+        are (a tensor moved or added changes the addresses, and the split is made again)."""
+        ptrs = tuple(src.data_ptr() for _, src in pairs)
+        if ptrs != self._split_ptrs:
+            stable = self.state.stable_ptrs() if pairs else set()
+            self._split_late = [p in stable for p in ptrs]
+            self._split_ptrs = ptrs
+        split: tuple[list, list] = ([], [])
+        for pair, late in zip(pairs, self._split_late):
+            split[late].append(pair)
+        return split
 
     def _finish(self, idx: int, buf: torch.Tensor, step: int, layout: Layout,
                 late: list, marks: Marks, watch: Unchanged) -> Snapshot:
@@ -446,6 +460,24 @@ class SnapshotStore:
         idx, _ = self.slots.acquire_target()
         snap = self.slots.publish(idx, buf, step, layout, None)
         snap.seal_with(leaves)
+        return snap
+
+    def put(self, step: int, layout: Layout, data: bytes) -> Snapshot:
+        """Make `data`, this store's kind of state at `step` captured and checked elsewhere
+        (a rank's carried slot, checked against a fresh plan: Carry.commit), the current
+        snapshot: copied into the spare slot, unsealed."""
+        if layout.nbytes != len(data):
+            raise HpctError(f"snapshot of step {step}: its layout says {layout.nbytes} bytes, "
+                            f"{len(data)} given")
+        self.wait()
+        self.drop_pending()
+        idx, buf = self.slots.acquire_target(len(data))
+        assert buf is not None
+        if data:
+            as_memoryview(buf)[:len(data)] = data
+        snap = self.slots.publish(idx, buf, step, layout, None)
+        if self.background_seal:
+            _SEALER.put(snap)
         return snap
 
     def commit_async(self, step: int, then: Callable[[Snapshot], None] | None = None) -> None:

@@ -208,15 +208,16 @@ class SnapshotPolicy:
         that step was held lazily (recomputed and counted, never wrong: the controller plans
         from what holders report holding). A carried copy the state moved away from after
         the all-reduce is replaced before the step returns."""
-        snap = None
+        held = "push"
         if self.rank_snaps is not None:
-            snap = self.rank_snaps.commit(step)
+            if self.carry is not None:
+                _, held = self.carry.commit(step, self.rank_snaps)
+            else:
+                self.rank_snaps.commit(step)
             if self.rank_persister:
                 self.rank_persister.after_commit(step)
         if self.pusher is None or self._pushed is not self.rank_snaps:
             return
-        held = (self.carry.confirm(step, snap) if self.carry is not None and snap is not None
-                else "push")
         if held == "carried":
             return
         if held == "replace":

@@ -78,6 +78,12 @@ def _align(n: int) -> int:
 # --- the JSON tree. Containers are always tagged one-key dicts, scalars are plain JSON, so a
 # user dict can never be mistaken for a tag and int/tuple keys survive the round trip.
 
+# Leaves returned as they are, by exact type: tested inline by the containers below, so the
+# commonest leaves (a state dict's keys, a parameter group's numbers, its list of parameter
+# indices) cost no call and no path
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+
+
 def _encode(obj: Any, tensors: list, path: Any) -> Any:
     """The JSON tree of `obj`, its tensors appended to `tensors`. `path` names where `obj`
     sits, for an error only: a chain of (parent, suffix) pairs (`_path`), built as tuples
@@ -95,15 +101,16 @@ def _encode(obj: Any, tensors: list, path: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, dict):  # the commonest node (a state dict, a parameter's state)
-        return {"d": [[_encode(k, tensors, (path, " key")), _encode(v, tensors, (path, ".", k))]
+        return {"d": [[k if k.__class__ in _PLAIN else _encode(k, tensors, (path, " key")),
+                       v if v.__class__ in _PLAIN else _encode(v, tensors, (path, ".", k))]
                       for k, v in obj.items()]}
     if isinstance(obj, np.ndarray):
         tensors.append((torch.from_numpy(np.ascontiguousarray(obj)), True))
         return {"T": len(tensors) - 1}
-    if isinstance(obj, list):
-        return {"l": [_encode(v, tensors, (path, "[", i, "]")) for i, v in enumerate(obj)]}
-    if isinstance(obj, tuple):
-        return {"t": [_encode(v, tensors, (path, "[", i, "]")) for i, v in enumerate(obj)]}
+    if isinstance(obj, (list, tuple)):
+        return {"l" if isinstance(obj, list) else "t":
+                [v if v.__class__ in _PLAIN else _encode(v, tensors, (path, "[", i, "]"))
+                 for i, v in enumerate(obj)]}
     raise HpctError(f"cannot snapshot {_path(path)}: values of type {type(obj).__name__} are "
                     f"not supported (tensors, numpy arrays, JSON scalars, lists, tuples, dicts "
                     f"are)")

@@ -38,9 +38,9 @@ sealing, the last commit's seal awaited before the clock stops. `min_k_for_3pct`
 smallest commit interval whose measured per-commit cost fits in 3%. `overhead_pct_by_mode`:
 every variant's median per-block overhead against the `off` block of the same round (>= 5
 rounds outside --smoke; a lazy variant's blocks are whole cycles of LAZY_FULL_EVERY steps, a
-persisting one's at least one interval long), the lowest and highest next to it. `disk_write_mb_s`: this machine's rate of
-writing one full-state file as the persistence writes it, measured in the same run: the
-persistence's cost follows it.
+persisting one's at least one interval long), the lowest and highest next to it.
+`disk_write_mb_s`: this machine's rate of writing one full-state file as the persistence
+writes it, measured in the same run: the persistence's cost follows it.
 
 The headline is measured apart, in pairs: after the rounds, `pairs` (25 per round) pairs of
 adjacent 16-step blocks, `off` and the documented adoption, alternately first (its full commit
@@ -117,9 +117,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     from ..events import EventLog
     from ..recovery.carry import Carry, CarryRecord
     from ..recovery.gradients import average_gradients, parameter_gradients
-    from ..recovery.job import LAZY_FULL_EVERY
     from ..recovery.persist import DiskPersister
     from ..recovery.snapshot import ReplicaStore, Snapshot, SnapshotStore
+    from ..recovery.snapshot_policy import LAZY_FULL_EVERY
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher
 

@@ -64,7 +64,6 @@ from ..relay.node import NodeRelay, publish, published, relay_file
 from .restore import Restorer
 from .seeds import seed_everything, step_seed
 from .sharding import MeshSpec
-from .snapshot_policy import LAZY_FULL_EVERY  # noqa: F401 - bench/replication.py's
 from .snapshot_policy import SnapshotPolicy, first_mode
 from .state import TrainState
 from .striped import Prefetch

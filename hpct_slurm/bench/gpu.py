@@ -43,13 +43,14 @@ def _model(torch: Any, d: int, layers: int, ff: int) -> Any:
 
 def _sizes(quick: bool, smoke: bool) -> dict[str, int]:
     if smoke:
-        return {"d": 128, "layers": 2, "ff": 256, "batch": 4, "seq": 64, "block": 4, "rounds": 1}
+        return {"d": 128, "layers": 2, "ff": 256, "batch": 4, "seq": 64, "block": 4, "rounds": 1,
+                "cycles": 0}
     if quick:
         return {"d": 512, "layers": 8, "ff": 2048, "batch": 8, "seq": 256, "block": 8,
-                "rounds": 3}
+                "rounds": 3, "cycles": 1}
     # about 200M parameters: 2.4 GB of fp32 parameters and AdamW state
     return {"d": 1024, "layers": 16, "ff": 4096, "batch": 16, "seq": 512, "block": 16,
-            "rounds": 5}
+            "rounds": 5, "cycles": 1}
 
 
 def _overlap(torch: Any, sz: dict[str, int]) -> tuple[dict[str, Any], Any, Any]:
@@ -117,9 +118,8 @@ def _overlap(torch: Any, sz: dict[str, int]) -> tuple[dict[str, Any], Any, Any]:
             after, hook = variants[name]
             before[:] = [hook] if hook else []
             torch.cuda.synchronize()
-            # a lazy block is a whole cycle from a full commit (outside the smoke run)
-            steps = (LAZY_FULL_EVERY if name == "lazy" and sz["block"] >= 16
-                     else sz["block"])
+            # a lazy block is a whole cycle from a full commit (`cycles`: not in the smoke run)
+            steps = LAZY_FULL_EVERY if name == "lazy" and sz["cycles"] else sz["block"]
             if name == "lazy":
                 counter = -(-counter // steps) * steps  # its cycle starts at its commit
             t0 = time.perf_counter()

@@ -275,3 +275,24 @@ def test_a_state_that_cannot_be_captured_still_takes_part_with_an_empty_slot():
     region = carry.region()
     assert region.numel() == 2 * C.SLOT_BYTES and not region.any()
     assert carry.captured is None
+
+
+def test_put_makes_given_bytes_the_current_snapshot_and_refuses_a_size_its_layout_denies():
+    """SnapshotStore.put, with tensor bytes: what a commit of the same state would hold, made
+    current as given; bytes of another size than the layout's are refused, naming both, and
+    the store keeps what it had."""
+    pos = Position()
+    state = TrainState(sampler=pos)
+    state.extras["counts"] = torch.arange(4)
+    committed = SnapshotStore(state, ("rank",), rng=False).commit(0)
+    layout, data = committed.layout, bytes(committed.data)
+    store = SnapshotStore(state, ("rank",), rng=False)
+    snap = store.put(3, layout, data)
+    assert store.latest() is snap and snap.step == 3 and bytes(snap.data) == data
+    fresh = Position()
+    restored = TrainState(sampler=fresh)
+    restored.restore_from(snap.layout, snap.data, scopes=("rank",))
+    assert torch.equal(restored.extras["counts"], torch.arange(4))
+    with pytest.raises(HpctError, match=f"says {layout.nbytes} bytes, 3 given"):
+        store.put(4, layout, b"abc")
+    assert store.latest() is snap

@@ -119,9 +119,10 @@ def _overlap(torch: Any, sz: dict[str, int]) -> tuple[dict[str, Any], Any, Any]:
             before[:] = [hook] if hook else []
             torch.cuda.synchronize()
             # a lazy block is a whole cycle from a full commit (`cycles`: not in the smoke run)
-            steps = LAZY_FULL_EVERY if name == "lazy" and sz["cycles"] else sz["block"]
-            if name == "lazy":
-                counter = -(-counter // steps) * steps  # its cycle starts at its commit
+            cycle = name == "lazy" and sz["cycles"]
+            steps = LAZY_FULL_EVERY if cycle else sz["block"]
+            if cycle:
+                counter = -(-counter // steps) * steps  # the cycle starts at its commit
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()

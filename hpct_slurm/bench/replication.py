@@ -260,9 +260,6 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
             lazy = variant.startswith("jit_lazy")
             rank_store = rank_stores.get(variant)
             persist = persisting.get(variant, 0)
-            # a lazy variant's full commits: every LAZY_FULL_EVERY of its own steps (the
-            # global step counts every variant's blocks, whose turns would place them unevenly)
-            clock = vsteps if lazy else None
             overlapped["store"] = store if overlap or lazy else None
             reduce_with["carry"] = carry if variant in carried else None
             t_block = time.perf_counter()
@@ -286,7 +283,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                         persisters[variant][1].after_commit(step)
                     if held != "carried":
                         rank_pushers[variant].push_next(step)
-                due = store is not None and store.due(clock[variant] if clock else step)
+                # a lazy variant's full commits fall on its own steps (the global step counts
+                # every variant's blocks, whose turns would place them unevenly)
+                due = store is not None and store.due(vsteps[variant] if lazy else step)
                 if persist_now:
                     store.commit(step)  # type: ignore[union-attr]
                     persisters[variant][0].after_commit(step)
@@ -371,9 +370,12 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     spread = {v: [round(min(per_block[v]), 1), round(max(per_block[v]), 1)] for v in variants}
     commit_ms = statistics.median(commit_s) * 1e3
     nbytes = stores["jit_k1"][0].latest().layout.nbytes  # type: ignore[union-attr]
-    sharded_cfg = ({"width": 256, "depth": 2, "batch": 8, "block": 2, "rounds": 1} if smoke
-                   else {"width": 512, "depth": 4, "batch": 16, "block": 16, "rounds": 5}
-                   if quick else {"width": 1664, "depth": 3, "batch": 16, "block": 16, "rounds": 5})
+    # `cycles`: a lazy block is a whole cycle of LAZY_FULL_EVERY steps (not in the smoke run)
+    sharded_cfg = ({"width": 256, "depth": 2, "batch": 8, "block": 2, "rounds": 1, "cycles": 0}
+                   if smoke else
+                   {"width": 512, "depth": 4, "batch": 16, "block": 16, "rounds": 5, "cycles": 1}
+                   if quick else
+                   {"width": 1664, "depth": 3, "batch": 16, "block": 16, "rounds": 5, "cycles": 1})
     sharded = replication_sharded.measure(("fsdp", "hsdp"), sharded_cfg)
     summary = {"bench": "replication", "overhead_pct": headline["mean_pct"],
                "overhead_ci95": headline["mean_ci95"],

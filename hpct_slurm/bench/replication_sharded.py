@@ -125,9 +125,8 @@ def _measure_rank(rank: int, parallel: str, cfg: dict, secret: bytes) -> dict:
         order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
         for variant in order:
             active["variant"] = variant
-            # a lazy block is a whole cycle (one full commit), outside the smoke run
-            steps = (max(cfg["block"], LAZY_FULL_EVERY) if variant == "lazy"
-                     and cfg["block"] >= 16 else cfg["block"])
+            # a lazy block is a whole cycle, one full commit (`cycles`: not in the smoke run)
+            steps = LAZY_FULL_EVERY if variant == "lazy" and cfg["cycles"] else cfg["block"]
             dist.barrier()
             t_block = time.perf_counter()
             for _ in range(steps):

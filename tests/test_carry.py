@@ -130,6 +130,48 @@ def test_a_holder_records_where_each_run_of_carried_steps_begins():
     assert [(e["rank"], e["step"]) for e in _named(stream, "replica.stored")] == [(0, 1), (0, 5)]
 
 
+def _carried_region(step: int, layout: bytes, torn: bool = False) -> torch.Tensor:
+    """The region of a 2-rank group where rank 0 carried `step` (`torn`: one byte of its
+    body flipped on the way, its head intact)."""
+    region = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
+    blob = bytearray(C.encode(step, layout, b""))
+    if torn:
+        blob[-C._CHECK - 2] ^= 1
+    region[:len(blob)] = torch.frombuffer(blob, dtype=torch.uint8)
+    return region
+
+
+def test_a_carried_slot_is_checked_where_it_is_read_and_a_torn_one_leaves_what_was_held():
+    """The holder stores each slot as it came and decodes it at the first read of that
+    rank's replicas (ReplicaStore.defer: not on the training thread every step). Read then, a
+    torn slot is refused by name and the step before it stays held; of a run of slots never
+    read, the two newest wait (what the slots keep), and a step the holder pins is decoded
+    at once and outlives them."""
+    log, stream = _events()
+    pinned = {4}
+    held = ReplicaStore(pin=lambda s: s in pinned)
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord())
+    layout = TrainState(sampler=Position()).plan(("rank",), rng=False)[0].to_json()
+    carry.take(_carried_region(1, layout))
+    carry.take(_carried_region(2, layout, torn=True))
+    assert not _named(stream, "replica.rejected")  # not read yet: nothing decoded
+    assert held.steps(0) == [1]  # the read decodes both: step 2 refused, step 1 held
+    [refused] = _named(stream, "replica.rejected")
+    assert (refused["rank"], refused["step"], refused["via"]) == (0, 2, "carry")
+    assert "fails its check" in refused["error"]
+    for s in (4, 5, 6, 7):  # 4 is pinned: decoded as it comes; 5 is overtaken unread
+        carry.take(_carried_region(s, layout))
+    assert held.steps(0) == [4, 6, 7]
+    with held.lease(0, 7) as snap:
+        assert snap is not None and snap.sealed
+    bad_head = _carried_region(8, layout)
+    bad_head[0] = 0x07
+    carry.take(bad_head)  # a head not of this version: refused as it comes
+    assert _named(stream, "replica.rejected")[-1]["error"].startswith("carried slot has magic")
+    assert held.steps(0) == [4, 6, 7]
+
+
 def test_a_state_that_moves_after_the_all_reduce_is_replaced_and_then_pushed():
     outcomes, held_by_1, stream, own0, _ = _two_ranks(4, moved_at=2)
     assert outcomes == ["push", "carried", "replace", "push"]

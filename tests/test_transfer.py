@@ -265,6 +265,52 @@ def test_a_large_snapshot_is_written_past_the_page_cache_and_reads_back_exactly(
     assert offset % persist.IO_BLOCK == 0 if large else offset < persist.IO_BLOCK
 
 
+def test_a_save_hashes_and_writes_at_the_lowest_priority_from_its_own_aligned_copy(
+        tmp_path, monkeypatch, events):
+    """DiskPersister: the hash and the write on a thread of its own at nice 19 (the training
+    thread's nice value untouched: Linux keeps one per thread), from the copy's page-aligned
+    buffer with no bounce buffer; the snapshot sealed with the copy's digest, the file exact."""
+    import os
+    import threading
+
+    from hpct_slurm.recovery import persist
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 1024)  # 2 MB of weights: a file written past the page cache
+    store = SnapshotStore(TrainState(model=model), ("shared",), rng=False)
+    niceness: dict[str, int] = {}
+    real_write, bounces = persist.write_snapshot, []
+
+    def watched_write(*args, **kwargs):  # the real write, its thread's nice value recorded
+        niceness[threading.current_thread().name] = os.getpriority(
+            os.PRIO_PROCESS, threading.get_native_id())
+        return real_write(*args, **kwargs)
+
+    real_mmap = persist.mmap.mmap
+
+    class WatchedMmap(real_mmap):  # every anonymous map made while writing: a bounce buffer
+        def __new__(cls, *args, **kwargs):
+            if threading.current_thread().name.startswith("hpct-persist-write"):
+                bounces.append(args)
+            return real_mmap.__new__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(persist, "write_snapshot", watched_write)
+    monkeypatch.setattr(persist.mmap, "mmap", WatchedMmap)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    persister = DiskPersister(store, tmp_path, rank=0, every=1, events=events.log, key=SECRET)
+    snap = store.commit(1)
+    assert not snap.sealed
+    persister.after_commit(1)
+    persister.flush()
+    persister.close()
+    assert niceness == {"hpct-persist-write-r0": min(19, before + persist.WRITE_NICE)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    assert bounces == []
+    assert snap.sealed and snap.verify()
+    step, layout, data = load_latest(tmp_path, 0, key=SECRET)
+    assert step == 1 and bytes(data) == bytes(snap.data)
+    assert events.named("persist.saved")[0]["nbytes"] == layout.nbytes > persist.DIRECT_MIN
+
+
 def test_a_file_system_refusing_o_direct_mocked_gets_a_buffered_write(tmp_path, monkeypatch):
     """(A mock: every file system here takes O_DIRECT.) The refusal costs nothing but the
     page cache: the same file, read back exactly."""

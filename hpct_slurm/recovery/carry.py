@@ -29,12 +29,12 @@ the all-reduce only now and then, whose rank is lost in the moment between such 
 all-reduce and its corrective push (docs/architecture.md, "The rank's own state")."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,18 +68,25 @@ def encode(step: int, layout_json: bytes, data: bytes) -> bytes | None:
     return blob if len(blob) <= SLOT_BYTES else None
 
 
-def decode(slot: bytes) -> tuple[int, Layout, bytes] | None:
-    """(step, layout, data) from a slot; None for an empty one (all zeros: that rank sent
-    nothing this step). A slot that is not one `encode` made raises, naming what is wrong."""
+def _head(slot: bytes) -> tuple[int, int, int]:
+    """(step, layout length, end of the body) from a slot's head, unchecked; a head that is
+    not one `encode` made raises, naming what is wrong."""
     if len(slot) != SLOT_BYTES:
         raise HpctError(f"carried slot is {len(slot)} bytes, not {SLOT_BYTES}")
-    if slot.count(0) == SLOT_BYTES:  # (counted in C: a loop over 512 bytes was not free)
-        return None
     magic, step, n_layout, n_data = _HEAD.unpack_from(slot)
     end = _HEAD.size + n_layout + n_data
     if magic != _MAGIC or end + _CHECK > SLOT_BYTES:
         raise HpctError(f"carried slot has magic {magic:#x} and lengths {n_layout}+{n_data}: "
                         f"not a slot of this version")
+    return step, n_layout, end
+
+
+def decode(slot: bytes) -> tuple[int, Layout, bytes] | None:
+    """(step, layout, data) from a slot; None for an empty one (all zeros: that rank sent
+    nothing this step). A slot that is not one `encode` made raises, naming what is wrong."""
+    if len(slot) == SLOT_BYTES and slot.count(0) == SLOT_BYTES:  # (counted in C)
+        return None
+    step, n_layout, end = _head(slot)
     check = hashlib.blake2b(slot[:end], digest_size=_CHECK).digest()
     if not hmac.compare_digest(check, slot[end:end + _CHECK]):
         raise HpctError(f"carried slot of step {step} fails its check: torn or mixed")
@@ -89,6 +96,16 @@ def decode(slot: bytes) -> tuple[int, Layout, bytes] | None:
         raise HpctError(f"carried slot's layout says {layout.nbytes} bytes, the slot holds "
                         f"{len(data)}")
     return step, layout, data
+
+
+def _replica(slot: bytes) -> tuple[Layout, bytes, bytes]:
+    """A held rank's replica from its non-empty slot: (layout, data, digest), the digest what
+    a fetch serves (the slot's own check passed). ReplicaStore.defer's decoder."""
+    got = decode(slot)
+    if got is None:
+        raise HpctError("carried slot is empty")
+    _, layout, data = got
+    return layout, data, P.part_digest(data) if data else _EMPTY_DIGEST
 
 
 def _same_tensors(layout: Layout, a: bytes, b: memoryview) -> bool:
@@ -140,6 +157,8 @@ class Carry:
         # open, a write and a close of the rank's event log on the run directory's shared
         # file system, per rank and step, for what the holder's fault report says anyway)
         self._last_taken: dict[int, int] = {}
+        # each held rank's teller of a slot refused when it is decoded (ReplicaStore.defer)
+        self._refusals = {r: functools.partial(self._refused, r) for r in held}
 
     @classmethod
     def applies(cls, rank: int, world: int, num_nodes: int) -> bool:
@@ -209,32 +228,29 @@ class Carry:
         return self._region
 
     def take(self, region: torch.Tensor) -> None:
-        """After the all-reduce: the held ranks' slots into this rank's replicas (a slot that
-        is refused is an event; the holder keeps what it had)."""
+        """After the all-reduce: the held ranks' slots into this rank's replicas, each as it
+        came (ReplicaStore.defer): decoded and checked when the replicas are read, where a
+        slot refused is an event and the holder keeps what it had. Only a slot whose head is
+        not this version's is refused here. `replica.stored` thus says a slot arrived."""
         flat = self._region_mv if region is self._region else memoryview(region.numpy())
         for r in self.held:
             # only the held slots are read: the region is world x SLOT_BYTES
             slot = flat[r * SLOT_BYTES:(r + 1) * SLOT_BYTES].tobytes()
-            step = -1
+            if slot.count(0) == SLOT_BYTES:  # that rank sent nothing this step
+                continue
             try:
-                got = decode(slot)
-                if got is None:
-                    continue
-                step, layout, data = got
-                idx, buf = self.replicas.begin(r, len(data), step)
-                if data:
-                    buf.numpy()[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-                # checked: the slot's own check passed; the digest is what a fetch serves
-                self.replicas.finish(r, idx, buf, step, layout,
-                                     P.part_digest(data) if data else _EMPTY_DIGEST,
-                                     checked=True)
-                if self._last_taken.get(r) != step - 1:
-                    self.events.emit(Ev.REPLICA_STORED, rank=r, step=step, nbytes=len(data),
-                                     via="carry")
-                self._last_taken[r] = step
+                step, n_layout, end = _head(slot)
             except HpctError as exc:
-                self.events.emit(Ev.REPLICA_REJECTED, rank=r, step=step, via="carry",
-                                 error=exc.message)
+                self._refused(r, -1, exc.message)
+                continue
+            self.replicas.defer(r, step, slot, _replica, self._refusals[r])
+            if self._last_taken.get(r) != step - 1:
+                self.events.emit(Ev.REPLICA_STORED, rank=r, step=step,
+                                 nbytes=end - _HEAD.size - n_layout, via="carry")
+            self._last_taken[r] = step
+
+    def _refused(self, rank: int, step: int, why: str) -> None:
+        self.events.emit(Ev.REPLICA_REJECTED, rank=rank, step=step, via="carry", error=why)
 
     def commit(self, step: int, store: SnapshotStore) -> tuple[Snapshot, str]:
         """This rank's own snapshot of `step`, committed into `store` at the step's end, and

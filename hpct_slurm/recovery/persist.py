@@ -38,14 +38,14 @@ import re
 import struct
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog
 from ..rundir import replacing
 from .snapshot import SnapshotStore
-from .state import Layout, as_memoryview
+from .state import Layout
 from .worker import BackgroundQueue
 
 KEEP = 2
@@ -55,6 +55,9 @@ MAGIC = b"HPCTSNP4"
 DIRECT_MIN = 1 << 20
 DIRECT_CHUNK = 8 << 20
 IO_BLOCK = 4096
+# How much lower than the training threads a save's hash and write run (DiskPersister): the
+# lowest a thread can be
+WRITE_NICE = 19
 # Older formats, named when refused: what they hold that this version cannot check.
 _OLD_FORMATS = {b"HPCTSNP2": "a SHA-256 tree digest (hpct-slurm before BLAKE3 part digests)",
                 b"HPCTSNP3": "no kind (shared or rank state) bound by its MAC (an older "
@@ -119,9 +122,10 @@ def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout
 
 
 def _write_direct(fd: int, data: memoryview) -> None:
-    """`data` at the file's (block-aligned) position past the page cache (O_DIRECT), through
-    an aligned bounce buffer; its last partial block, and all of it where the file system
-    refuses O_DIRECT, through the cache as before.
+    """`data` at the file's (block-aligned) position past the page cache (O_DIRECT), from
+    `data` itself where it is block-aligned, else through an aligned bounce buffer; its last
+    partial block, and all of it where the file system refuses O_DIRECT, through the cache as
+    before.
 
     Why: a buffered write of a whole training state fills the page cache and makes the kernel
     write it back while the step computes. `hpct-slurm bench replication` measured the
@@ -137,20 +141,30 @@ def _write_direct(fd: int, data: memoryview) -> None:
     except OSError:
         bulk = 0  # not on this file system (tmpfs before Linux 6.6, some overlays)
     if bulk:
-        bounce = mmap.mmap(-1, min(DIRECT_CHUNK, bulk))  # page-aligned, as O_DIRECT needs
+        # O_DIRECT reads from block-aligned memory: `data` itself where it is (the persister's
+        # own buffer), else a page-aligned bounce buffer it is copied through
+        aligned = bool(len(mv)) and np.frombuffer(mv, np.uint8).ctypes.data % IO_BLOCK == 0
+        bounce = None if aligned else mmap.mmap(-1, min(DIRECT_CHUNK, bulk))
         try:
             while done < bulk:
                 n = min(DIRECT_CHUNK, bulk - done)
-                bounce[:n] = mv[done:done + n]
+                if bounce is None:
+                    chunk = mv[done:done + n]
+                else:
+                    bounce[:n] = mv[done:done + n]
+                    chunk = memoryview(bounce)[:n]
                 try:
-                    wrote = os.write(fd, memoryview(bounce)[:n])
+                    wrote = os.write(fd, chunk)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL or done:
                         raise
                     break  # the first direct write refused: the rest through the cache
+                finally:
+                    chunk.release()
                 done += wrote
         finally:
-            bounce.close()
+            if bounce is not None:
+                bounce.close()
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     while done < len(mv):
         done += os.write(fd, mv[done:])
@@ -249,16 +263,23 @@ def load_latest(root: str | os.PathLike, rank: int, max_step: int | None = None,
 
 
 class DiskPersister:
-    """Writes a committed snapshot to disk every `every` steps, from a background thread.
+    """Writes a committed snapshot to disk every `every` steps, from background threads.
 
     Saved: the first commit at or after each multiple of `every` (the same steps as
     `step % every == 0` when commits happen every step; with `SnapshotStore(every=K)` commits,
     as close to that as commits allow).
 
-    The thread leases the snapshot only while copying it into its own buffer (memory speed), then
-    writes without holding anything, so training is not held up by the disk. A save still running
-    when the next one is due makes the next one skip (event `persist.save_failed` is not emitted
-    for that; the newest due snapshot wins).
+    One thread leases the snapshot only while copying it into a buffer of its own (memory
+    speed: the slot's next writer may come two steps later), then hands the copy to a second
+    thread, at the lowest CPU priority (WRITE_NICE), that hashes it where the snapshot is not
+    sealed yet and writes it. Why the second: the hash and the write are most of a save's CPU
+    (about 60 ms of a 100 MB save on this project's 2-core VM), and at the usual priority they
+    took it from the training step's own threads: `hpct-slurm bench replication` measured a
+    save at ~80 ms of step time. At the lowest priority they run where the step leaves a core
+    idle (its collectives, its single-threaded moments), yet never starve: a nice-19 thread
+    still gets a share of a busy core. A save still running when the next one is due makes the
+    next one skip (event `persist.save_failed` is not emitted for that; the newest due
+    snapshot wins).
     """
 
     def __init__(self, store: SnapshotStore, root: str | os.PathLike, rank: int, every: int,
@@ -270,9 +291,13 @@ class DiskPersister:
         self.key = key  # the job secret, which MACs every file written
         self.last_saved: int | None = None
         self._last_commit: int | None = None
-        self._buf: torch.Tensor | None = None
+        # the copy's buffer: page-aligned (mmap), so a large file is written from it past
+        # the page cache without a bounce buffer (_write_direct)
+        self._buf: mmap.mmap | None = None
         self._due: BackgroundQueue[int] = BackgroundQueue(f"hpct-persist-r{rank}", self._save,
                                                           maxsize=1)
+        self._write: BackgroundQueue[tuple] = BackgroundQueue(
+            f"hpct-persist-write-r{rank}", self._write_out, lazy=True, nice=WRITE_NICE)
 
     def after_commit(self, step: int) -> bool:
         """Call after each `store.commit(step)`; returns whether a save was queued."""
@@ -289,18 +314,42 @@ class DiskPersister:
                 if snap is None:
                     return  # already superseded twice; the next due step will be saved
                 n = snap.layout.nbytes
-                if self._buf is None or self._buf.numel() < n:
-                    self._buf = torch.empty(n, dtype=torch.uint8)
-                data = as_memoryview(self._buf)[:n]
+                if self._buf is None or len(self._buf) < n:
+                    if self._buf is not None:
+                        self._buf.close()
+                    self._buf = mmap.mmap(-1, max(n, 1))
+                data = memoryview(self._buf)[:n]
                 data[:] = snap.data
-                layout, digest = snap.layout, snap.digest()
-            path = write_snapshot(self.root, self.rank, step, layout, data, digest, key=self.key)
-            self.last_saved = step
-            if self.events:
-                self.events.emit(EV_SAVED, rank=self.rank, step=step, path=str(path), nbytes=n)
+                digest = snap.digest() if snap.sealed else None
         except (OSError, HpctError) as exc:
             if self.events:
                 self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step, error=describe(exc))
+            return
+        # the buffer is the writer's until it is done: this thread waits for it
+        self._write.put((step, snap, data, digest))
+        self._write.flush()
+
+    def _write_out(self, item: tuple) -> None:
+        step, snap, data, digest = item
+        try:
+            if digest is None:
+                # hashed from the copy (the same bytes, taken under the lease), and the
+                # snapshot sealed with it as a save always did: its first server hashes nothing
+                leaves = P.leaf_digests(data, parallel=False) or []
+                digest = P.range_digest(leaves, len(data), 0, len(data))
+                if not snap.superseded.is_set() and not snap.sealed:
+                    snap.seal_with(leaves)
+            path = write_snapshot(self.root, self.rank, step, snap.layout, data, digest,
+                                  key=self.key)
+            self.last_saved = step
+            if self.events:
+                self.events.emit(EV_SAVED, rank=self.rank, step=step, path=str(path),
+                                 nbytes=len(data))
+        except (OSError, HpctError) as exc:
+            if self.events:
+                self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step, error=describe(exc))
+        finally:
+            data.release()
 
     def flush(self) -> None:
         """Wait until queued saves are on disk."""
@@ -308,3 +357,4 @@ class DiskPersister:
 
     def close(self) -> None:
         self._due.close()
+        self._write.close()

@@ -578,7 +578,8 @@ class SnapshotStore:
         GPU its copies are queued and the update's kernels wait for them there (this thread
         waits only for the copies to be queued, a matter of the host's launch time)."""
         self.drop_pending()
-        self._issued.wait()  # the issuing thread set the marks (or the error) before this
+        if not self._issued.is_set():  # (mostly set: no condition to take)
+            self._issued.wait()  # the issuing thread set the marks (or the error) before this
         self._raise()
         marks = self._late_marks
         order_after(marks)
@@ -597,7 +598,8 @@ class SnapshotStore:
 
     def wait(self) -> None:
         """Until the last commit and what follows it (`then`) are done."""
-        self._done.wait()
+        if not self._done.is_set():  # (mostly set: no condition to take)
+            self._done.wait()
         self._raise()
 
     def _raise(self) -> None:
@@ -612,21 +614,84 @@ class SnapshotStore:
         return self.slots.lease(step)
 
 
+# What a deferred replica needs to become one (ReplicaStore.defer): its payload decoded and
+# checked into (layout, data, digest), raising HpctError when it is not a good replica
+Decoder = Callable[[bytes], tuple[Layout, bytes, bytes]]
+# Told (step, why) when a deferred replica is refused at its decoding
+Refused = Callable[[int, str], None]
+# How many deferred replicas of a rank wait undecoded: the two newest, what its slots keep
+_DEFERRED = 2
+
+
 class ReplicaStore:
     """Replicas of other ranks' snapshots, each rank double-buffered. `pin(step)`: whether a
     replica of `step` is kept after the newer ones move on (DoubleBuffer.pin): the steps the
-    owners keep too (SnapshotPolicy: a rank's own state at its last full commit)."""
+    owners keep too (SnapshotPolicy: a rank's own state at its last full commit).
+
+    A replica can also arrive undecoded (`defer`: a rank's slot carried in the gradient
+    all-reduce, every step): it is decoded, checked and stored by the first read of that
+    rank's replicas, not in the step that brought it. Every reader below settles them first,
+    so what they answer is as if each had been stored on arrival."""
 
     def __init__(self, pin: Callable[[int], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[int, DoubleBuffer] = {}
         self._pin = pin
+        # rank -> its deferred replicas, oldest first: (step, payload, decoder, refused)
+        self._deferred: dict[int, list[tuple[int, bytes, Decoder, Refused]]] = {}
+        # One settler at a time, so no reader answers while another holds replicas it took
+        # out of `_deferred` and has not stored yet
+        self._settling = threading.RLock()
 
-    def _slots(self, rank: int) -> DoubleBuffer:
+    def _buffer(self, rank: int) -> DoubleBuffer:
         with self._lock:
             return self._ranks.setdefault(rank, DoubleBuffer())
 
+    def _slots(self, rank: int) -> DoubleBuffer:
+        """`rank`'s slots, its deferred replicas stored first."""
+        if self._deferred:  # (read without the lock: a replica deferred meanwhile is newer)
+            self._settle([rank])
+        return self._buffer(rank)
+
+    def _settle(self, ranks: list[int] | None = None) -> None:
+        """Decode and store the deferred replicas of `ranks` (None: every rank), oldest first;
+        one refused is told to its `refused` and leaves what was held."""
+        with self._settling:
+            with self._lock:
+                todo = [(r, self._deferred.pop(r)) for r in
+                        (list(self._deferred) if ranks is None else ranks)
+                        if r in self._deferred]
+            for rank, pending in todo:
+                for step, payload, decoder, refused in pending:
+                    try:
+                        layout, data, digest = decoder(payload)
+                        idx, buf = self._begin(rank, len(data), step)
+                        if data:
+                            as_memoryview(buf)[:len(data)] = data
+                        self._finish(rank, idx, buf, step, layout, digest, checked=True)
+                    except HpctError as exc:
+                        refused(step, exc.message)
+
+    def defer(self, rank: int, step: int, payload: bytes, decoder: Decoder,
+              refused: Refused) -> None:
+        """`rank`'s replica of `step`, stored undecoded: `decoder(payload)` runs when the
+        rank's replicas are next read (any method here), and a replica it refuses is told to
+        `refused` then. Why: the carried slots arrive every step, on the training thread,
+        and decoding one (its check, its layout's JSON, the slots' bookkeeping) was 0.2 ms of
+        a 37 ms step on this project's 2-core VM (`hpct-slurm bench replication`), for a
+        replica read only after a fault. Only the two newest wait (older ones would have been
+        overwritten by them, as in the slots); a step the holder pins is stored at once, since
+        the pin must outlive them."""
+        with self._lock:
+            pending = self._deferred.setdefault(rank, [])
+            pending.append((step, payload, decoder, refused))
+            if len(pending) > _DEFERRED:
+                del pending[0]
+        if self._pin is not None and self._pin(step):
+            self._settle([rank])
+
     def ranks(self) -> list[int]:
+        self._settle()
         with self._lock:
             return sorted(r for r, db in self._ranks.items() if db.latest() is not None)
 
@@ -636,7 +701,11 @@ class ReplicaStore:
         A step older than the newest one held is refused here, before the older slot is given up
         for it (`finish` checks again, under the writer lock); so is a size that cannot be
         allocated. Either way nothing stays held."""
-        slots = self._slots(rank)
+        self._slots(rank)
+        return self._begin(rank, nbytes, step)
+
+    def _begin(self, rank: int, nbytes: int, step: int | None) -> tuple[int, torch.Tensor]:
+        slots = self._buffer(rank)
         if step is not None:
             self._refuse_older(rank, step, slots)
             newest = slots.latest()
@@ -661,6 +730,7 @@ class ReplicaStore:
         stays: it is the state the group restores, and a newcomer may still be fetching it
         from this holder (a planned move's restore step is often one behind the newest
         replica; dropping it lost the race to the newcomer's fetch). The ranks dropped."""
+        self._settle()
         with self._lock:
             dropped = [r for r, db in self._ranks.items() if db.drop_after(step)]
             for r in dropped:
@@ -682,15 +752,19 @@ class ReplicaStore:
         """Make a received replica current, only if its bytes match `digest` (`checked`: the
         protocol already verified them while receiving, so they are not hashed twice) and it is
         not older than the newest held."""
-        slots = self._slots(rank)
+        return self._finish(rank, idx, buf, step, layout, digest, checked)
+
+    def _finish(self, rank: int, idx: int, buf: torch.Tensor, step: int, layout: Layout,
+                digest: bytes, checked: bool) -> Snapshot:
+        slots = self._buffer(rank)
         try:
             self._refuse_older(rank, step, slots)
         except HpctError:
-            self.abandon(rank, idx)
+            slots.abandon(idx)
             raise
         if not checked and not hmac.compare_digest(P.part_digest(as_memoryview(buf)[:layout.nbytes]),
                                                    digest):
-            self.abandon(rank, idx)
+            slots.abandon(idx)
             raise HpctError(f"replica of rank {rank} at step {step} does not match the sender's "
                             f"digest {digest.hex()[:16]}...; kept the previous replica")
         snap = slots.publish(idx, buf, step, layout, digest)
@@ -701,12 +775,13 @@ class ReplicaStore:
     def pin(self, step: int) -> list[int]:
         """Pin every rank's replica of `step` where one is held (the step a group restored:
         SnapshotPolicy.hold_restored). The ranks pinned."""
+        self._settle()
         with self._lock:
             held = list(self._ranks.items())
         return sorted(r for r, db in held if db.pin(step))
 
     def abandon(self, rank: int, idx: int) -> None:
-        self._slots(rank).abandon(idx)
+        self._buffer(rank).abandon(idx)
 
     def latest(self, rank: int) -> Snapshot | None:
         return self._slots(rank).latest()
@@ -718,7 +793,7 @@ class ReplicaStore:
         return self._slots(rank).lease(step)
 
     def discard(self, rank: int, snap: Snapshot) -> None:
-        self._slots(rank).discard(snap)
+        self._buffer(rank).discard(snap)
 
 
 # --- placement (pure) --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ has died.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Callable, Generic, TypeVar
@@ -20,13 +21,28 @@ T = TypeVar("T")
 _STOP = object()
 
 
+def lower_priority(by: int) -> bool:
+    """Raise the calling thread's nice value by `by` (at most to 19): the scheduler then gives
+    it a core mostly where the threads at the usual priority leave one idle. Linux keeps a nice
+    value per thread (setpriority(2) with the thread's id; POSIX would make it the process's),
+    and no unprivileged thread may lower it back. Whether it took."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError:
+        return False
+    return True
+
+
 class BackgroundQueue(Generic[T]):
     """Items handled one at a time by one daemon thread named `name`. `maxsize`: how many may wait
-    (0: unbounded). `lazy`: start the thread with the first `put` rather than now."""
+    (0: unbounded). `lazy`: start the thread with the first `put` rather than now. `nice`:
+    the thread's nice value raised by this much before it handles anything (lower_priority)."""
 
     def __init__(self, name: str, handle: Callable[[T], None], maxsize: int = 0,
-                 lazy: bool = False):
+                 lazy: bool = False, nice: int = 0):
         self.name = name
+        self.nice = nice
         self._handle = handle
         self._queue: queue.Queue[object] = queue.Queue(maxsize)
         self._thread: threading.Thread | None = None
@@ -52,6 +68,8 @@ class BackgroundQueue(Generic[T]):
         return True
 
     def _loop(self) -> None:
+        if self.nice:
+            lower_priority(self.nice)
         while True:
             item = self._queue.get()
             try:

@@ -273,13 +273,13 @@ class DiskPersister:
     speed: the slot's next writer may come two steps later), then hands the copy to a second
     thread, at the lowest CPU priority (WRITE_NICE), that hashes it where the snapshot is not
     sealed yet and writes it. Why the second: the hash and the write are most of a save's CPU
-    (about 60 ms of a 100 MB save on this project's 2-core VM), and at the usual priority they
-    took it from the training step's own threads: `hpct-slurm bench replication` measured a
-    save at ~80 ms of step time. At the lowest priority they run where the step leaves a core
-    idle (its collectives, its single-threaded moments), yet never starve: a nice-19 thread
-    still gets a share of a busy core. A save still running when the next one is due makes the
-    next one skip (event `persist.save_failed` is not emitted for that; the newest due
-    snapshot wins).
+    (about 50 ms for 100 MB on this project's 2-core VM), and at the usual priority they took
+    it from the training step's own threads: `hpct-slurm bench replication` measured a save at
+    ~80 ms of step time. At the lowest priority they run where the step leaves a core idle
+    (its collectives, its single-threaded moments), yet never starve: a nice-19 thread still
+    gets a share of a busy core. A save still running when the next one is due makes the next
+    one skip (event `persist.save_failed` is not emitted for that; the newest due snapshot
+    wins).
     """
 
     def __init__(self, store: SnapshotStore, root: str | os.PathLike, rank: int, every: int,
@@ -315,8 +315,7 @@ class DiskPersister:
                     return  # already superseded twice; the next due step will be saved
                 n = snap.layout.nbytes
                 if self._buf is None or len(self._buf) < n:
-                    if self._buf is not None:
-                        self._buf.close()
+                    # (the old map is unmapped once the last view of it is gone)
                     self._buf = mmap.mmap(-1, max(n, 1))
                 data = memoryview(self._buf)[:n]
                 data[:] = snap.data
@@ -348,8 +347,6 @@ class DiskPersister:
         except (OSError, HpctError) as exc:
             if self.events:
                 self.events.emit(EV_SAVE_FAILED, rank=self.rank, step=step, error=describe(exc))
-        finally:
-            data.release()
 
     def flush(self) -> None:
         """Wait until queued saves are on disk."""

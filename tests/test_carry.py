@@ -122,10 +122,7 @@ def test_a_holder_records_where_each_run_of_carried_steps_begins():
                     C.CarryRecord())
     layout = TrainState(sampler=Position()).plan(("rank",), rng=False)[0].to_json()
     for s in (1, 2, 5, 6):
-        region = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
-        blob = C.encode(s, layout, b"")
-        region[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        carry.take(region)
+        carry.take(_carried_region(s, layout))
         assert held.latest(0).step == s
     assert [(e["rank"], e["step"]) for e in _named(stream, "replica.stored")] == [(0, 1), (0, 5)]
 

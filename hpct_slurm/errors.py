@@ -13,6 +13,12 @@ class HpctError(Exception):
         return f"HPCT: {self.message}"
 
 
+class UsageError(HpctError):
+    """A mistake in how the script uses hpct-slurm (a state registered twice, a name taken):
+    the script's own error, raised where it is made. Never a fault to recover from in place:
+    running the same code again would make the same mistake."""
+
+
 def shown(text: str, limit: int = 60) -> str:
     """`text` quoted for an error message, cut short when long, so that a hostile value of
     megabytes still gives a one-line error."""

@@ -129,6 +129,8 @@ class Ev(_Name):
     SNAPSHOT_NOT_THE_STEP = "snapshot.not_the_step"
     SNAPSHOT_FOLLOW_UP_FAILED = "snapshot.follow_up_failed"
     RESTORE_REPLICA_MISSING = "restore.replica_missing"
+    RESTORE_PROVEN = "restore.proven"
+    RESTORE_UNPROVEN = "restore.unproven"
     REPLICA_ROLLED_BACK = "replica.rolled_back"
     REPLICA_STORED = "replica.stored"
     REPLICA_REJECTED = "replica.rejected"

@@ -275,6 +275,7 @@ def _group(tmp_path, model: torch.nn.Module | None = None, build=None, mesh=None
            shutdown=None, **settings) -> tuple[Generation, SnapshotPolicy, Events]:
     state = TrainState() if build is not None else _state()
     if model is not None:
+        state.unregister("model")
         state.register(model=model)
     standing = _standing(client=FakeClient())
     policy, events = _policy(tmp_path, state=state, standing=standing, mode="jit")

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from .. import config as C
 from .. import protocol as P
 from ..config import JobSettings
-from ..errors import HpctError
+from ..errors import HpctError, UsageError
 from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
@@ -71,6 +71,7 @@ from .transfer import TransferServer
 
 T = TypeVar("T")
 _SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes positionally
+LOOP_NAME = "hpct_loop"  # the loop position's registered name: Job's own, never the script's
 # What a failed step or formation raises: the whole group restarts in place, or re-forms
 _FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
@@ -175,7 +176,7 @@ class Job:
         # on every rank, so shared state, restored with the model.
         self.loop = StepLoop(self._seed_step, self._check_stop, self._end_step,
                              self._shard)
-        self.state.register(scope="shared", hpct_loop=self.loop.position)
+        self.state.register(scope="shared", **{LOOP_NAME: self.loop.position})
         # Plain data parallelism: every rank holds the whole model and optimizer, so the
         # just-in-time path applies: no steady-state copies of the big state to a peer, a
         # replacement pulls the shared state from any survivor; RNGs are rederived from
@@ -241,6 +242,9 @@ class Job:
         self._own_names = (*_SHARED_NAMES, *extra_state)
         self._registered = {n: self.state.get(n) is not None for n in self._own_names}
         self._formed: tuple | None = None  # a formation whose restore waits for register()
+        # A restore happened and the first step boundary after it has yet to prove it (proof.py)
+        self._proof_due = False
+        self._names_seen = -1  # the registrations last checked (_check_registrations)
         self._registered_once = False  # job.register was called in an earlier run of main()
         if self._inline:
             if Job._main is not None:
@@ -463,6 +467,8 @@ class Job:
             try:
                 self._adopt(msg)
                 last = train(msg.restore_step + 1)
+            except UsageError:
+                raise  # the script's mistake: running it again would make it again
             except _FAULTS as exc:
                 failure, where = _describe(exc), _where(exc)
             if failure is None:
@@ -472,13 +478,15 @@ class Job:
             self._recover(failure, where)
 
     def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any = None) -> None:
+                 lr_scheduler: Any = None, **extra_state: Any) -> None:
         """The inline form of a sharded job: `Job(seed=...)` inside Job.main takes the rank
         and forms the group where the script formed its own; the script makes its mesh and
         builds its model on it (fully_shard) as before, with its optimizer and scheduler,
         and registers them here, which restores their state (after a fault: the restored
         step's). The mesh and the replicated dimensions are read from the parameters
-        (DTensors); a model without any is plain data parallelism."""
+        (DTensors); a model without any is plain data parallelism. `extra_state`: more
+        objects to register and restore with them, as Job(...)'s keyword arguments (an EMA,
+        a second model and its optimizer)."""
         if not self._group.late or self._formed is None:
             raise HpctError("job.register(model, optimizer[, lr_scheduler]) is for a Job "
                             "made inside Job.main without a model, once per run of main(), "
@@ -489,6 +497,7 @@ class Job:
                             "it must register the same objects each run")
         self._registered.update(given)
         self._registered_once = True
+        self.state.register(**extra_state)
         self._group.adopt_built(model, optimizer, lr_scheduler)
         formed, self._formed = self._formed, None
         self._restore_adopted(*formed)
@@ -522,6 +531,8 @@ class Job:
                 failure = where = ""
                 try:
                     result = fn()
+                except UsageError:
+                    raise  # the script's mistake: running main() again would make it again
                 except _FAULTS as exc:
                     job = Job._main
                     if job is None or job.rank < 0:
@@ -582,7 +593,10 @@ class Job:
     def _release(self) -> None:
         """Let go of what this run of main() registered (the snapshots hold its state):
         main() runs again and builds its objects anew, and `Job(...)` rebinds them."""
-        self.state.unregister(*self._own_names)
+        # Everything the script registered, however (Job's keywords, job.state.register after
+        # Job(...)): the next run registers its new objects, and the restore reaches those.
+        # An old object left registered would take the restore in place of the new one.
+        self.state.unregister(*(n for n in self.state.names() if n != LOOP_NAME))
         self._group.forget_model()
         self.snapshots.forget_live()  # settled: _recover and _done waited for the last copy
         self._rerun = True
@@ -636,13 +650,51 @@ class Job:
 
     def _check_stop(self) -> None:
         """Leave at this step boundary if the controller asked, or is gone."""
+        self._before_step()
         if self.client.stop_event.is_set():
             raise _Stopped(self.client.stop_reason)
         if self.client.closed.is_set():
             raise _Stopped(LOST)
 
     def _seed_step(self, step: int) -> None:
+        self._before_step()
         seed_everything(step_seed(self.seed, self._shard()[0], step))
+
+    def _before_step(self) -> None:
+        """The earliest moment of a step (its seeding or its stop check, whichever the form
+        runs first): the registrations made since the last look are checked, and the first
+        step after a restore proves it first."""
+        if self.state.version != self._names_seen:
+            self._check_registrations()
+        if self._proof_due:
+            self._prove_restore()
+
+    def _check_registrations(self) -> None:
+        """Per-rank state travels in the rank's own snapshots, which exist only where some
+        was registered when Job(...) was made: registered later, it would be kept nowhere."""
+        self._names_seen = self.state.version
+        if self._policy.rank_snaps is None and self.state.has_rank_state():
+            late = [n for n in self.state.names() if self.state.scope(n) == "rank"]
+            raise UsageError(
+                f"per-rank state {late or ['state.extras']} was registered after Job(...): "
+                f"this rank's own state is kept only when Job(...) knows of it. Pass it to "
+                f"Job(...) (or job.register) as a keyword argument; an object every rank "
+                f"holds alike (an EMA, a second model) goes in with scope='shared'")
+
+    def _prove_restore(self) -> None:
+        """Every object this rank trains with holds the state it restored (proof.py), or
+        the rank does not train on: the mismatch is named and the group restores again."""
+        self._proof_due = False
+        t0 = time.perf_counter()
+        problems = self.state.prove()
+        took = time.perf_counter() - t0
+        if problems:
+            self.events.emit(Ev.RESTORE_UNPROVEN, rank=self.rank, generation=self.generation,
+                             step=self.loop.step - 1, problems=problems, proof_s=took)
+            raise HpctError("the state this rank would train with is not the state it "
+                            "restored: " + "; ".join(problems))
+        self.events.emit(Ev.RESTORE_PROVEN, rank=self.rank, generation=self.generation,
+                         step=self.loop.step - 1, names=self.state.names(), proof_s=took)
 
     def _end_step(self, step: int, out: Any = None) -> None:
         """After a step: its snapshot when one is due, the report to the controller."""
@@ -753,12 +805,14 @@ class Job:
         """The second half of an adoption, once the group formed and the state is
         registered: the restore, and what this rank holds and serves from then on."""
         source = "creation"
+        self.state.forget_restored()
         if a.restore_step >= 0 or a.generation > 0:
             # Every recovery restores, a fault during step 0 included (to the state at
             # creation, step -1): survivors may have moved their own state (a sampler position)
             # before it failed. A survivor holds the restore step itself, whatever its new
             # rank (shared state is the same on every rank); a newcomer pulls it from a peer.
             source = self._restorer.restore(a, survivor=held_state, prefetch=prefetch)
+            self._proof_due = True
         if not held_state and a.restore_step >= 0:
             self._read_back_losses(a.rank, a.restore_step)
         self._policy.hold_restored(a.restore_step)

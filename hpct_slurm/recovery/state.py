@@ -16,7 +16,8 @@ from typing import Any, Iterable, Literal
 import numpy as np
 import torch
 
-from ..errors import HpctError
+from ..errors import HpctError, UsageError
+from .proof import tree_digest
 
 ALIGN = 64
 Scope = Literal["shared", "rank"]
@@ -315,20 +316,78 @@ class TrainState:
         # generation): where restored shards are placed, and which coordinates must match.
         self.mesh: Any = None
         self.replicate: tuple[str, ...] = ()
+        # The proof of the last restore (proof.py): each restored name's digest, the scopes
+        # restored, and the state restored for names nobody had registered yet (the inline
+        # form registers some after `Job(...)` restored): `register` loads it into the object.
+        self._restored: dict[str, bytes] = {}
+        self._restored_scopes: set[str] = set()
+        self._pending: dict[str, tuple[Any, frozenset[str]]] = {}
+        self.version = 0  # one more at every change of what is registered
         self.register(**objects)
 
     def register(self, scope: Scope | None = None, **objects: Any) -> None:
+        """Register each object under its name. An object registered after a restore that
+        held state for its name gets that state now (the inline form: `main()` runs again
+        and registers its new objects after `Job(...)` restored). Registering the same
+        object under the same name again does nothing; anything else that would register
+        one state twice is refused (`_refuse_twice`)."""
         for name, obj in objects.items():
             if name in (RNG_KEY, EXTRAS_KEY):
-                raise HpctError(f"TrainState: the name {name!r} is reserved; register under another name")
+                raise UsageError(f"TrainState: the name {name!r} is reserved; register under another name")
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise HpctError(f"TrainState: {name!r} ({type(obj).__name__}) has no "
+                raise UsageError(f"TrainState: {name!r} ({type(obj).__name__}) has no "
                                 f"state_dict/load_state_dict")
-            self._objects[name] = (obj, scope or DEFAULT_SCOPES.get(name, "rank"))
+            if name in self._objects and self._objects[name][0] is obj:
+                continue
+            self._refuse_twice(name, obj)
+            sc = scope or DEFAULT_SCOPES.get(name, "rank")
+            if sc not in ("shared", "rank"):
+                raise UsageError(f"TrainState: scope {sc!r} of {name!r} is not 'shared' or 'rank'")
+            self._objects[name] = (obj, sc)
+            self.version += 1
+            pending = self._pending.get(name)
+            if pending is not None and sc in pending[1]:
+                del self._pending[name]
+                _check_shards(name, obj, pending[0])
+                copying: set[torch.device] = set()
+                obj.load_state_dict(_kept(obj, pending[0], copying))
+                for device in copying:
+                    torch.cuda.current_stream(device).synchronize()
+
+    def _refuse_twice(self, name: str, obj: Any) -> None:
+        """A name already taken, an object already registered under another name, a module
+        whose parameters a registered one holds too (a DDP around a registered model): each
+        would restore one state into two places, or two states into one."""
+        if name in self._objects:
+            held = type(self._objects[name][0]).__name__
+            raise UsageError(f"TrainState: {name!r} is already registered (a {held}); register "
+                            f"each object once, under a name of its own. After a fault the "
+                            f"inline form's main() registers its new objects in place of the "
+                            f"last run's by itself; a loop function (job.run) keeps its "
+                            f"objects: register them before job.run, not inside the loop")
+        for other, (held, _) in self._objects.items():
+            if held is obj:
+                raise UsageError(f"TrainState: this {type(obj).__name__} is already registered "
+                                f"as {other!r}; register it once")
+            if isinstance(obj, torch.nn.Module) and isinstance(held, torch.nn.Module):
+                mine = {id(p) for p in obj.parameters()}
+                if mine and mine & {id(p) for p in held.parameters()}:
+                    raise UsageError(
+                        f"TrainState: {name!r} ({type(obj).__name__}) holds parameters of "
+                        f"{other!r} ({type(held).__name__}), registered already: register "
+                        f"each model once, the module itself and not a wrapper around it "
+                        f"(DDP, the drop-in DistributedDataParallel) as well")
 
     def unregister(self, *names: str) -> None:
         for name in names:
             self._objects.pop(name, None)
+        self.version += 1
+
+    def names(self) -> list[str]:
+        return list(self._objects)
+
+    def scope(self, name: str) -> Scope:
+        return self._objects[name][1]
 
     def has_rank_state(self) -> bool:
         """Whether anything of this rank's own (a sampler position, extras) is registered
@@ -344,6 +403,11 @@ class TrainState:
         scopes = set(scopes)
         tree: dict[str, Any] = {name: obj.state_dict() for name, (obj, sc) in self._objects.items()
                                 if sc in scopes}
+        # State restored for a name not registered yet belongs to the step as much as the
+        # rest: a snapshot taken before its object registers keeps it as it came.
+        for name, (sd, restored) in self._pending.items():
+            if restored & scopes:
+                tree[name] = sd
         if "rank" in scopes and rng:
             rngs: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                                     "torch": torch.get_rng_state()}
@@ -483,28 +547,39 @@ class TrainState:
         flat = as_flat_u8(buf)
         if flat.numel() < layout.nbytes:
             raise HpctError(f"snapshot buffer holds {flat.numel()} bytes, its layout needs {layout.nbytes}")
-        tensors: list[Any] = []
+        views: list[torch.Tensor] = []
         for e in layout.entries:
-            t = flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
-            tensors.append(t.clone().numpy() if e.numpy else t)  # views; see _kept
+            views.append(flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype))
+                         .view(e.shape))
+        tensors: list[Any] = [v.clone().numpy() if e.numpy else v  # views; see _kept
+                              for v, e in zip(views, layout.entries)]
         tree = _decode(layout.tree, tensors, self._dtensor)
-        unknown = set(tree) - set(self._objects) - {RNG_KEY, EXTRAS_KEY}
-        if unknown:
-            raise HpctError(f"snapshot holds state for {sorted(unknown)} which this TrainState "
-                            f"does not register (registered: {sorted(self._objects)})")
+        raw = _top_level(layout.tree)
         scopes = set(scopes)
         copying: set[torch.device] = set()
         try:
             for name, sd in tree.items():
-                if name in self._objects and self._objects[name][1] in scopes:
+                if name in (RNG_KEY, EXTRAS_KEY):
+                    continue
+                if name not in self._objects:
+                    # Registered later (the inline form, after Job(...)): kept for `register`,
+                    # and the proof says so if nothing ever registers it.
+                    self._pending[name] = (_cloned(sd), frozenset(scopes))
+                elif self._objects[name][1] in scopes:
                     obj = self._objects[name][0]
                     _check_shards(name, obj, sd)
                     obj.load_state_dict(_kept(obj, sd, copying))
+                else:
+                    continue
+                self._restored[name] = tree_digest(raw[name], views)
         finally:
             for device in copying:  # then nothing reads `buf` any more: the caller may reuse it
                 torch.cuda.current_stream(device).synchronize()
+        self._restored_scopes |= scopes
         if "rank" not in scopes:
             return
+        if EXTRAS_KEY in raw:
+            self._restored[EXTRAS_KEY] = tree_digest(raw[EXTRAS_KEY], views)
         if RNG_KEY in tree:
             rng = _cloned(tree[RNG_KEY])
             random.setstate(rng["python"])
@@ -514,6 +589,51 @@ class TrainState:
                 torch.cuda.set_rng_state_all(rng["cuda"])
         if EXTRAS_KEY in tree:
             self.extras = _cloned(tree[EXTRAS_KEY])
+
+    def forget_restored(self) -> None:
+        """A new restore begins: what the last one recorded for its proof goes."""
+        self._restored.clear()
+        self._restored_scopes.clear()
+        self._pending.clear()
+
+    def prove(self) -> list[str]:
+        """What differs between the state restored since `forget_restored` and the objects
+        registered now (proof.py): one line per name, none when every object holds exactly
+        what was restored. The record is then used up."""
+        problems = [f"{name}: restored, but no object was registered under this name since "
+                    f"the restore" for name in self._pending]
+        for name, (obj, sc) in self._objects.items():
+            if sc not in self._restored_scopes:
+                continue
+            want = self._restored.get(name)
+            if want is None:
+                problems.append(f"{name}: registered, but the restored snapshot held no state "
+                                f"for it")
+            elif _live_digest(obj.state_dict()) != want:
+                problems.append(f"{name}: the registered {type(obj).__name__} does not hold "
+                                f"the state restored into {name!r}")
+        if EXTRAS_KEY in self._restored and _live_digest(self.extras) != self._restored[EXTRAS_KEY]:
+            problems.append("extras: state.extras changed after the restore")
+        self._restored.clear()
+        self._restored_scopes.clear()
+        self._pending.clear()
+        return problems
+
+
+def _live_digest(obj: Any) -> bytes:
+    tensors: list[tuple[torch.Tensor, bool]] = []
+    node = _encode(obj, tensors, "state")
+    return tree_digest(node, [t for t, _ in tensors])
+
+
+def _top_level(tree: Any) -> dict[str, Any]:
+    """A snapshot's encoded tree by top-level name (each registered object's subtree)."""
+    if not (isinstance(tree, dict) and isinstance(tree.get("d"), list)):
+        raise HpctError("snapshot layout's tree is not a mapping of registered names")
+    try:
+        return {k: v for k, v in tree["d"] if isinstance(k, str)}
+    except (TypeError, ValueError):
+        raise HpctError("snapshot layout's tree is not a mapping of registered names") from None
 
 
 def _cloned(node: Any) -> Any:

@@ -8,7 +8,8 @@ hpct-slurm the group forms in `Job(...)` (later in main()) and is formed again a
 fault. This module stands where the script keeps its DDP: each forward runs the DDP of the
 current generation, which `Job` makes for the registered model with a comm hook that reduces
 each parameter's gradient on its own, in a fixed order (generation.py: DDP's rebuilt buckets
-would make a recovered run drift from an uninterrupted one). Its parameters, `module`,
+would make a recovered run drift from an uninterrupted one). A second registered model (a
+GAN's discriminator) gets a DDP of its own the same way. Its parameters, `module`,
 `train()`/`eval()` and `state_dict()` (keys prefixed `module.`) are those of torch's DDP.
 """
 from __future__ import annotations
@@ -36,10 +37,14 @@ class DistributedDataParallel(torch.nn.Module):
         if job is None or job.rank < 0:
             raise HpctError("hpct_slurm.recovery.DistributedDataParallel runs inside "
                             "Job.main(main), after the script's Job(...) took a rank")
-        if job.model is not self.module:
-            raise HpctError("DistributedDataParallel wraps a model that is not the one "
-                            "registered with Job(...): register the model it wraps")
-        return job._group.ddp(**self._options)
+        if job.model is self.module:
+            return job._group.ddp(**self._options)
+        if not any(job.state.get(n) is self.module for n in job.state.names()):
+            raise HpctError("DistributedDataParallel wraps a model that is not registered: "
+                            "register the model it wraps, the main one with Job(model, ...), "
+                            "a second one (a discriminator) as shared state beside it: "
+                            "Job(model, opt, sched, disc=disc, disc_opt=disc_opt)")
+        return job._group.ddp_for(self.module, self._options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._current()(*args, **kwargs)

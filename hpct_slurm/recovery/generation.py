@@ -139,6 +139,9 @@ class Generation:
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._want_ddp = False
         self._ddp_options: dict[str, Any] = {}
+        # DDPs of other registered models (a GAN's discriminator), by the module's id: made
+        # at their first forward in each generation, like the main one's
+        self._other_ddps: dict[int, tuple[torch.nn.Module, Any]] = {}
         self.teardown_bg: Background | None = None  # the broken group's, since the fault
         # The model whose parameters carry the hooks that abandon a doomed step (_abandon)
         self._hooked: torch.nn.Module | None = None
@@ -329,6 +332,7 @@ class Generation:
         self.release()
         self.model = self.optimizer = self.lr_scheduler = None
         self._ddp = self._hooked = None
+        self._other_ddps.clear()
 
     def rebuild_with(self, build: Callable[[Any], Any]) -> None:
         """The build function of main()'s new run (it may close over that run's objects)."""
@@ -352,9 +356,24 @@ class Generation:
                                          lambda: self.policy.carry)
         return self._ddp
 
+    def ddp_for(self, module: torch.nn.Module, options: dict[str, Any]
+                ) -> "torch.nn.parallel.DistributedDataParallel":
+        """A registered model other than the main one in DDP for this generation, with the
+        same fixed-order reduction (no carried rank state: that rides on the main model's)."""
+        held = self._other_ddps.get(id(module))
+        if held is not None and held[0] is module:
+            return held[1]
+        if not dist.is_initialized():
+            raise HpctError("DistributedDataParallel runs inside Job.main(main) or job.run")
+        ddp = _fixed_order_ddp(module, self.standing.client, options)
+        self._other_ddps[id(module)] = (module, ddp)
+        return ddp
+
     def renew_ddp(self) -> None:
         """After a formation and its restore: a script that uses job.ddp gets a DDP module
-        bound to the new group (one is bound to its process group)."""
+        bound to the new group (one is bound to its process group); other models' DDPs are
+        made again at their next forward."""
+        self._other_ddps.clear()
         if self._want_ddp and self.model is not None:
             self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options,
                                          lambda: self.policy.carry)
@@ -408,6 +427,7 @@ class Generation:
 
     # ---- tearing down ---------------------------------------------------------------------
     def teardown(self) -> None:
+        self._other_ddps.clear()
         self._ddp = None  # its reducer holds the group: it must go before the group can
         # A teardown that takes this long is a bug worth a stack trace in the step's log.
         faulthandler.dump_traceback_later(TEARDOWN_DIAG_S, exit=False)

@@ -26,6 +26,22 @@ Scope = Literal["shared", "rank"]
 DEFAULT_SCOPES: dict[str, Scope] = {"model": "shared", "optimizer": "shared",
                                     "lr_scheduler": "shared", "scheduler": "shared",
                                     "sampler": "rank"}
+
+
+def default_scope(name: str, obj: Any) -> Scope:
+    """The scope of an object registered without one: by its name where it is a known one,
+    else `shared` for models, optimizers and LR schedulers (what data parallelism keeps equal
+    on every rank: a GAN's second model, an EMA, their optimizers), `rank` for the rest (a
+    sampler, a data position). A model of a rank's own would be wrong as `shared`, silently
+    restored from another rank: such a script says scope="rank"."""
+    if name in DEFAULT_SCOPES:
+        return DEFAULT_SCOPES[name]
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer,
+                        torch.optim.lr_scheduler.LRScheduler)):
+        return "shared"
+    return "rank"
+
+
 RNG_KEY = "rng"
 EXTRAS_KEY = "extras"
 
@@ -340,7 +356,7 @@ class TrainState:
             if name in self._objects and self._objects[name][0] is obj:
                 continue
             self._refuse_twice(name, obj)
-            sc = scope or DEFAULT_SCOPES.get(name, "rank")
+            sc = scope or default_scope(name, obj)
             if sc not in ("shared", "rank"):
                 raise UsageError(f"TrainState: scope {sc!r} of {name!r} is not 'shared' or 'rank'")
             self._objects[name] = (obj, sc)

@@ -298,10 +298,19 @@ def test_installed_hook_scripts_run_the_cli(tmp_path):
     text = scripts["prolog"].read_text()
     assert text.startswith("#!/bin/sh") and "-m hpct_slurm.cli prolog" in text
     assert os.stat(scripts["prolog"]).st_mode & 0o111
-    # the script runs as written: no job id, so the CLI says so and exits 2
+    # the script runs as written: no job id, so the CLI says so, and exits 0 (a hook that
+    # cannot do its work lets the job run: issue 43)
     out = subprocess.run([str(scripts["epilog"])], env={}, capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 2 and "SLURM_JOB_ID is not set" in out.stderr
+    assert out.returncode == 0 and "SLURM_JOB_ID is not set" in out.stderr
+    # a python that is gone (a venv removed under a running slurmd) does not fail the job
+    (tmp_path / "venv").mkdir()
+    os.symlink(sys.executable, tmp_path / "venv" / "python")
+    gone = install_hooks(tmp_path / "gone", str(tmp_path / "venv" / "python"), {})
+    os.unlink(tmp_path / "venv" / "python")
+    out = subprocess.run([str(gone["prolog"])], env={}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "is not there; the job runs without it" in out.stderr
     with pytest.raises(HpctError, match="not an HPCT_"):
         install_hooks(tmp_path / "h2", sys.executable, {"LD_PRELOAD": "/x"})
     with pytest.raises(HpctError, match="not an HPCT_"):

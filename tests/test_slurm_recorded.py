@@ -17,6 +17,7 @@ from hpct_slurm.slurm.client import (
     SlurmClient, parse_job_record, parse_job_state, parse_node_record, parse_node_states,
     parse_reservations, parse_sbatch_parsable, parse_scontrol_nodes_json, parse_sinfo_json,
     parse_squeue_json, parse_steps, parse_version, sinfo_json_has_nodes)
+from hpct_slurm.slurm.hostlist import expand
 
 DATA = Path(__file__).parent / "data" / "slurm"
 RELEASES = sorted(p.name for p in DATA.iterdir() if p.is_dir())
@@ -166,12 +167,13 @@ def test_the_small_reads(rec: Recorded) -> None:
 
 def test_hostnames_with_text_after_the_bracket(rec: Recorded) -> None:
     """`n[1-2]-ib`: 22.05's scontrol refuses it (exit 0, "Invalid hostlist"), later ones
-    expand it."""
+    expand it; hostlist.expand expands it as they do."""
     out = rec.text("show-hostnames-suffix.txt").split()
     if rec.newer:
         assert out == ["n1-ib", "n2-ib"]
     else:
         assert out == [] and "Invalid hostlist" in rec.stderr("show-hostnames-suffix.txt")
+    assert expand("n[1-2]-ib") == ["n1-ib", "n2-ib"]
 
 
 # ---- what no release printed: an error naming the command and the field, never [] ----------

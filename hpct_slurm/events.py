@@ -165,6 +165,7 @@ class Ev(_Name):
     HOOK_DRAIN_FAILED = "hook_drain_failed"
     HOOK_JOB_DIR_REMOVED = "hook_job_dir_removed"
     HOOK_JOB_DIR_REMOVE_FAILED = "hook_job_dir_remove_failed"
+    HOOK_FAILED = "hook_failed"
 
     # the baselines (examples/baseline_train.py, bench/restart_all.py)
     BASELINE_IMPORTED = "baseline.imported"

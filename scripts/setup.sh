@@ -11,7 +11,10 @@ if [ "$(id -u)" != 0 ]; then
   exit 2
 fi
 
-PKGS=(slurmctld slurmd slurm-client munge libslurm-dev gcc make iproute2 util-linux procps)
+# libc6-dev: gcc only recommends it, and --no-install-recommends leaves it out on a minimal image
+# (the SPANK plugin then fails on errno.h); python3-venv: ensurepip lives there on Debian.
+PKGS=(slurmctld slurmd slurm-client munge libslurm-dev gcc libc6-dev make python3-venv iproute2
+      util-linux procps)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -19,7 +19,7 @@ from hpct_slurm.errors import HpctError
 from hpct_slurm.events import EventLog, read_events
 from hpct_slurm.hooks.context import HookConfig, JobContext
 from hpct_slurm.hooks.epilog import epilog
-from hpct_slurm.hooks.install import install_hooks, plugstack_line
+from hpct_slurm.hooks.install import compiler_message, install_hooks, plugstack_line
 from hpct_slurm.hooks.prolog import DRAIN_PREFIX, grant_mb, prolog
 from hpct_slurm.hooks.shm import ShmRoot, check_job_id, check_name, read_budget
 from hpct_slurm.hooks.task_prolog import format_exports, parse_exports, task_env
@@ -298,10 +298,19 @@ def test_installed_hook_scripts_run_the_cli(tmp_path):
     text = scripts["prolog"].read_text()
     assert text.startswith("#!/bin/sh") and "-m hpct_slurm.cli prolog" in text
     assert os.stat(scripts["prolog"]).st_mode & 0o111
-    # the script runs as written: no job id, so the CLI says so and exits 2
+    # the script runs as written: no job id, so the CLI says so, and exits 0 (a hook that
+    # cannot do its work lets the job run: issue 43)
     out = subprocess.run([str(scripts["epilog"])], env={}, capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 2 and "SLURM_JOB_ID is not set" in out.stderr
+    assert out.returncode == 0 and "SLURM_JOB_ID is not set" in out.stderr
+    # a python that is gone (a venv removed under a running slurmd) does not fail the job
+    (tmp_path / "venv").mkdir()
+    os.symlink(sys.executable, tmp_path / "venv" / "python")
+    gone = install_hooks(tmp_path / "gone", str(tmp_path / "venv" / "python"), {})
+    os.unlink(tmp_path / "venv" / "python")
+    out = subprocess.run([str(gone["prolog"])], env={}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "is not there; the job runs without it" in out.stderr
     with pytest.raises(HpctError, match="not an HPCT_"):
         install_hooks(tmp_path / "h2", sys.executable, {"LD_PRELOAD": "/x"})
     with pytest.raises(HpctError, match="not an HPCT_"):
@@ -370,3 +379,18 @@ def test_task_prolog_leaves_the_controllers_settings_to_the_controller():
     ranks = for_task(dict(derived), {"HPCT_CONTROLLER": "10.0.0.1:4000"})
     assert ranks == {"MASTER_ADDR": "n1"}
     assert set(CONTROLLER_OWNED) == set(derived) - set(ranks)
+
+
+def test_a_failed_plugin_build_shows_the_compilers_message():
+    """Issue 43: on a minimal image without libc6-dev, make's last line ("make: *** [...]
+    Error 1") hid the reason."""
+    out = ("hpct_spank.c:3:10: fatal error: errno.h: No such file or directory\n"
+           "    3 | #include <errno.h>\n      |          ^~~~~~~~~\ncompilation terminated.\n"
+           "make: *** [Makefile:12: /tmp/hpct_spank.so] Error 1\n")
+    assert compiler_message(out) == ("hpct_spank.c:3:10: fatal error: errno.h: No such file or "
+                                     "directory")
+    two = "a.c:1: error: x\nb.c:2: error: y\nmake: *** [all] Error 1\n"
+    assert compiler_message(two) == "a.c:1: error: x (and 1 more error lines)"
+    assert compiler_message("ld: cannot find -lslurm\nmake: *** [all] Error 1") == \
+        "ld: cannot find -lslurm"
+    assert compiler_message("") == "no output"

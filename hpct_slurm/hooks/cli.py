@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,36 +55,73 @@ def _log(source: str):
                     source=source)
 
 
-def _prolog(args: argparse.Namespace) -> int:
-    from .context import HookConfig, JobContext
-    from .node import SlurmNode
-    from .prolog import prolog
+def never_fails(source: str, work: Callable[[], int]) -> int:
+    """Run a hook's work; any exception is logged (stderr, which slurmd keeps, and the hooks
+    log when it can be opened) and the hook exits 0: a Prolog, Epilog or TaskProlog that exits
+    non-zero makes Slurm drain the node or fail the job, and a hook that cannot do its work
+    (Slurm does not answer, a command is missing, its output cannot be read, a bug here) is no
+    reason for either. Only the Prolog's health verdict (exit 1) fails a job on purpose."""
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - see above
+        from ..errors import describe
+        from ..events import Ev
 
-    result = prolog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ),
-                    SlurmNode(), _log("prolog"))
-    return 0 if result.healthy else 1
+        error = describe(exc)
+        print(f"hpct: {source} could not do its work, the job runs without it: {error}",
+              file=sys.stderr)
+        try:
+            from .. import config as C
+            from ..events import EventLog
+
+            path = C.read(os.environ, C.HOOKS_LOG)
+            if path:
+                EventLog(path=path, source=source).emit(Ev.HOOK_FAILED, error=error,
+                                                        job_id=os.environ.get("SLURM_JOB_ID"))
+        except Exception:  # noqa: BLE001 - the stderr line above is the record then
+            pass
+        return 0
+
+
+def _prolog(args: argparse.Namespace) -> int:
+    def work() -> int:
+        from .context import HookConfig, JobContext
+        from .node import SlurmNode
+        from .prolog import prolog
+
+        result = prolog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ),
+                        SlurmNode(), _log("prolog"))
+        return 0 if result.healthy else 1
+    return never_fails("prolog", work)
 
 
 def _epilog(args: argparse.Namespace) -> int:
-    from .context import HookConfig, JobContext
-    from .epilog import epilog
+    def work() -> int:
+        from .context import HookConfig, JobContext
+        from .epilog import epilog
 
-    epilog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ), _log("epilog"))
-    return 0
+        epilog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ),
+               _log("epilog"))
+        return 0
+    return never_fails("epilog", work)
 
 
 def _task_prolog(args: argparse.Namespace) -> int:
+    return never_fails("task-prolog", lambda: _task_prolog_work())
+
+
+def _task_prolog_work() -> int:
     from .task_prolog import for_task, format_exports, rendezvous_env, task_env
 
-    from ..errors import HpctError
+    from ..errors import describe
 
     env = task_env(os.environ)
     try:
         env.update(rendezvous_env({**os.environ, **env}))
-    except HpctError as exc:
+    except Exception as exc:  # noqa: BLE001 - HpctError, a timeout, ...: the task runs
         # A step the controller did not launch (plain `srun hostname`) has no rendezvous to
-        # join; it must still run.
-        print(f"hpct: no rendezvous env: {exc.message}", file=sys.stderr)
+        # join; it must still run, with the shm exports.
+        print(f"hpct: no rendezvous env: {describe(exc)}", file=sys.stderr)
     sys.stdout.write(format_exports(for_task(env, os.environ)))
     return 0
 

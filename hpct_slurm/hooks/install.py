@@ -101,9 +101,22 @@ def build_plugin(out: Path, sources: Path = SPANK_SOURCES) -> Path:
     proc = subprocess.run(["make", "-s", "-C", str(sources), f"OUT={out}"],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
-        raise HpctError(f"building the SPANK plugin failed: {msg[-1] if msg else 'no output'}")
+        raise HpctError(f"building the SPANK plugin failed: "
+                        f"{compiler_message(proc.stderr + proc.stdout)}")
     return out
+
+
+def compiler_message(output: str) -> str:
+    """What a failed build says, for one error line: the compiler's first `error:` line (and
+    how many more), not make's closing `make: *** [...] Error 1`; else the last line that is
+    not make's."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error:" in ln and not ln.startswith("make")]
+    if errors:
+        more = f" (and {len(errors) - 1} more error lines)" if len(errors) > 1 else ""
+        return errors[0] + more
+    own = [ln for ln in lines if not ln.startswith("make")]
+    return (own or lines or ["no output"])[-1]
 
 
 def plugstack_line(plugin: Path, hpct: str | None = None, **options: str | int) -> str:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..errors import HpctError
-
 
 class NodeSlurm(Protocol):
     def active_job_ids(self) -> set[int] | None:
-        """Jobs that may still use a node's shm (not finished); None when Slurm cannot say."""
+        """Jobs that may still use a node's shm (not finished); None, or any exception (the
+        caller logs it), when Slurm cannot say."""
 
     def drain(self, node: str, reason: str) -> None: ...
 
@@ -23,11 +22,10 @@ class SlurmNode:
         self.client = SlurmClient(timeout=timeout)
 
     def active_job_ids(self) -> set[int] | None:
-        try:
-            return {j.job_id for j in self.client.jobs() if not j.finished}
-        except HpctError:
-            # Unknown is not "none": a stale-dir sweep on a wrong answer would delete live data.
-            return None
+        """Raises (HpctError naming the command and field, or whatever a parser bug raises)
+        when Slurm cannot say: unknown is not "none", a sweep on a wrong answer would delete
+        live data. sweep_stale logs it and sweeps nothing."""
+        return {j.job_id for j in self.client.jobs() if not j.finished}
 
     def drain(self, node: str, reason: str) -> None:
         self.client.update_node(node, "DRAIN", reason)

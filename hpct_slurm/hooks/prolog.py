@@ -48,10 +48,13 @@ def sweep_stale(root: ShmRoot, keep: set[int], slurm: NodeSlurm, log: EventLog) 
     present = root.job_ids() - keep
     if not present:
         return []
-    active = slurm.active_job_ids()
+    try:
+        active = slurm.active_job_ids()
+        why = "slurm job list unavailable"
+    except Exception as exc:  # noqa: BLE001 - any failure to read Slurm: no sweep, job runs
+        active, why = None, f"slurm job list unavailable: {describe(exc)}"
     if active is None:
-        log.emit(EVENT_STALE_SKIPPED, reason="slurm job list unavailable",
-                 present=sorted(present))
+        log.emit(EVENT_STALE_SKIPPED, reason=why, present=sorted(present))
         return []
     removed = []
     for job_id in sorted(present - active):
@@ -75,10 +78,10 @@ def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog) ->
         log.emit(EVENT_HEALTH_FAILED, node=job.node, job_id=job.job_id, reason=reason)
         try:
             slurm.drain(job.node, reason)
-        except HpctError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the log keeps the reason
             # The failed prolog still makes Slurm drain the node ("Prolog error"); the event
             # log keeps the real reason.
-            log.emit(EVENT_DRAIN_FAILED, node=job.node, job_id=job.job_id, error=exc.message)
+            log.emit(EVENT_DRAIN_FAILED, node=job.node, job_id=job.job_id, error=describe(exc))
         return PrologResult(healthy=False, problems=problems)
     # Prologs of jobs starting together on this node run at the same time: without the lock
     # two of them could read the same budgets and both be granted the same MB.

@@ -4,7 +4,9 @@ This is the one door to Slurm: no module outside `hpct_slurm/slurm/` builds a Sl
 line (tests/test_slurm_door.py checks). Every command is an argv list (never a shell string),
 run with a timeout through the client's `runner` (subprocess.run; tests inject a stand-in); a
 failure raises SlurmCommandError carrying the argv, the exit code and Slurm's own message.
-Output parsing is pure (the `parse_*` functions) and tested on outputs captured from Slurm 22.05.
+Output parsing is pure (the `parse_*` functions) and tested on outputs recorded from each Slurm
+release it was run on (tests/data/slurm/<release>/, tests/test_slurm_recorded.py): a field that
+reads as none of them raises an HpctError naming the command and the field, never an empty list.
 
 Two Slurm habits shape this module:
 * `scontrol show hostnames` exits 0 on a bad hostlist (it only prints "Invalid hostlist"), so
@@ -225,20 +227,134 @@ def _json_doc(text: str, what: str) -> dict:
     return doc
 
 
+def _field(record: Any, key: str, what: str, kinds: type | tuple[type, ...],
+           where: str = "") -> Any:
+    """`record[key]`, which must be of `kinds`; else an HpctError naming the command (`what`)
+    and the field (`where` says which record it is in)."""
+    if not isinstance(record, dict):
+        raise HpctError(f"{what}: {where or 'a record'} is {type(record).__name__}, "
+                        f"not a JSON object")
+    if key not in record:
+        raise HpctError(f"{what}: field {key!r} missing{' in ' + where if where else ''} "
+                        f"(fields: {', '.join(sorted(record))[:200]})")
+    value = record[key]
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, allowed) or isinstance(value, bool) and bool not in allowed:
+        raise HpctError(f"{what}: field {key!r}{' of ' + where if where else ''} is "
+                        f"{type(value).__name__} {str(value)[:60]!r}, not what this "
+                        f"release was read as")
+    return value
+
+
+def _list_of(record: dict, key: str, what: str, where: str) -> list:
+    return _field(record, key, what, list, where)
+
+
+def _words(value: Any, what: str, key: str, where: str) -> list[str]:
+    """A state or flag set: `"idle"` (22.05) or `["IDLE", "DRAIN"]` (23.02 on)."""
+    if isinstance(value, str):
+        return [w for w in value.upper().replace("+", " ").split() if w]
+    if isinstance(value, list) and all(isinstance(w, str) for w in value):
+        return [w.upper() for w in value if w]
+    raise HpctError(f"{what}: field {key!r} of {where} is {type(value).__name__} "
+                    f"{str(value)[:60]!r}, not a state word or a list of them")
+
+
+def _node_state_of(words: list[str], what: str, where: str) -> tuple[str, frozenset[str]]:
+    """The base state among `words` (exactly one) and the rest as flags."""
+    bases = [w for w in words if w in BASE_NODE_STATES]
+    if len(bases) != 1:
+        raise HpctError(f"{what}: node state {words!r} of {where} does not hold exactly one of "
+                        f"{', '.join(sorted(BASE_NODE_STATES))}")
+    return bases[0], frozenset(w for w in words if w != bases[0])
+
+
+def _text_list(value: Any, what: str, key: str, where: str) -> tuple[str, ...]:
+    """Features: `"a,b"` (22.05, sinfo 24.11) or `["a", "b"]` (scontrol --json)."""
+    if value is None or isinstance(value, str):
+        return _features(value)
+    if isinstance(value, list) and all(isinstance(f, str) for f in value):
+        return tuple(f for f in value if f)
+    raise HpctError(f"{what}: field {key!r} of {where} is {type(value).__name__}, not a "
+                    f"feature list")
+
+
+def _node_from_record(n: Any, what: str) -> NodeInfo:
+    """One node record of `sinfo --json` (22.05) or `scontrol show nodes --json` (23.02 on):
+    both have name, state (a word, or a list of words), reason, address, hostname, features,
+    active_features, comment."""
+    name = _field(n, "name", what, str, "a node")
+    where = f"node {name!r}"
+    words = _words(_field(n, "state", what, (str, list), where), what, "state", where)
+    words += _words(n.get("state_flags") or [], what, "state_flags", where)
+    state, flags = _node_state_of(words, what, where)
+    return NodeInfo(
+        name=name, state=state, flags=flags, reason=_opt(n.get("reason")),
+        addr=_opt(n.get("address")), hostname=_opt(n.get("hostname")),
+        features=_text_list(n.get("features"), what, "features", where),
+        active_features=_text_list(n.get("active_features"), what, "active_features", where),
+        comment=_opt(n.get("comment")))
+
+
+SINFO_JSON = "sinfo --json"
+SCONTROL_NODES_JSON = "scontrol show nodes --json"
+
+
+def sinfo_json_has_nodes(text: str) -> bool:
+    """Whether `sinfo --json` printed one record per node (Slurm 22.05's `nodes`), rather than
+    the groups of nodes of data_parser v0.0.40 on (`sinfo`: no addresses, no hostnames), for
+    which `scontrol show nodes --json` is the per-node read. Neither: an HpctError."""
+    doc = _json_doc(text, SINFO_JSON)
+    if isinstance(doc.get("nodes"), list):
+        return True
+    if isinstance(doc.get("sinfo"), list):
+        return False
+    raise HpctError(f"{SINFO_JSON}: neither field 'nodes' (Slurm 22.05) nor 'sinfo' (23.02 "
+                    f"on) is a list (fields: {', '.join(sorted(doc))[:200]})")
+
+
 def parse_sinfo_json(text: str) -> list[NodeInfo]:
-    """The nodes of `sinfo --json` (Slurm 22.05, openapi v0.0.38 layout)."""
-    doc = _json_doc(text, "sinfo --json")
-    nodes = []
-    for n in doc.get("nodes", []):
-        state, flags = parse_node_state(n["state"])
-        flags |= frozenset(f.upper() for f in n.get("state_flags") or [])
-        nodes.append(NodeInfo(
-            name=n["name"], state=state, flags=flags, reason=_opt(n.get("reason")),
-            addr=_opt(n.get("address")), hostname=_opt(n.get("hostname")),
-            features=_features(n.get("features")),
-            active_features=_features(n.get("active_features")),
-            comment=_opt(n.get("comment"))))
-    return nodes
+    """The nodes of `sinfo --json`. Slurm 22.05 (openapi v0.0.38): `nodes`, one record per
+    node. 23.02 on (data_parser v0.0.39-42): `sinfo`, one record per group of alike nodes, read
+    here node by node (their address and hostname are not in it: None). Anything else raises
+    an HpctError naming the field."""
+    if sinfo_json_has_nodes(text):
+        doc = json.loads(text)
+        return [_node_from_record(n, SINFO_JSON) for n in doc["nodes"]]
+    nodes: dict[str, NodeInfo] = {}
+    for i, group in enumerate(json.loads(text)["sinfo"]):
+        where = f"sinfo[{i}]"
+        members = _field(_field(group, "nodes", SINFO_JSON, dict, where), "nodes", SINFO_JSON,
+                         list, where + ".nodes")
+        words = _words(_field(_field(group, "node", SINFO_JSON, dict, where), "state",
+                              SINFO_JSON, (str, list), where + ".node"),
+                       SINFO_JSON, "state", where)
+        state, flags = _node_state_of(words, SINFO_JSON, where)
+        feats = group.get("features") or {}
+        if not isinstance(feats, dict):
+            raise HpctError(f"{SINFO_JSON}: field 'features' of {where} is not an object")
+        reason = group.get("reason")
+        if isinstance(reason, dict):
+            reason = reason.get("description")
+        for name in members:
+            if not isinstance(name, str):
+                raise HpctError(f"{SINFO_JSON}: {where}.nodes.nodes holds {name!r}, not a name")
+            # a node is in one group per partition it is in: the same record each time
+            nodes[name] = NodeInfo(
+                name=name, state=state, flags=flags, reason=_opt(reason), addr=None,
+                hostname=None,
+                features=_text_list(feats.get("total"), SINFO_JSON, "features.total", where),
+                active_features=_text_list(feats.get("active"), SINFO_JSON, "features.active",
+                                           where),
+                comment=_opt(group.get("comment")))
+    return list(nodes.values())
+
+
+def parse_scontrol_nodes_json(text: str) -> list[NodeInfo]:
+    """The nodes of `scontrol show nodes --json` (Slurm 23.02 on; 22.05 has no --json)."""
+    doc = _json_doc(text, SCONTROL_NODES_JSON)
+    return [_node_from_record(n, SCONTROL_NODES_JSON)
+            for n in _list_of(doc, "nodes", SCONTROL_NODES_JSON, "the document")]
 
 
 def _hosts_or_empty(hostlist: str | None) -> list[str]:
@@ -272,21 +388,81 @@ def parse_job_record(line: str) -> JobInfo:
         end_time=_opt(rec.get("EndTime")))
 
 
+SQUEUE_JSON = "squeue --json"
+# A job's base states (slurm.h job_states); every other word of its state is a flag.
+BASE_JOB_STATES = frozenset({"PENDING", "RUNNING", "SUSPENDED"}) | FINISHED_JOB_STATES
+
+
+def _number(value: Any, what: str, key: str, where: str, unset: int | None = 0) -> int:
+    """An integer field: a plain number (22.05), or data_parser's `{"set": true, "infinite":
+    false, "number": N}` (23.02 on; not set: `unset`)."""
+    if isinstance(value, dict) and "number" in value:
+        if value.get("set") is False or value.get("infinite"):
+            if unset is None:
+                raise HpctError(f"{what}: field {key!r} of {where} is not set")
+            return unset
+        value = value["number"]
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or \
+            not str(value).isdecimal():
+        raise HpctError(f"{what}: field {key!r} of {where} is {type(value).__name__} "
+                        f"{str(value)[:60]!r}, not a non-negative integer")
+    return int(value)
+
+
+def _job_exit(value: Any, where: str) -> tuple[int, int]:
+    """(exit code, signal) of squeue's `exit_code`: a wait() status (22.05) or `{"status":
+    [...], "return_code": NUMBER, "signal": {"id": NUMBER, "name": ..}}` (23.02 on)."""
+    if value is None:
+        return 0, 0
+    if isinstance(value, dict):
+        code = _number(value.get("return_code", 0), SQUEUE_JSON, "exit_code.return_code", where)
+        sig = value.get("signal") or {}
+        if not isinstance(sig, dict):
+            raise HpctError(f"{SQUEUE_JSON}: field 'exit_code.signal' of {where} is not an "
+                            f"object")
+        return code, _number(sig.get("id", 0), SQUEUE_JSON, "exit_code.signal.id", where)
+    status = _number(value, SQUEUE_JSON, "exit_code", where)
+    return (status >> 8) & 0xFF, status & 0x7F
+
+
+def _job_state(value: Any, where: str) -> str:
+    """The base state of squeue's `job_state`: `"RUNNING"` (22.05) or `["RUNNING"]`,
+    `["PENDING", "REQUEUED"]` (23.02 on: the base state, then its flags)."""
+    words = _words(value, SQUEUE_JSON, "job_state", where)
+    if not words:
+        raise HpctError(f"{SQUEUE_JSON}: field 'job_state' of {where} is empty")
+    bases = [w for w in words if w in BASE_JOB_STATES]
+    return bases[0] if bases else words[0]
+
+
 def parse_squeue_json(text: str) -> list[JobInfo]:
-    """The jobs of `squeue --json` (Slurm 22.05). `exit_code` there is a wait() status."""
-    doc = _json_doc(text, "squeue --json")
+    """The jobs of `squeue --json`: Slurm 22.05 (openapi v0.0.38: `job_state` a word,
+    `exit_code` a wait() status) and 23.02 on (data_parser: `job_state` a list, `exit_code` an
+    object, numbers as `{"set", "number"}` objects). A field that reads as neither raises an
+    HpctError naming it."""
+    doc = _json_doc(text, SQUEUE_JSON)
     jobs = []
-    for j in doc.get("jobs", []):
-        status = int(j.get("exit_code") or 0)
+    for i, j in enumerate(_list_of(doc, "jobs", SQUEUE_JSON, "the document")):
+        job_id = _number(_field(j, "job_id", SQUEUE_JSON, (int, str, dict), f"jobs[{i}]"),
+                         SQUEUE_JSON, "job_id", f"jobs[{i}]", unset=None)
+        where = f"job {job_id}"
+        code, sig = _job_exit(j.get("exit_code"), where)
+        flags = j.get("flags") or []
+        if not isinstance(flags, list):
+            raise HpctError(f"{SQUEUE_JSON}: field 'flags' of {where} is not a list")
+        nodes = j.get("nodes")
+        if nodes is not None and not isinstance(nodes, str):
+            raise HpctError(f"{SQUEUE_JSON}: field 'nodes' of {where} is not a hostlist")
         jobs.append(JobInfo(
-            job_id=int(j["job_id"]), name=_opt(j.get("name")), user=_opt(j.get("user_name")),
-            state=str(j["job_state"]).upper(),
-            nodelist=_hosts_or_empty(j.get("nodes")),
+            job_id=job_id, name=_opt(j.get("name")), user=_opt(j.get("user_name")),
+            state=_job_state(_field(j, "job_state", SQUEUE_JSON, (str, list), where), where),
+            nodelist=_hosts_or_empty(nodes),
             batch_host=_opt(j.get("batch_host")),
-            restart_count=int(j.get("restart_cnt") or 0),
+            restart_count=_number(j.get("restart_cnt") or 0, SQUEUE_JSON, "restart_cnt",
+                                  where),
             reason=_opt(j.get("state_reason")),
-            exit_code=(status >> 8) & 0xFF, exit_signal=status & 0x7F,
-            flags=frozenset(str(f).upper() for f in j.get("flags") or []),
+            exit_code=code, exit_signal=sig,
+            flags=frozenset(str(f).upper() for f in flags),
             work_dir=_opt(j.get("current_working_directory"))))
     return jobs
 
@@ -491,6 +667,7 @@ class SlurmClient:
         self.timeout = timeout
         self.backend = backend
         self.runner = runner or subprocess.run
+        self._nodes_from_scontrol = False  # set once sinfo --json groups its nodes
 
     # -- plumbing --
     def command(self, argv: Sequence[str]) -> list[str]:
@@ -540,8 +717,16 @@ class SlurmClient:
         return parse_node_record(lines[0])
 
     def nodes(self) -> list[NodeInfo]:
-        """Every node, from `sinfo --json` (structured: free-text reasons parse safely)."""
-        return parse_sinfo_json(self.run(["sinfo", "--json"]).stdout)
+        """Every node, from JSON (structured: free-text reasons parse safely): `sinfo --json`
+        where it prints one record per node (Slurm 22.05), else `scontrol show nodes --json`
+        (23.02 on, whose sinfo groups nodes and leaves out their addresses). Which one is
+        remembered after the first read."""
+        if not self._nodes_from_scontrol:
+            text = self.run(["sinfo", "--json"]).stdout
+            if sinfo_json_has_nodes(text):
+                return parse_sinfo_json(text)
+            self._nodes_from_scontrol = True
+        return parse_scontrol_nodes_json(self.run(["scontrol", "show", "nodes", "--json"]).stdout)
 
     def show_job(self, job_id: int) -> JobInfo:
         out = self.run(["scontrol", "show", "job", "-o", str(int(job_id))]).stdout

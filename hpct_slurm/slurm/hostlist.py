@@ -6,8 +6,10 @@ details that are easy to get wrong:
 * Zero padding comes from the low bound's text: `n[01-3]` is n01 n02 n03, `n[1-03]` is n1 n2 n3.
 * Several bracket groups form a product, but in Slurm's loop order, not lexicographic order:
   the last group varies fastest, then the first, second, ... up to the one before last, which
-  varies slowest (`a[1-2]b[3-4]c[5-6]` starts a1b3c5 a1b3c6 a2b3c5). The last group must end
-  its host name (`n[1-2]a` is an error in Slurm too).
+  varies slowest (`a[1-2]b[3-4]c[5-6]` starts a1b3c5 a1b3c6 a2b3c5).
+* Text may follow the last group: `n[1-2]-ib` is n1-ib n2-ib, as `scontrol show hostnames`
+  gives from Slurm 23.02 on (24.11 and 26.05 were run; interface-suffixed names that real
+  clusters use). Slurm 22.05 refused it ("Invalid hostlist").
 
 Where Slurm quietly guesses (`n[1-` becomes the host `n]`, `n[1-]` means `n1`, spaces inside
 brackets count as padding) this module refuses with an error instead: a node list that needs
@@ -123,7 +125,8 @@ def _parse_ranges(hostlist: str, body: str) -> list[_Range]:
 @dataclass(frozen=True)
 class _Token:
     """One top-level item, checked, not yet expanded: literal texts and bracket groups
-    alternating, literal first (with groups, the last literal is the empty one after ']')."""
+    alternating, literal first and last (with groups, the last literal is the text after the
+    last ']', often empty)."""
 
     literals: list[str]
     groups: list[list[_Range]]
@@ -150,17 +153,15 @@ class _Token:
             chosen = [""] * k
             for i, v in zip(order, combo):
                 chosen[i] = v
-            hosts.append("".join(lit + num for lit, num in zip(self.literals, chosen)))
+            hosts.append("".join(lit + num for lit, num in zip(self.literals, chosen))
+                         + self.literals[-1])
         return hosts
 
 
 def _parse_token(hostlist: str, token: str) -> _Token:
     pieces = re.split(r"\[([^\]]*)\]", token)
-    # pieces alternates literal, group, literal, ...; a token with groups ends with a group.
+    # pieces alternates literal, group, literal, ..., literal (text after the last ']').
     literals, groups = pieces[0::2], pieces[1::2]
-    if groups and literals[-1]:
-        raise _bad(hostlist, f"text {shown(literals[-1])} follows the last ']' in "
-                             f"{shown(token)}")
     parsed = _Token(literals, [_parse_ranges(hostlist, g) for g in groups])
     if parsed.max_name_len > MAX_HOST_NAME:
         raise _bad(hostlist, f"{shown(token)} makes host names longer than {MAX_HOST_NAME} "

@@ -391,3 +391,59 @@ def test_a_survivors_restore_fills_its_own_optimizer_tensors_and_keeps_nothing_o
     assert {id(t) for s in opt.state.values() for t in s.values()} == before
     buf[:] = b"\0" * len(buf)  # restored state must not alias the buffer
     assert [step() for _ in range(3)] == expected
+
+
+def _empty_replica(_payload: bytes) -> tuple[Layout, bytes, bytes]:
+    """A deferred replica's decoder for a state without tensor bytes."""
+    return Layout((), {}, 0), b"", P.part_digest(b"")
+
+
+def test_a_reader_waits_for_a_deferred_replica_another_thread_is_decoding():
+    """ReplicaStore._settle: thread A takes rank 0's deferred step 2 and decodes it (slowed:
+    it waits for the test). Thread B, reading meanwhile, finds nothing deferred any more; it
+    must wait for A's decode, not answer the step before (it answered [1] while A held step
+    2). The interleaving is forced with events, never timed: A decodes only once B has either
+    answered or gone to wait for A's settling."""
+    import threading
+
+    held = ReplicaStore()
+    held.defer(0, 1, b"", _empty_replica, lambda s, why: None)
+    assert held.steps(0) == [1]
+    decoding, b_moved = threading.Event(), threading.Event()
+
+    class Watched:
+        """The store's settling lock, telling when thread B comes to wait on it."""
+
+        def __init__(self, lock) -> None:
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread().name == "B":
+                b_moved.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    held._settling = Watched(held._settling)
+
+    def slowed(payload: bytes) -> tuple[Layout, bytes, bytes]:
+        decoding.set()
+        assert b_moved.wait(30), "thread B neither answered nor waited"
+        return _empty_replica(payload)
+
+    held.defer(0, 2, b"", slowed, lambda s, why: None)
+    answers: dict[str, list[int]] = {}
+
+    def read(name: str) -> None:
+        answers[name] = held.steps(0)
+        b_moved.set()  # (B answered without waiting: let A finish)
+
+    a = threading.Thread(target=read, args=("A",), name="A")
+    a.start()
+    assert decoding.wait(30)
+    b = threading.Thread(target=read, args=("B",), name="B")
+    b.start()
+    a.join(30)
+    b.join(30)
+    assert answers == {"A": [1, 2], "B": [1, 2]}

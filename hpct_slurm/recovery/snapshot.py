@@ -642,14 +642,21 @@ class ReplicaStore:
         # One settler at a time, so no reader answers while another holds replicas it took
         # out of `_deferred` and has not stored yet
         self._settling = threading.RLock()
+        # How many settlers hold replicas taken out of `_deferred` and not stored yet (counted
+        # under `_lock` with the taking): a reader that finds nothing deferred must still wait
+        # for them, or it answers without a step being decoded that moment
+        self._decoding = 0
 
     def _buffer(self, rank: int) -> DoubleBuffer:
         with self._lock:
             return self._ranks.setdefault(rank, DoubleBuffer())
 
     def _slots(self, rank: int) -> DoubleBuffer:
-        """`rank`'s slots, its deferred replicas stored first."""
-        if self._deferred:  # (read without the lock: a replica deferred meanwhile is newer)
+        """`rank`'s slots, its deferred replicas stored first, and any another thread is
+        decoding now (`_settle` waits for it)."""
+        with self._lock:
+            busy = rank in self._deferred or self._decoding
+        if busy:
             self._settle([rank])
         return self._buffer(rank)
 
@@ -661,16 +668,21 @@ class ReplicaStore:
                 todo = [(r, self._deferred.pop(r)) for r in
                         (list(self._deferred) if ranks is None else ranks)
                         if r in self._deferred]
-            for rank, pending in todo:
-                for step, payload, decoder, refused in pending:
-                    try:
-                        layout, data, digest = decoder(payload)
-                        idx, buf = self._begin(rank, len(data), step)
-                        if data:
-                            as_memoryview(buf)[:len(data)] = data
-                        self._finish(rank, idx, buf, step, layout, digest, checked=True)
-                    except HpctError as exc:
-                        refused(step, exc.message)
+                self._decoding += 1
+            try:
+                for rank, pending in todo:
+                    for step, payload, decoder, refused in pending:
+                        try:
+                            layout, data, digest = decoder(payload)
+                            idx, buf = self._begin(rank, len(data), step)
+                            if data:
+                                as_memoryview(buf)[:len(data)] = data
+                            self._finish(rank, idx, buf, step, layout, digest, checked=True)
+                        except HpctError as exc:
+                            refused(step, exc.message)
+            finally:
+                with self._lock:
+                    self._decoding -= 1
 
     def defer(self, rank: int, step: int, payload: bytes, decoder: Decoder,
               refused: Refused) -> None:

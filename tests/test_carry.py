@@ -335,3 +335,44 @@ def test_put_makes_given_bytes_the_current_snapshot_and_refuses_a_size_its_layou
     with pytest.raises(HpctError, match=f"says {layout.nbytes} bytes, 3 given"):
         store.put(4, layout, b"abc")
     assert store.latest() is snap
+
+
+def _slot_region(step: int, layout: bytes) -> torch.Tensor:
+    """The region of a 2-rank group where rank 0's slot holds `layout` (no tensor bytes) at
+    `step`, however malformed the layout: its head and check are sound."""
+    region = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
+    blob = C.encode(step, layout, b"")
+    region[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return region
+
+
+def test_a_slot_with_a_malformed_layout_is_refused_and_loses_nothing_else():
+    """A carried slot whose layout holds JSON's Infinity (its check sound): refused by name
+    when read (`replica.rejected`), while the slot waiting beside it is stored and a fetch of
+    a held step, whose read is the first (on the transfer server's connection thread), is
+    served. Before, Layout.from_json's OverflowError came out of that read: the waiting slot
+    was lost with it and the server's thread died, so the fetch of a valid step failed."""
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord())
+    pos = Position()
+    state = TrainState(sampler=pos)
+    pos.consumed = 10
+    carry.take(_slot_region(1, state.plan(("rank",), rng=False)[0].to_json()))
+    assert held.steps(0) == [1]
+    carry.take(_slot_region(2, b'{"nbytes":Infinity,"tree":{},"entries":[]}'))
+    pos.consumed = 30
+    carry.take(_slot_region(3, state.plan(("rank",), rng=False)[0].to_json()))
+    with TransferServer(SECRET, JOB, 1, replicas=held, events=log) as holder:
+        got = fetch_state([holder.address], 0, SECRET, JOB, step=3)
+        fresh = Position()
+        TrainState(sampler=fresh).restore_from(got.layout, got.data, scopes=("rank",))
+        assert fresh.consumed == 30
+        [refused] = _named(stream, "replica.rejected")
+        assert (refused["rank"], refused["step"], refused["via"]) == (0, 2, "carry")
+        assert "nbytes" in refused["error"]
+        carry.take(_slot_region(4, b'{"nbytes":0,"tree":{},"entries":[["load",[],0,0,false]]}'))
+        assert held.steps(0) == [1, 3]  # refused too: a dtype that is no tensor dtype
+        assert "dtype" in _named(stream, "replica.rejected")[-1]["error"]
+        assert fetch_state([holder.address], 0, SECRET, JOB, step=1).step == 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 from datetime import timedelta
 
@@ -447,3 +448,53 @@ def test_a_reader_waits_for_a_deferred_replica_another_thread_is_decoding():
     a.join(30)
     b.join(30)
     assert answers == {"A": [1, 2], "B": [1, 2]}
+
+
+def _layout_json(nbytes="128", entry='["float32",[2,3],64,24,false]', tree="{}") -> str:
+    return f'{{"nbytes":{nbytes},"tree":{tree},"entries":[{entry}]}}'
+
+
+@pytest.mark.parametrize("raw, field", [
+    (_layout_json(nbytes="Infinity"), "nbytes"),          # was OverflowError
+    (_layout_json(nbytes="NaN"), "nbytes"),
+    (_layout_json(nbytes="128.0"), "nbytes"),
+    (_layout_json(nbytes="-1"), "nbytes"),
+    (_layout_json(nbytes="true"), "nbytes"),
+    (_layout_json(nbytes='"128"'), "nbytes"),
+    (_layout_json(nbytes=str(1 << 63)), "nbytes"),
+    (_layout_json(entry='["float32",[2,3],Infinity,24,false]'), "entries[0].offset"),
+    (_layout_json(entry='["float32",[2,3],64,1e400,false]'), "entries[0].nbytes"),
+    (_layout_json(entry='["float32",[2,Infinity],64,24,false]'), "entries[0].shape[1]"),
+    (_layout_json(entry='["load",[1],64,1,false]'), "entries[0].dtype"),  # was accepted
+    (_layout_json(entry='["qint8",[1],64,1,false]'), "entries[0].dtype"),
+    (_layout_json(entry='["float32",[2,3],64,24,1]'), "entries[0].numpy"),
+    (_layout_json(entry='["bfloat16",[2,3],64,12,true]'), "entries[0] is a numpy array"),
+    (_layout_json(entry='["float32",[2,3],64,25,false]'), "entries[0].nbytes is 25"),
+    (_layout_json(entry='["float32",[2,3],66,24,false]'), "entries[0].offset 66"),
+    (_layout_json(entry='["float32",[2,3],112,24,false]'), "entries[0].offset 112"),
+    (_layout_json(entry='["float32",[2,3],64,24]'), "entries[0] is"),
+    (_layout_json(tree="[]"), "tree"),
+    ('{"nbytes":128,"tree":{},"entries":{}}', "entries"),
+    ("[]", "not an object"),
+    ("{not json", "not JSON"),
+    (b"\xff", "not JSON"),
+])
+def test_a_layout_is_checked_field_by_field_and_a_bad_one_named(raw, field):
+    """Layout.from_json on what a peer or a file could hold: anything but a sound layout
+    raises HpctError naming the field (the callers' "this copy is bad"), never an
+    OverflowError, and no dtype is taken that a restore cannot view as (torch.load)."""
+    with pytest.raises(HpctError, match=re.escape(field)):
+        Layout.from_json(raw)
+
+
+def test_every_layout_a_capture_makes_reads_back_the_same():
+    """The checks take what TrainState writes: a model, Adam, a scheduler, a sampler, the RNG
+    states (numpy's uint32 array among them), bf16, bool and empty tensors."""
+    _, _, state, step = make_training()
+    step()
+    state.extras["odd"] = {"bf16": torch.ones(3, dtype=torch.bfloat16),
+                           "mask": torch.tensor([True, False]), "none": torch.empty(0, 5)}
+    layout, buf = state.capture_into(None)
+    assert any(e.numpy for e in layout.entries)
+    assert Layout.from_json(layout.to_json()) == layout
+    state.restore_from(Layout.from_json(layout.to_json()), buf)

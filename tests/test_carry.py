@@ -376,3 +376,99 @@ def test_a_slot_with_a_malformed_layout_is_refused_and_loses_nothing_else():
         assert held.steps(0) == [1, 3]  # refused too: a dtype that is no tensor dtype
         assert "dtype" in _named(stream, "replica.rejected")[-1]["error"]
         assert fetch_state([holder.address], 0, SECRET, JOB, step=1).step == 1
+
+
+def _committed(step: int, consumed: int):
+    """Rank 0's committed snapshot of `step` at sampler position `consumed`."""
+    pos = Position()
+    pos.consumed = consumed
+    return SnapshotStore(TrainState(sampler=pos), ("rank",), rng=False).commit(step)
+
+
+def _held_position(held: ReplicaStore, step: int) -> int:
+    with held.lease(0, step) as snap:
+        fresh = Position()
+        TrainState(sampler=fresh).restore_from(snap.layout, snap.data, scopes=("rank",))
+    return fresh.consumed
+
+
+def test_a_carried_slot_never_replaces_the_committed_copy_of_its_step():
+    """The owner's state moved after its all-reduce of step 5 (50 -> 51), so its step's end
+    pushed the committed copy ("replace"). The holder took the push before it took its own
+    all-reduce's slots: the carried copy of step 5 (50) comes second. It is dropped, said in
+    `replica.rejected`, and step 5 stays the committed 51 (before, the carried copy replaced
+    it, silently: a wrong rank state on restore). The other order keeps the push too (the
+    push replaces the carried copy): the committed copy wins whichever comes first."""
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord())
+
+    def carried(step: int, consumed: int) -> torch.Tensor:
+        pos = Position()
+        pos.consumed = consumed
+        return _slot_region(step, TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json())
+
+    def push(snap) -> None:
+        idx, buf = held.begin(0, snap.layout.nbytes, snap.step)
+        held.finish(0, idx, buf, snap.step, snap.layout, snap.digest())
+
+    carry.take(carried(4, 40))
+    push(_committed(5, 51))
+    carry.take(carried(5, 50))
+    assert held.steps(0) == [4, 5]
+    assert _held_position(held, 5) == 51
+    [dropped] = _named(stream, "replica.rejected")
+    assert (dropped["rank"], dropped["step"], dropped["via"]) == (0, 5, "carry")
+    assert "committed" in dropped["error"]
+    # the carried copy first (read before the push came), then the push: the push replaces it
+    carry.take(carried(6, 60))
+    assert held.steps(0) == [5, 6]
+    push(_committed(6, 61))
+    assert held.steps(0) == [5, 6] and _held_position(held, 6) == 61
+    assert len(_named(stream, "replica.rejected")) == 1
+
+
+def test_a_carried_slot_decoded_while_the_push_of_its_step_is_received_is_dropped_too():
+    """The same rule where the two meet: a reader decodes the carried step 5 while the
+    committed push of step 5 is being received (the push holds the slots' writer lock, so the
+    carried copy waits for it and is published after it). Forced with events: the push is
+    finished only once the reader waits for the writer lock."""
+    import threading
+
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord())
+    pos = Position()
+    pos.consumed = 40
+    carry.take(_slot_region(4, TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json()))
+    assert held.steps(0) == [4]
+    snap = _committed(5, 51)
+    idx, buf = held.begin(0, snap.layout.nbytes, 5)  # the push's receiving starts
+    pos.consumed = 50
+    carry.take(_slot_region(5, TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json()))
+    slots = held._buffer(0)
+    waiting = threading.Event()
+
+    class Watched:
+        def __init__(self, lock) -> None:
+            self.lock = lock
+
+        def acquire(self, *args):
+            if threading.current_thread().name == "reader":
+                waiting.set()
+            return self.lock.acquire(*args)
+
+        def release(self) -> None:
+            self.lock.release()
+
+    slots._writer = Watched(slots._writer)
+    reader = threading.Thread(target=held.steps, args=(0,), name="reader")
+    reader.start()
+    assert waiting.wait(30)
+    held.finish(0, idx, buf, 5, snap.layout, snap.digest())
+    reader.join(30)
+    assert held.steps(0) == [4, 5] and _held_position(held, 5) == 51
+    [dropped] = _named(stream, "replica.rejected")
+    assert dropped["step"] == 5 and "committed" in dropped["error"]

@@ -659,8 +659,8 @@ class ReplicaStore:
             return self._ranks.setdefault(rank, DoubleBuffer())
 
     def _slots(self, rank: int) -> DoubleBuffer:
-        """`rank`'s slots, its deferred replicas stored first, and any another thread is
-        decoding now (`_settle` waits for it)."""
+        """`rank`'s slots, its deferred replicas stored first, and those another thread is
+        decoding now (`_settle` waits for that thread)."""
         with self._lock:
             busy = rank in self._deferred or self._decoding
         if busy:
@@ -717,9 +717,9 @@ class ReplicaStore:
     def begin(self, rank: int, nbytes: int, step: int | None = None) -> tuple[int, torch.Tensor]:
         """A writable slot of at least `nbytes` for an incoming replica of `rank` at `step`.
 
-        A step older than the newest one held is refused here, before the older slot is given up
-        for it (`finish` checks again, under the writer lock); so is a size that cannot be
-        allocated. Either way nothing stays held."""
+        A step older than the newest one held is refused here, under the writer lock, before
+        the older slot is given up for it; so is a size that cannot be allocated. Either way
+        nothing stays held. A copy of the step held newest replaces it (`_begin`)."""
         self._slots(rank)
         return self._begin(rank, nbytes, step)
 

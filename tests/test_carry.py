@@ -4,6 +4,7 @@ step's-end check, and 4 real gloo ranks (2 nodes x 2) through average_gradients.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import io
 import json
 
@@ -21,6 +22,7 @@ from _ranks import gloo_processes
 from test_rank_snapshot_cost import Position
 
 SECRET = b"s" * 32
+KEY = C.slot_key(SECRET)
 JOB = "carry"
 
 
@@ -34,24 +36,25 @@ def _named(stream: io.StringIO, name: str) -> list[dict]:
 
 
 def test_a_slot_round_trips_and_bad_slots_are_refused_by_name():
-    blob = C.encode(7, b'{"nbytes":3,"tree":{},"entries":[]}', b"abc")
+    blob = C.encode(7, b'{"nbytes":3,"tree":{},"entries":[]}', b"abc", key=KEY, rank=0)
     assert blob is not None
     slot = blob + bytes(C.SLOT_BYTES - len(blob))
-    step, layout, data = C.decode(slot)
+    step, layout, data = C.decode(slot, key=KEY, rank=0)
     assert (step, layout.nbytes, data) == (7, 3, b"abc")
-    assert C.decode(bytes(C.SLOT_BYTES)) is None  # a rank that sent nothing
-    assert C.encode(1, b"{}", bytes(C.SLOT_BYTES)) is None  # does not fit: pushed instead
+    assert C.decode(bytes(C.SLOT_BYTES), key=KEY, rank=0) is None  # a rank that sent nothing
+    # does not fit: pushed instead
+    assert C.encode(1, b"{}", bytes(C.SLOT_BYTES), key=KEY, rank=0) is None
     torn = bytearray(slot)
     torn[20] ^= 1
-    with pytest.raises(HpctError, match="fails its check"):
-        C.decode(bytes(torn))
+    with pytest.raises(HpctError, match="fails its MAC"):
+        C.decode(bytes(torn), key=KEY, rank=0)
     with pytest.raises(HpctError, match="magic"):
-        C.decode(b"\x07" + slot[1:])
+        C.decode(b"\x07" + slot[1:], key=KEY, rank=0)
     with pytest.raises(HpctError, match="not 512"):
-        C.decode(slot[:-1])
-    lying = C.encode(7, b'{"nbytes":4,"tree":{},"entries":[]}', b"abc")
+        C.decode(slot[:-1], key=KEY, rank=0)
+    lying = C.encode(7, b'{"nbytes":4,"tree":{},"entries":[]}', b"abc", key=KEY, rank=0)
     with pytest.raises(HpctError, match="says 4 bytes"):
-        C.decode(lying + bytes(C.SLOT_BYTES - len(lying)))
+        C.decode(lying + bytes(C.SLOT_BYTES - len(lying)), key=KEY, rank=0)
 
 
 def _rank(rank: int, step: list[int], replicas: ReplicaStore, log: EventLog
@@ -60,7 +63,7 @@ def _rank(rank: int, step: list[int], replicas: ReplicaStore, log: EventLog
     pos = Position()
     state = TrainState(sampler=pos)
     carry = C.Carry(state, rank, 2, C.Carry.held_by(rank, 2, 1), replicas, log,
-                    lambda: step[0], C.CarryRecord())
+                    lambda: step[0], C.CarryRecord(), secret=SECRET)
     return pos, carry, SnapshotStore(state, ("rank",), rng=False)
 
 
@@ -119,7 +122,7 @@ def test_a_holder_records_where_each_run_of_carried_steps_begins():
     log, stream = _events()
     held = ReplicaStore()
     carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
-                    C.CarryRecord())
+                    C.CarryRecord(), secret=SECRET)
     layout = TrainState(sampler=Position()).plan(("rank",), rng=False)[0].to_json()
     for s in (1, 2, 5, 6):
         carry.take(_carried_region(s, layout))
@@ -131,7 +134,7 @@ def _carried_region(step: int, layout: bytes, torn: bool = False) -> torch.Tenso
     """The region of a 2-rank group where rank 0 carried `step` (`torn`: one byte of its
     body flipped on the way, its head intact)."""
     region = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
-    blob = bytearray(C.encode(step, layout, b""))
+    blob = bytearray(C.encode(step, layout, b"", key=KEY, rank=0))
     if torn:
         blob[-C._CHECK - 2] ^= 1
     region[:len(blob)] = torch.frombuffer(blob, dtype=torch.uint8)
@@ -148,7 +151,7 @@ def test_a_carried_slot_is_checked_where_it_is_read_and_a_torn_one_leaves_what_w
     pinned = {4}
     held = ReplicaStore(pin=lambda s: s in pinned)
     carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
-                    C.CarryRecord())
+                    C.CarryRecord(), secret=SECRET)
     layout = TrainState(sampler=Position()).plan(("rank",), rng=False)[0].to_json()
     carry.take(_carried_region(1, layout))
     carry.take(_carried_region(2, layout, torn=True))
@@ -156,7 +159,7 @@ def test_a_carried_slot_is_checked_where_it_is_read_and_a_torn_one_leaves_what_w
     assert held.steps(0) == [1]  # the read decodes both: step 2 refused, step 1 held
     [refused] = _named(stream, "replica.rejected")
     assert (refused["rank"], refused["step"], refused["via"]) == (0, 2, "carry")
-    assert "fails its check" in refused["error"]
+    assert "fails its MAC" in refused["error"]
     for s in (4, 5, 6, 7):  # 4 is pinned: decoded as it comes; 5 is overtaken unread
         carry.take(_carried_region(s, layout))
     assert held.steps(0) == [4, 6, 7]
@@ -262,7 +265,7 @@ def _worker(rank: int, port: int, q) -> None:
     state = TrainState(model=model, sampler=pos)
     assert C.Carry.applies(rank, WORLD, NODES)
     carry = C.Carry(state, rank, WORLD, C.Carry.held_by(rank, NODES, WORLD // NODES),
-                    replicas, log, lambda: step[0], C.CarryRecord())
+                    replicas, log, lambda: step[0], C.CarryRecord(), secret=SECRET)
     own = SnapshotStore(state, ("rank",), rng=False)
     g = torch.Generator().manual_seed(rank)
     outcomes, same_grads = [], True
@@ -335,3 +338,182 @@ def test_put_makes_given_bytes_the_current_snapshot_and_refuses_a_size_its_layou
     with pytest.raises(HpctError, match=f"says {layout.nbytes} bytes, 3 given"):
         store.put(4, layout, b"abc")
     assert store.latest() is snap
+
+
+def _slot_region(step: int, layout: bytes) -> torch.Tensor:
+    """The region of a 2-rank group where rank 0's slot holds `layout` (no tensor bytes) at
+    `step`, however malformed the layout: its head and check are sound."""
+    region = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
+    blob = C.encode(step, layout, b"", key=KEY, rank=0)
+    region[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return region
+
+
+def test_a_slot_with_a_malformed_layout_is_refused_and_loses_nothing_else():
+    """A carried slot whose layout holds JSON's Infinity (its check sound): refused by name
+    when read (`replica.rejected`), while the slot waiting beside it is stored and a fetch of
+    a held step, whose read is the first (on the transfer server's connection thread), is
+    served. Before, Layout.from_json's OverflowError came out of that read: the waiting slot
+    was lost with it and the server's thread died, so the fetch of a valid step failed."""
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord(), secret=SECRET)
+    pos = Position()
+    state = TrainState(sampler=pos)
+    pos.consumed = 10
+    carry.take(_slot_region(1, state.plan(("rank",), rng=False)[0].to_json()))
+    assert held.steps(0) == [1]
+    carry.take(_slot_region(2, b'{"nbytes":Infinity,"tree":{},"entries":[]}'))
+    pos.consumed = 30
+    carry.take(_slot_region(3, state.plan(("rank",), rng=False)[0].to_json()))
+    with TransferServer(SECRET, JOB, 1, replicas=held, events=log) as holder:
+        got = fetch_state([holder.address], 0, SECRET, JOB, step=3)
+        fresh = Position()
+        TrainState(sampler=fresh).restore_from(got.layout, got.data, scopes=("rank",))
+        assert fresh.consumed == 30
+        [refused] = _named(stream, "replica.rejected")
+        assert (refused["rank"], refused["step"], refused["via"]) == (0, 2, "carry")
+        assert "nbytes" in refused["error"]
+        carry.take(_slot_region(4, b'{"nbytes":0,"tree":{},"entries":[["load",[],0,0,false]]}'))
+        assert held.steps(0) == [1, 3]  # refused too: a dtype that is no tensor dtype
+        assert "dtype" in _named(stream, "replica.rejected")[-1]["error"]
+        assert fetch_state([holder.address], 0, SECRET, JOB, step=1).step == 1
+
+
+def _committed(step: int, consumed: int):
+    """Rank 0's committed snapshot of `step` at sampler position `consumed`."""
+    pos = Position()
+    pos.consumed = consumed
+    return SnapshotStore(TrainState(sampler=pos), ("rank",), rng=False).commit(step)
+
+
+def _held_position(held: ReplicaStore, step: int) -> int:
+    with held.lease(0, step) as snap:
+        fresh = Position()
+        TrainState(sampler=fresh).restore_from(snap.layout, snap.data, scopes=("rank",))
+    return fresh.consumed
+
+
+def test_a_carried_slot_never_replaces_the_committed_copy_of_its_step():
+    """The owner's state moved after its all-reduce of step 5 (50 -> 51), so its step's end
+    pushed the committed copy ("replace"). The holder took the push before it took its own
+    all-reduce's slots: the carried copy of step 5 (50) comes second. It is dropped, said in
+    `replica.rejected`, and step 5 stays the committed 51 (before, the carried copy replaced
+    it, silently: a wrong rank state on restore). The other order keeps the push too (the
+    push replaces the carried copy): the committed copy wins whichever comes first."""
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord(), secret=SECRET)
+
+    def carried(step: int, consumed: int) -> torch.Tensor:
+        pos = Position()
+        pos.consumed = consumed
+        return _slot_region(step, TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json())
+
+    def push(snap) -> None:
+        idx, buf = held.begin(0, snap.layout.nbytes, snap.step)
+        held.finish(0, idx, buf, snap.step, snap.layout, snap.digest())
+
+    carry.take(carried(4, 40))
+    push(_committed(5, 51))
+    carry.take(carried(5, 50))
+    assert held.steps(0) == [4, 5]
+    assert _held_position(held, 5) == 51
+    [dropped] = _named(stream, "replica.rejected")
+    assert (dropped["rank"], dropped["step"], dropped["via"]) == (0, 5, "carry")
+    assert "committed" in dropped["error"]
+    # the carried copy first (read before the push came), then the push: the push replaces it
+    carry.take(carried(6, 60))
+    assert held.steps(0) == [5, 6]
+    push(_committed(6, 61))
+    assert held.steps(0) == [5, 6] and _held_position(held, 6) == 61
+    assert len(_named(stream, "replica.rejected")) == 1
+
+
+def test_a_carried_slot_decoded_while_the_push_of_its_step_is_received_is_dropped_too():
+    """The same rule where the two meet: a reader decodes the carried step 5 while the
+    committed push of step 5 is being received (the push holds the slots' writer lock, so the
+    carried copy waits for it and is published after it). Forced with events: the push is
+    finished only once the reader waits for the writer lock."""
+    import threading
+
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord(), secret=SECRET)
+    pos = Position()
+    pos.consumed = 40
+    carry.take(_slot_region(4, TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json()))
+    assert held.steps(0) == [4]
+    snap = _committed(5, 51)
+    idx, buf = held.begin(0, snap.layout.nbytes, 5)  # the push's receiving starts
+    pos.consumed = 50
+    carry.take(_slot_region(5, TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json()))
+    slots = held._buffer(0)
+    waiting = threading.Event()
+
+    class Watched:
+        def __init__(self, lock) -> None:
+            self.lock = lock
+
+        def acquire(self, *args):
+            if threading.current_thread().name == "reader":
+                waiting.set()
+            return self.lock.acquire(*args)
+
+        def release(self) -> None:
+            self.lock.release()
+
+    slots._writer = Watched(slots._writer)
+    reader = threading.Thread(target=held.steps, args=(0,), name="reader")
+    reader.start()
+    assert waiting.wait(30)
+    held.finish(0, idx, buf, 5, snap.layout, snap.digest())
+    reader.join(30)
+    assert held.steps(0) == [4, 5] and _held_position(held, 5) == 51
+    [dropped] = _named(stream, "replica.rejected")
+    assert dropped["step"] == 5 and "committed" in dropped["error"]
+
+
+def test_a_forged_slot_is_refused_and_the_held_position_restored():
+    """A slot's MAC is keyed with the job's secret and binds the sending rank. Each forgery
+    of rank 0's step 7 at position 999,999 with a sound head is refused when read
+    (`replica.rejected`) and step 6's position 60 stays what a replacement restores: one with
+    the check recomputed as a plain blake2b (what the unkeyed check was: it was stored and
+    served), one MACed with another job's secret, and rank 1's genuine slot put in rank 0's
+    place."""
+    log, stream = _events()
+    held = ReplicaStore()
+    carry = C.Carry(TrainState(sampler=Position()), 1, 2, [0], held, log, lambda: 0,
+                    C.CarryRecord(), secret=SECRET)
+
+    def layout(consumed: int) -> bytes:
+        pos = Position()
+        pos.consumed = consumed
+        return TrainState(sampler=pos).plan(("rank",), rng=False)[0].to_json()
+
+    def region(blob: bytes) -> torch.Tensor:
+        out = torch.zeros(2 * C.SLOT_BYTES, dtype=torch.uint8)
+        out[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        return out
+
+    carry.take(_slot_region(6, layout(60)))
+    body = C._HEAD.pack(C._MAGIC, 7, len(layout(999_999)), 0) + layout(999_999)
+    forgeries = [
+        body + hashlib.blake2b(body, digest_size=C._CHECK).digest(),
+        C.encode(7, layout(999_999), b"", key=C.slot_key(b"another job's secret"), rank=0),
+        C.encode(7, layout(999_999), b"", key=KEY, rank=1),
+    ]
+    for forged in forgeries:
+        carry.take(region(forged))
+        assert held.steps(0) == [6]
+    with TransferServer(SECRET, JOB, 1, replicas=held, events=log) as holder:
+        got = fetch_state([holder.address], 0, SECRET, JOB)
+    fresh = Position()
+    TrainState(sampler=fresh).restore_from(got.layout, got.data, scopes=("rank",))
+    assert (got.step, fresh.consumed) == (6, 60)
+    refused = _named(stream, "replica.rejected")
+    assert [(e["rank"], e["step"], e["via"]) for e in refused] == [(0, 7, "carry")] * 3
+    assert all("fails its MAC" in e["error"] for e in refused)

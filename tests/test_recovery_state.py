@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 from datetime import timedelta
 
@@ -394,3 +395,109 @@ def test_a_survivors_restore_fills_its_own_optimizer_tensors_and_keeps_nothing_o
     assert {id(t) for s in opt.state.values() for t in s.values()} == before
     buf[:] = b"\0" * len(buf)  # restored state must not alias the buffer
     assert [step() for _ in range(3)] == expected
+
+
+def _empty_replica(_payload: bytes) -> tuple[Layout, bytes, bytes]:
+    """A deferred replica's decoder for a state without tensor bytes."""
+    return Layout((), {}, 0), b"", P.part_digest(b"")
+
+
+def test_a_reader_waits_for_a_deferred_replica_another_thread_is_decoding():
+    """ReplicaStore._settle: thread A takes rank 0's deferred step 2 and decodes it (slowed:
+    it waits for the test). Thread B, reading meanwhile, finds nothing deferred any more; it
+    must wait for A's decode, not answer the step before (it answered [1] while A held step
+    2). The interleaving is forced with events, never timed: A decodes only once B has either
+    answered or gone to wait for A's settling."""
+    import threading
+
+    held = ReplicaStore()
+    held.defer(0, 1, b"", _empty_replica, lambda s, why: None)
+    assert held.steps(0) == [1]
+    decoding, b_moved = threading.Event(), threading.Event()
+
+    class Watched:
+        """The store's settling lock, telling when thread B comes to wait on it."""
+
+        def __init__(self, lock) -> None:
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread().name == "B":
+                b_moved.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    held._settling = Watched(held._settling)
+
+    def slowed(payload: bytes) -> tuple[Layout, bytes, bytes]:
+        decoding.set()
+        assert b_moved.wait(30), "thread B neither answered nor waited"
+        return _empty_replica(payload)
+
+    held.defer(0, 2, b"", slowed, lambda s, why: None)
+    answers: dict[str, list[int]] = {}
+
+    def read(name: str) -> None:
+        answers[name] = held.steps(0)
+        b_moved.set()  # (B answered without waiting: let A finish)
+
+    a = threading.Thread(target=read, args=("A",), name="A")
+    a.start()
+    assert decoding.wait(30)
+    b = threading.Thread(target=read, args=("B",), name="B")
+    b.start()
+    a.join(30)
+    b.join(30)
+    assert answers == {"A": [1, 2], "B": [1, 2]}
+
+
+def _layout_json(nbytes="128", entry='["float32",[2,3],64,24,false]', tree="{}") -> str:
+    return f'{{"nbytes":{nbytes},"tree":{tree},"entries":[{entry}]}}'
+
+
+@pytest.mark.parametrize("raw, field", [
+    (_layout_json(nbytes="Infinity"), "nbytes"),          # was OverflowError
+    (_layout_json(nbytes="NaN"), "nbytes"),
+    (_layout_json(nbytes="128.0"), "nbytes"),
+    (_layout_json(nbytes="-1"), "nbytes"),
+    (_layout_json(nbytes="true"), "nbytes"),
+    (_layout_json(nbytes='"128"'), "nbytes"),
+    (_layout_json(nbytes=str(1 << 63)), "nbytes"),
+    (_layout_json(entry='["float32",[2,3],Infinity,24,false]'), "entries[0].offset"),
+    (_layout_json(entry='["float32",[2,3],64,1e400,false]'), "entries[0].nbytes"),
+    (_layout_json(entry='["float32",[2,Infinity],64,24,false]'), "entries[0].shape[1]"),
+    (_layout_json(entry='["load",[1],64,1,false]'), "entries[0].dtype"),  # was accepted
+    (_layout_json(entry='["qint8",[1],64,1,false]'), "entries[0].dtype"),
+    (_layout_json(entry='["float32",[2,3],64,24,1]'), "entries[0].numpy"),
+    (_layout_json(entry='["bfloat16",[2,3],64,12,true]'), "entries[0] is a numpy array"),
+    (_layout_json(entry='["float32",[2,3],64,25,false]'), "entries[0].nbytes is 25"),
+    (_layout_json(entry='["float32",[2,3],66,24,false]'), "entries[0].offset 66"),
+    (_layout_json(entry='["float32",[2,3],112,24,false]'), "entries[0].offset 112"),
+    (_layout_json(entry='["float32",[2,3],64,24]'), "entries[0] is"),
+    (_layout_json(tree="[]"), "tree"),
+    ('{"nbytes":128,"tree":{},"entries":{}}', "entries"),
+    ("[]", "not an object"),
+    ("{not json", "not JSON"),
+    (b"\xff", "not JSON"),
+])
+def test_a_layout_is_checked_field_by_field_and_a_bad_one_named(raw, field):
+    """Layout.from_json on what a peer or a file could hold: anything but a sound layout
+    raises HpctError naming the field (the callers' "this copy is bad"), never an
+    OverflowError, and no dtype is taken that a restore cannot view as (torch.load)."""
+    with pytest.raises(HpctError, match=re.escape(field)):
+        Layout.from_json(raw)
+
+
+def test_every_layout_a_capture_makes_reads_back_the_same():
+    """The checks take what TrainState writes: a model, Adam, a scheduler, a sampler, the RNG
+    states (numpy's uint32 array among them), bf16, bool and empty tensors."""
+    _, _, state, step = make_training()
+    step()
+    state.extras["odd"] = {"bf16": torch.ones(3, dtype=torch.bfloat16),
+                           "mask": torch.tensor([True, False]), "none": torch.empty(0, 5)}
+    layout, buf = state.capture_into(None)
+    assert any(e.numpy for e in layout.entries)
+    assert Layout.from_json(layout.to_json()) == layout
+    state.restore_from(Layout.from_json(layout.to_json()), buf)

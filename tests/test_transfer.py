@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from hpct_slurm import protocol as P
 from hpct_slurm.errors import HpctError
 from hpct_slurm.events import EventLog
+from hpct_slurm.recovery import persist
 from hpct_slurm.recovery.persist import DiskPersister, list_steps, load_latest, rank_dir
 from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
 from hpct_slurm.recovery.state import Layout, TrainState
@@ -336,3 +338,23 @@ def test_a_file_system_refusing_o_direct_mocked_gets_a_buffered_write(tmp_path, 
     assert refused
     _, _, got, _ = persist.read_snapshot(path, 0, key=b"k" * 32)
     assert bytes(got) == bytes(data)
+
+
+def test_disk_falls_back_when_the_newest_files_layout_is_malformed_under_a_valid_mac(
+        tmp_path, events):
+    """A file written with the job's secret whose layout holds JSON's Infinity (an offset) or
+    a dtype that is no tensor dtype: refused as damaged (`persist.corrupt`, naming the field)
+    and the older file loaded. Before, the Infinity's OverflowError came out of load_latest."""
+    _, state, step = trained_state()
+    store = SnapshotStore(state)
+    good = store.commit(1)
+    e = good.layout.entries[0]
+    for name, bad in (("inf", replace(e, offset=float("inf"))), ("load", replace(e, dtype="load"))):
+        root = tmp_path / name
+        persist.write_snapshot(root, 3, 1, good.layout, good.data, good.digest(), key=SECRET)
+        layout = replace(good.layout, entries=(bad, *good.layout.entries[1:]))
+        persist.write_snapshot(root, 3, 2, layout, good.data, good.digest(), key=SECRET)
+        step_, layout, data = load_latest(root, 3, events=events.log, key=SECRET)
+        assert step_ == 1 and bytes(data) == bytes(good.data)
+        corrupt = events.named("persist.corrupt")[-1]
+        assert corrupt["step"] == 2 and "entries[0]." in corrupt["error"], corrupt

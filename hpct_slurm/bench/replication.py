@@ -178,7 +178,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     dist.init_process_group("gloo", init_method=f"file://{store_file.name}", rank=0,
                             world_size=1)
     carry = Carry(rank_state, 0, 1, [0], ReplicaStore(), EventLog(), lambda: step,
-                  CarryRecord())
+                  CarryRecord(), secret=secrets.token_bytes(32))
     reduce_with: dict[str, Carry | None] = {"carry": None}
 
     overlapped = {"store": None}

@@ -214,7 +214,8 @@ def read_snapshot(path: Path, rank: int, *, key: bytes) -> tuple[int, Layout, by
                                 f"{layout.nbytes} data bytes, the file holds {have}")
             data = bytearray(layout.nbytes)
             got = f.readinto(data)
-    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+    # OverflowError: a JSON Infinity where an int belongs (the step)
+    except (OSError, struct.error, ValueError, KeyError, TypeError, OverflowError) as exc:
         raise HpctError(f"snapshot file '{path}' is unreadable: {describe(exc)}") from None
     if got != layout.nbytes:
         raise HpctError(f"snapshot file '{path}' is truncated: {got} of {layout.nbytes} data bytes")

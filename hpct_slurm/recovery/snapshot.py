@@ -167,13 +167,20 @@ class DoubleBuffer:
     def _target(self) -> int:
         return 0 if self._current != 0 else 1
 
-    def acquire_target(self, nbytes: int | None = None) -> tuple[int, torch.Tensor | None]:
+    def acquire_target(self, nbytes: int | None = None,
+                       check: Callable[[Snapshot | None], None] | None = None
+                       ) -> tuple[int, torch.Tensor | None]:
         """The non-current slot, invalidated and with no readers, for a writer to fill.
+        `check(latest)`, once this writer has the writer lock and before the slot is given
+        up: what is held then, which no other writer changes until this one is done; it may
+        `discard` it, or raise to refuse the write (nothing given up, nothing held).
 
         The caller must end with `publish` or `abandon`.
         """
         self._writer.acquire()
         try:
+            if check is not None:
+                check(self.latest())
             with self._cond:
                 idx = self._target()
                 old = self._snaps[idx]
@@ -642,14 +649,21 @@ class ReplicaStore:
         # One settler at a time, so no reader answers while another holds replicas it took
         # out of `_deferred` and has not stored yet
         self._settling = threading.RLock()
+        # How many settlers hold replicas taken out of `_deferred` and not stored yet (counted
+        # under `_lock` with the taking): a reader that finds nothing deferred must still wait
+        # for them, or it answers without a step being decoded that moment
+        self._decoding = 0
 
     def _buffer(self, rank: int) -> DoubleBuffer:
         with self._lock:
             return self._ranks.setdefault(rank, DoubleBuffer())
 
     def _slots(self, rank: int) -> DoubleBuffer:
-        """`rank`'s slots, its deferred replicas stored first."""
-        if self._deferred:  # (read without the lock: a replica deferred meanwhile is newer)
+        """`rank`'s slots, its deferred replicas stored first, and those another thread is
+        decoding now (`_settle` waits for that thread)."""
+        with self._lock:
+            busy = rank in self._deferred or self._decoding
+        if busy:
             self._settle([rank])
         return self._buffer(rank)
 
@@ -661,16 +675,21 @@ class ReplicaStore:
                 todo = [(r, self._deferred.pop(r)) for r in
                         (list(self._deferred) if ranks is None else ranks)
                         if r in self._deferred]
-            for rank, pending in todo:
-                for step, payload, decoder, refused in pending:
-                    try:
-                        layout, data, digest = decoder(payload)
-                        idx, buf = self._begin(rank, len(data), step)
-                        if data:
-                            as_memoryview(buf)[:len(data)] = data
-                        self._finish(rank, idx, buf, step, layout, digest, checked=True)
-                    except HpctError as exc:
-                        refused(step, exc.message)
+                self._decoding += 1
+            try:
+                for rank, pending in todo:
+                    for step, payload, decoder, refused in pending:
+                        try:
+                            layout, data, digest = decoder(payload)
+                            idx, buf = self._begin(rank, len(data), step, carried=True)
+                            if data:
+                                as_memoryview(buf)[:len(data)] = data
+                            self._finish(rank, idx, buf, step, layout, digest, checked=True)
+                        except HpctError as exc:
+                            refused(step, exc.message)
+            finally:
+                with self._lock:
+                    self._decoding -= 1
 
     def defer(self, rank: int, step: int, payload: bytes, decoder: Decoder,
               refused: Refused) -> None:
@@ -698,25 +717,36 @@ class ReplicaStore:
     def begin(self, rank: int, nbytes: int, step: int | None = None) -> tuple[int, torch.Tensor]:
         """A writable slot of at least `nbytes` for an incoming replica of `rank` at `step`.
 
-        A step older than the newest one held is refused here, before the older slot is given up
-        for it (`finish` checks again, under the writer lock); so is a size that cannot be
-        allocated. Either way nothing stays held."""
+        A step older than the newest one held is refused here, under the writer lock, before
+        the older slot is given up for it; so is a size that cannot be allocated. Either way
+        nothing stays held. A copy of the step held newest replaces it (`_begin`)."""
         self._slots(rank)
         return self._begin(rank, nbytes, step)
 
-    def _begin(self, rank: int, nbytes: int, step: int | None) -> tuple[int, torch.Tensor]:
+    def _begin(self, rank: int, nbytes: int, step: int | None, carried: bool = False
+               ) -> tuple[int, torch.Tensor]:
+        """`begin`; `carried`: for a replica carried in the all-reduce (`defer`), not pushed."""
         slots = self._buffer(rank)
-        if step is not None:
-            self._refuse_older(rank, step, slots)
-            newest = slots.latest()
+
+        def check(newest: Snapshot | None) -> None:
+            # Under the writer lock: no copy is published between this look and the write
+            self._refuse_older(rank, step, newest)
             if newest is not None and newest.step == step:
-                # The step held newest, again: it replaces that copy (a rank whose carried
-                # state moved after its all-reduce pushes the committed one, carry.py), and
-                # the step before stays. Two copies of one step must never be held: a lease
-                # by step would take either.
+                # The step held newest, again. Two copies of one step must never be held (a
+                # lease by step would take either), and the committed copy wins: a push of
+                # the step held is the owner's commit, sent because the copy it carried in
+                # the all-reduce is not its step's state (it moved after it: carry.py), so
+                # it replaces that copy and the step before stays; a carried copy of a step
+                # held is dropped (the push came first: the holder took its all-reduce's
+                # slots after it), the committed copy kept.
+                if carried:
+                    raise HpctError(f"carried copy of rank {rank}'s step {step} dropped: the "
+                                    f"committed copy of that step, pushed at its end, is "
+                                    f"held and stays")
                 slots.discard(newest)
+
         try:
-            idx, buf = slots.acquire_target(nbytes)
+            idx, buf = slots.acquire_target(nbytes, None if step is None else check)
         except (RuntimeError, MemoryError) as exc:  # what torch raises when it cannot allocate
             raise HpctError(f"cannot allocate {nbytes} bytes for a replica of rank {rank}: "
                             f"{exc}") from None
@@ -739,10 +769,9 @@ class ReplicaStore:
         return dropped
 
     @staticmethod
-    def _refuse_older(rank: int, step: int, slots: DoubleBuffer) -> None:
+    def _refuse_older(rank: int, step: int, held: Snapshot | None) -> None:
         # Replicas only move forward: an older one arriving is stale or replayed, and taking it
         # would roll the holder back.
-        held = slots.latest()
         if held is not None and step < held.step:
             raise HpctError(f"replica of rank {rank} at step {step} is older than step "
                             f"{held.step} held; refused")
@@ -758,7 +787,7 @@ class ReplicaStore:
                 digest: bytes, checked: bool) -> Snapshot:
         slots = self._buffer(rank)
         try:
-            self._refuse_older(rank, step, slots)
+            self._refuse_older(rank, step, slots.latest())
         except HpctError:
             slots.abandon(idx)
             raise

@@ -370,7 +370,7 @@ class SnapshotPolicy:
             self.carry = Carry(self.state, rank, world,
                                Carry.held_by(rank, n, a.tasks_per_node), self.replicas,
                                self.events, lambda: self.standing.step, self._carry_record,
-                               rng=not RESEEDED)
+                               rng=not RESEEDED, secret=self.secret)
 
     def close(self) -> None:
         """The pusher, the persisters and the global optimizer hook, at the process's end."""

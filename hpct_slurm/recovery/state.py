@@ -75,17 +75,89 @@ class Layout:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Layout":
+        """The layout `to_json` wrote, checked field by field: it comes from the network and
+        from disk, and everything a restore does with it (offsets, views by dtype and shape)
+        must be sound before it is used. A field that is not raises HpctError naming it (a
+        JSON `Infinity` used to get through as OverflowError, out of every caller's handling
+        of a bad copy; a dtype was any attribute of torch, "load" among them)."""
         try:
             obj = json.loads(raw)
-            entries = tuple(TensorEntry(str(d), tuple(int(x) for x in s), int(o), int(n), bool(np_))
-                            for d, s, o, n, np_ in obj["entries"])
-            layout = cls(entries, obj["tree"], int(obj["nbytes"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HpctError(f"snapshot layout is malformed: {exc}") from None
-        for e in layout.entries:
-            if e.offset < 0 or e.offset + e.nbytes > layout.nbytes or not hasattr(torch, e.dtype):
-                raise HpctError(f"snapshot layout entry {e} does not fit a {layout.nbytes}-byte buffer")
-        return layout
+        except (ValueError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise HpctError(f"snapshot layout is not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise HpctError(f"snapshot layout is {_shown(obj)}, not an object")
+        nbytes = _count(obj.get("nbytes"), "nbytes")
+        tree = obj.get("tree")
+        if not isinstance(tree, dict):
+            raise HpctError(f"snapshot layout's tree is {_shown(tree)}, not an object")
+        raw_entries = obj.get("entries")
+        if not isinstance(raw_entries, list):
+            raise HpctError(f"snapshot layout's entries are {_shown(raw_entries)}, not a list")
+        return cls(tuple(_entry(e, f"entries[{i}]", nbytes) for i, e in enumerate(raw_entries)),
+                   tree, nbytes)
+
+
+# The dtypes a snapshot's tensor may have, by name: a layout names one, and looking the name up
+# as any attribute of torch took "load" (torch.load) too. `numpy`: those an entry restored as
+# a numpy array may have (numpy has no bfloat16, float8 or complex32).
+_NUMPY_DTYPES = frozenset(("float64", "float32", "float16", "complex128", "complex64", "int64",
+                           "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+                           "bool"))
+_DTYPES: dict[str, torch.dtype] = {
+    name: dt for name in (*_NUMPY_DTYPES, "bfloat16", "complex32", "float8_e4m3fn",
+                          "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                          "float8_e8m0fnu")
+    if isinstance(dt := getattr(torch, name, None), torch.dtype)}  # (an older torch lacks some)
+# Offsets and sizes index int64 tensors
+_MAX_COUNT = (1 << 63) - 1
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _count(value: Any, field: str) -> int:
+    """`value` if it is a JSON integer from 0 to int64's largest; a float (1.0, Infinity,
+    NaN), a bool or a string is not one."""
+    if type(value) is not int or not 0 <= value <= _MAX_COUNT:
+        raise HpctError(f"snapshot layout's {field} is {_shown(value)}, not an integer from 0 "
+                        f"to 2**63-1")
+    return value
+
+
+def _entry(raw: Any, field: str, total: int) -> TensorEntry:
+    """One tensor's entry, [dtype, shape, offset, nbytes, numpy], whole and inside a buffer
+    of `total` bytes: its bytes are exactly its shape's, at an offset its dtype can be viewed
+    at."""
+    if not isinstance(raw, list) or len(raw) != 5:
+        raise HpctError(f"snapshot layout's {field} is {_shown(raw)}, not [dtype, shape, "
+                        f"offset, nbytes, numpy]")
+    dtype, shape, offset, nbytes, is_np = raw
+    if type(dtype) is not str or dtype not in _DTYPES:
+        raise HpctError(f"snapshot layout's {field}.dtype is {_shown(dtype)}, not one of the "
+                        f"tensor dtypes a snapshot holds")
+    if not isinstance(shape, list):
+        raise HpctError(f"snapshot layout's {field}.shape is {_shown(shape)}, not a list")
+    dims = tuple(_count(d, f"{field}.shape[{i}]") for i, d in enumerate(shape))
+    offset = _count(offset, f"{field}.offset")
+    nbytes = _count(nbytes, f"{field}.nbytes")
+    if type(is_np) is not bool:
+        raise HpctError(f"snapshot layout's {field}.numpy is {_shown(is_np)}, not true or false")
+    if is_np and dtype not in _NUMPY_DTYPES:
+        raise HpctError(f"snapshot layout's {field} is a numpy array of dtype {dtype}, which "
+                        f"numpy does not have")
+    size = _DTYPES[dtype].itemsize
+    numel = 1
+    for d in dims:
+        numel *= d
+    if numel * size != nbytes:
+        raise HpctError(f"snapshot layout's {field}.nbytes is {nbytes}, but shape {list(dims)} "
+                        f"of {dtype} is {numel * size} bytes")
+    if offset % size or offset + nbytes > total:
+        raise HpctError(f"snapshot layout's {field}.offset {offset} (+{nbytes} bytes) is not a "
+                        f"{dtype} position inside the {total}-byte buffer")
+    return TensorEntry(dtype, dims, offset, nbytes, is_np)
 
 
 def _align(n: int) -> int:

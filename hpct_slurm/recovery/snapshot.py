@@ -315,6 +315,13 @@ class Unchanged:
         now = self.now() if versions is None else versions
         return sum(a != b for a, b in zip(self.versions, now))
 
+    def keep(self, which: list[bool]) -> "Unchanged":
+        """The proof for the tensors marked in `which` only, with the versions of the step."""
+        kept = Unchanged([])
+        kept.tensors = [t for t, k in zip(self.tensors, which) if k]
+        kept.versions = [v for v, k in zip(self.versions, which) if k]
+        return kept
+
 
 class SnapshotStore:
     """This rank's own snapshots of `state`, committed every `every` steps.
@@ -578,13 +585,19 @@ class SnapshotStore:
             self._refused(pending[2], exc)
             return None
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, ahead: set[int] | None = None) -> None:
         """From the optimizer's step pre-hook: the parameters and optimizer state are about
         to change, so a pending snapshot no longer describes them, and the background copy of
         the last commit must read them first: on a CPU it is done when this returns; on a
         GPU its copies are queued and the update's kernels wait for them there (this thread
-        waits only for the copies to be queued, a matter of the host's launch time)."""
-        self.drop_pending()
+        waits only for the copies to be queued, a matter of the host's launch time).
+
+        `ahead`: the addresses of the tensors this update changes, given where it is not the
+        step's last (a GAN's discriminator, updated before the generator's gradients are
+        reduced): those of the pending snapshot are copied now, before they change, and the
+        step stays held (`_copy_ahead`)."""
+        if ahead is None or not self._copy_ahead(ahead):
+            self.drop_pending()
         if not self._issued.is_set():  # (mostly set: no condition to take)
             self._issued.wait()  # the issuing thread set the marks (or the error) before this
         self._raise()
@@ -596,6 +609,35 @@ class SnapshotStore:
             with self._watch_lock:
                 if self._ordered is None:
                     self._ordered = self._async_watch.now()
+
+    def _copy_ahead(self, ahead: set[int]) -> bool:
+        """Copy the pending snapshot's live tensors at `ahead` into its slot now, and keep
+        holding it: the rest stays untouched until a later update (the step's last, which
+        drops it), so a fault in between still finds the step whole (finish_pending copies
+        the rest). Costs a copy of what this update changes, where dropping the hold would
+        cost the group a rollback to the last full commit. False when nothing is pending, or
+        the pending step is no longer the live state (refused, as at a fault)."""
+        pending = self._pending
+        if pending is None:
+            return False
+        idx, buf, step, layout, late, marks, watch = pending
+        moved = watch.changed()
+        if moved:
+            self.drop_pending()
+            self._refused(step, NotTheStep(f"{moved} of {len(watch.tensors)} tensors of "
+                                           f"step {step}'s snapshot were changed in place "
+                                           f"before the step's next update"))
+            return False
+        now = [src.data_ptr() in ahead for _, src in late]
+        try:
+            copied = issue_copies([pair for pair, n in zip(late, now) if n], marks)
+        except BaseException:
+            self.drop_pending()
+            raise
+        order_after(copied)  # on a GPU the update's kernels wait for these copies
+        self._pending = (idx, buf, step, layout, [pair for pair, n in zip(late, now) if not n],
+                         marks + copied, watch.keep([not n for n in now]))
+        return True
 
     def wait_copied(self) -> None:
         """Until the background copy of the last commit is done (the parameters and optimizer

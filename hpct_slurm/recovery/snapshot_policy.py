@@ -11,6 +11,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import protocol as P
@@ -45,6 +46,18 @@ LAZY_FULL_EVERY = 64
 # the RNG states at a step's end are overwritten before anything reads them, so its snapshots
 # leave them out (7.5 KB of a sampler's rank snapshot, and most of its cost: bench replication).
 RESEEDED = True
+
+
+def _changed_by(optimizer: Any) -> set[int]:
+    """The addresses of the tensors an optimizer's update changes: its parameters (a
+    DTensor's local shard) and its state's tensors."""
+    ptrs = {(p.to_local() if hasattr(p, "to_local") else p).data_ptr()
+            for g in optimizer.param_groups for p in g["params"]}
+    for st in optimizer.state.values():
+        for t in st.values():
+            if isinstance(t, torch.Tensor):
+                ptrs.add((t.to_local() if hasattr(t, "to_local") else t).data_ptr())
+    return ptrs
 
 
 def first_mode(state: TrainState, given: str | None, mesh_spec: MeshSpec | None) -> str:
@@ -127,6 +140,10 @@ class SnapshotPolicy:
         self._peers: dict[int, tuple[str, int]] = {}
         # Whether the step in progress reached its optimizer update (Generation._abandon)
         self.updating = False
+        # Updates of registered state in the step in progress, and in the last whole step: an
+        # update that is not a step's last copies what it changes ahead (before_update)
+        self._updates = 0
+        self._updates_per_step = 1
 
     # ---- the mode -------------------------------------------------------------------------
     def sharded_mode(self, spec: MeshSpec) -> str:
@@ -182,6 +199,7 @@ class SnapshotPolicy:
     def end_step(self, step: int) -> None:
         """After a step: its snapshot, when one is due (full, its copy overlapping the next
         step or not), else held lazily where that is allowed."""
+        self._updates_per_step, self._updates = max(self._updates, 1), 0
         if self._full_commit(step):
             self._commit_rank_state(step)
             if self._pins(step):
@@ -247,7 +265,7 @@ class SnapshotPolicy:
         about to change). Every other optimizer that steps in this process is watched too,
         through torch's global step pre-hook, when it updates registered state (a GAN's
         discriminator passed to Job as extra state): its update must not race the copy."""
-        optimizer.register_step_pre_hook(lambda *_: self.before_update())
+        optimizer.register_step_pre_hook(lambda opt, *_: self.before_update(opt))
         self._watched.add(optimizer)
         if self._global_hook is None:
             policy = weakref.ref(self)
@@ -269,7 +287,7 @@ class SnapshotPolicy:
                 (p.to_local() if hasattr(p, "to_local") else p).data_ptr() in stable
                 for g in optimizer.param_groups for p in g["params"])
         if self._updates_state[optimizer]:
-            self.before_update()
+            self.before_update(optimizer)
 
     def _not_the_step(self, step: int, detail: str) -> None:
         """A held or overlapped snapshot refused (SnapshotStore.on_not_the_step): this rank
@@ -277,9 +295,20 @@ class SnapshotPolicy:
         self.events.emit(Ev.SNAPSHOT_NOT_THE_STEP, rank=self.standing.rank, step=step,
                          error=detail, holds=self.snapshots.slots.steps())
 
-    def before_update(self) -> None:
+    def before_update(self, optimizer: Any = None) -> None:
+        """Before an update of registered state. Where the last whole step made more than one
+        (a GAN's discriminator and generator), every one but the last keeps the held step:
+        the tensors it changes are copied first (SnapshotStore.before_optimizer_step). A
+        fault between two such updates (the generator's gradients reduced after the
+        discriminator's update) then restores this step and recomputes one, where dropping
+        the hold rolled the group back to the last full commit (up to LAZY_FULL_EVERY - 1
+        steps)."""
         self.updating = True
-        self.snapshots.before_optimizer_step()
+        self._updates += 1
+        ahead = None
+        if optimizer is not None and self._updates < self._updates_per_step:
+            ahead = _changed_by(optimizer)
+        self.snapshots.before_optimizer_step(ahead)
 
     # ---- at a fault -----------------------------------------------------------------------
     def settle(self, follow_ups: bool = False) -> None:
@@ -309,6 +338,7 @@ class SnapshotPolicy:
         creation, step -1, on a first start): a newcomer that pulled its state from peers or
         disk is then a source itself if the next fault comes before its first commit, and a
         fault during step 0 has a state at creation to roll back to."""
+        self._updates = 0  # the faulted step's updates are not the next step's
         for store in (self.snapshots, self.rank_snaps):
             if store is None:
                 continue

@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--fail-at", type=int, default=None, metavar="STEP")
     ap.add_argument("--die-at", type=int, default=None, metavar="STEP")
     ap.add_argument("--phase", choices=("start", "window"), default="start")
+    ap.add_argument("--reset-ema", action="store_true",
+                    help="test: a script bug, the EMA started again from the generator after "
+                         "every restore (Job(...) restored it): the restore's proof catches it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -87,6 +90,8 @@ def main() -> None:
     else:
         job = Job(gen, gopt, sched, seed=0)
         job.state.register(scope="shared", ema=ema, disc=disc, disc_opt=dopt)
+    if args.reset_ema and job.generation > 0:
+        ema.module.load_state_dict(gen.state_dict())
 
     def fault(phase: str) -> None:
         if job.generation != 0 or job.rank != args.fault_rank or phase != args.phase:

@@ -245,6 +245,9 @@ class Job:
         # A restore happened and the first step boundary after it has yet to prove it (proof.py)
         self._proof_due = False
         self._names_seen = -1  # the registrations last checked (_check_registrations)
+        # The restored step held, until the next step ends, and the registrations then
+        self._held_at: int | None = None
+        self._held_names = -1
         self._registered_once = False  # job.register was called in an earlier run of main()
         if self._inline:
             if Job._main is not None:
@@ -664,10 +667,16 @@ class Job:
         """The earliest moment of a step (its seeding or its stop check, whichever the form
         runs first): the registrations made since the last look are checked, and the first
         step after a restore proves it first."""
-        if self.state.version != self._names_seen:
-            self._check_registrations()
         if self._proof_due:
             self._prove_restore()
+        if self._held_at is not None and self.state.version != self._held_names:
+            # registered since the restored step was held, which lacks them (the inline
+            # form's job.state.register after Job(...)): held again, now that the proof
+            # above says the live state is the restored one
+            self._policy.hold_again(self._held_at)
+            self._held_names = self.state.version
+        if self.state.version != self._names_seen:
+            self._check_registrations()
 
     def _check_registrations(self) -> None:
         """Per-rank state travels in the rank's own snapshots, which exist only where some
@@ -699,6 +708,7 @@ class Job:
     def _end_step(self, step: int, out: Any = None) -> None:
         """After a step: its snapshot when one is due, the report to the controller."""
         self._updating = False  # the next step's forward and backward may be abandoned again
+        self._held_at = None
         if isinstance(out, (int, float)):
             self._losses[step] = float(out)
         self._policy.end_step(step)
@@ -816,6 +826,7 @@ class Job:
         if not held_state and a.restore_step >= 0:
             self._read_back_losses(a.rank, a.restore_step)
         self._policy.hold_restored(a.restore_step)
+        self._held_at, self._held_names = a.restore_step, self.state.version
         dropped = self.replicas.forget_after(a.restore_step)
         if dropped:
             self.events.emit(Ev.REPLICA_ROLLED_BACK, ranks=dropped, step=a.restore_step)

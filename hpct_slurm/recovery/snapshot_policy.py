@@ -356,6 +356,19 @@ class SnapshotPolicy:
             self.rank_snaps.slots.pin(step)
             self.replicas.pin(step)
 
+    def hold_again(self, step: int) -> None:
+        """The script registered more state after `hold_restored(step)` and before the next
+        step (the inline form's job.state.register after Job(...)): the held step is taken
+        again, so that a fault in the next step restores those objects too. Only once the
+        restore is proven (Job): the live state is then the restored one. The shared
+        state only: per-rank state registered that late is refused (Job)."""
+        if step not in self.snapshots.slots.steps():
+            return
+        with self.snapshots.lease(step) as snap:
+            if snap is not None:
+                self.snapshots.slots.discard(snap)
+        self.snapshots.commit(step)
+
     def open_persisters(self, key: Callable[[int], int]) -> None:
         """The disk persisters of the rank this process now holds (`key`: a rank's shard key)."""
         rank, world_size = self.standing.rank, self.standing.world_size

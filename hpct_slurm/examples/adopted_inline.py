@@ -28,15 +28,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    job = Job(seed=0)  # takes the rank (a spare waits here) and forms the group
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)  # every rank starts from the same weights
     model = TinyLM()
     ddp = DDP(model)
     data = token_data()
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * len(loader))
-    job = Job(model, opt, sched, seed=0)  # takes the rank (a spare waits here), restores
+    job.register(model, opt, sched)  # restores their state
     for epoch in job.epochs(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in job.steps(loader):
@@ -47,9 +49,9 @@ def main() -> None:
             opt.step()
             sched.step()
             time.sleep(args.step_sleep)  # stands in for a bigger model's compute time
-        if dist.get_rank() == 0:
+        if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e}")
-    save_result(args.out, dist.get_rank(), model)
+    save_result(args.out, rank, model)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ CASES = {
     "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
     "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
     "gradients": (["--smoke"], {"bench", "step_s", "vs_torch_ddp", "all_reduce_calls_per_step"}),
+    "proof": (["--smoke"], {"bench", "per_size", "added_s"}),
 }
 
 
@@ -106,7 +107,7 @@ def test_bench_cli_prints_summary_and_writes_results(name, tmp_path):
     (["replication", "--sizes", "2,4"], "--sizes only applies to the rendezvous benchmark"),
     (["transfer", "--reps", "2"], "--reps only applies to the rendezvous and replication "
                                   "benchmarks"),
-    (["recovery", "--smoke"], "--smoke only applies to cache, gpu, gradients, rendezvous, "
+    (["recovery", "--smoke"], "--smoke only applies to cache, gpu, gradients, proof, rendezvous, "
                               "replication, teardown, transfer"),
     (["rendezvous", "--reps", "0"], "--reps 0 must be at least 1"),
 ])

@@ -19,7 +19,7 @@ NAME = "all"
 # (benchmark, quick even in a full `bench all`): the rendezvous sweep's full mode goes to 64
 # ranks, which on a small machine measures memory pressure more than rendezvous.
 SUITE = (("rendezvous", True), ("replication", False), ("transfer", False), ("teardown", False),
-         ("gradients", False), ("cache", False), ("recovery", False))
+         ("gradients", False), ("cache", False), ("proof", False), ("recovery", False))
 CLUSTER = {"recovery"}
 
 

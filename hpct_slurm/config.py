@@ -136,6 +136,8 @@ SNAPSHOT_OVERLAP = "HPCT_SNAPSHOT_OVERLAP"
 SNAPSHOT_LAZY = "HPCT_SNAPSHOT_LAZY"
 FAULT_CORRUPT_SERVE = "HPCT_FAULT_CORRUPT_SERVE"
 FAULT_TAKER_DIES_AT = "HPCT_FAULT_TAKER_DIES_AT"
+FAULT_FLIP_RANK = "HPCT_FAULT_FLIP_RANK"
+FAULT_FLIP_STEP = "HPCT_FAULT_FLIP_STEP"
 # the phases of an adoption a test can land a second fault in (recovery/inject.py)
 TAKER_PHASES = ("assigned", "store", "connect", "pull", "first_step")
 BACKEND = "HPCT_BACKEND"
@@ -248,6 +250,12 @@ SETTINGS: tuple[Setting, ...] = (
        scope="job"),
     _s(FAULT_CORRUPT_SERVE, "ranks", frozenset(), TEST, _RANK, "fault injection: these "
        "ranks serve rotten copies of their snapshots", scope="job"),
+    _s(FAULT_FLIP_RANK, "int", None, TEST, _RANK, "fault injection: this rank flips one bit "
+       "of its first parameter after step HPCT_FAULT_FLIP_STEP, in the job's first "
+       "generation (silent data corruption: recovery/crosscheck.py)", lo=0, hi=UINT32_MAX,
+       scope="job"),
+    _s(FAULT_FLIP_STEP, "int", None, TEST, _RANK, "fault injection: the step after which "
+       "HPCT_FAULT_FLIP_RANK flips its bit", lo=0, hi=UINT32_MAX, scope="job"),
     # ---- rendezvous ----------------------------------------------------------------------
     _s(MEMBERS, "str", None, CONTROLLER, "rendezvous", "hostlist of the generation's member "
        "nodes in rank order (unset: the step's own nodes)", scope="rendezvous"),
@@ -520,6 +528,8 @@ class JobSettings:
     persist_every: int = 0  # built directly (tests): no disk; a rank gets the controller's
     corrupt_serve: frozenset[int] = field(default_factory=frozenset)
     taker_dies_at: str | None = None  # test fault injection (recovery/inject.py)
+    flip_rank: int | None = None  # test fault injection: a bit flipped (crosscheck.py)
+    flip_step: int | None = None
     served_job_id: int | None = None  # a pool spare: the main job it serves
     relay: bool = False  # reach the controller through the node's relay (relay/node.py)
     backend: str = "auto"
@@ -541,6 +551,7 @@ class JobSettings:
                    persist_every=read(env, PERSIST_EVERY),
                    corrupt_serve=read(env, FAULT_CORRUPT_SERVE),
                    taker_dies_at=read(env, FAULT_TAKER_DIES_AT),
+                   flip_rank=read(env, FAULT_FLIP_RANK), flip_step=read(env, FAULT_FLIP_STEP),
                    served_job_id=read(env, JOB_ID),
                    relay=read(env, RELAY),
                    backend=read(env, BACKEND),

@@ -131,6 +131,7 @@ class Ev(_Name):
     RESTORE_REPLICA_MISSING = "restore.replica_missing"
     RESTORE_PROVEN = "restore.proven"
     RESTORE_UNPROVEN = "restore.unproven"
+    REPLICA_DIVERGED = "replica.diverged"
     REPLICA_ROLLED_BACK = "replica.rolled_back"
     REPLICA_STORED = "replica.stored"
     REPLICA_REJECTED = "replica.rejected"

@@ -883,7 +883,8 @@ def test_move_requests_are_read_without_blocking_or_following_links(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from hpct_slurm.controller.lifecycle import REQUEST_MAX_BYTES, Lifecycle
+    from hpct_slurm.controller.lifecycle import Lifecycle
+    from hpct_slurm.move_requests import REQUEST_MAX_BYTES
     from hpct_slurm.events import EventLog
 
     run_dir = tmp_path / "run"

@@ -154,7 +154,7 @@ def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path):
 
 
 def test_a_users_move_request_moves_the_node_and_bad_ones_are_answered(tmp_path):
-    from hpct_slurm.controller.lifecycle import ask_move
+    from hpct_slurm.move_requests import ask_move
 
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:

@@ -103,7 +103,7 @@ def run_move(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..slurm.client import SlurmClient
-    from .lifecycle import ask_move
+    from ..move_requests import ask_move
 
     run_dir = args.run_dir or C.read(os.environ, C.RUN_DIR)
     if run_dir is None:

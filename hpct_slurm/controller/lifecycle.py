@@ -20,10 +20,7 @@ policy.py; `Lifecycle` does the I/O through the controller it belongs to, seen t
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
-import re
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +30,7 @@ from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog, RankState
-from ..rundir import private_dir, write_private
+from ..move_requests import CORRUPTION, read_requests
 from ..slurm.client import (NodeInfo, ReservationInfo, SlurmClient, SlurmCommandError,
                             printable_line, refused_for_now)
 from .connections import Conn
@@ -43,17 +40,6 @@ from .policy import (Action, RecoveryDecision, RecoveryRecord, SurvivorReport, W
 
 # Reservations are read less often than nodes: maintenance is planned hours ahead.
 RESERVATION_POLL_S = 60.0
-# `hpct-slurm move NODE JOB` leaves a request file here, in the job's private run dir (0700:
-# whoever can write there holds the job's secret already); the controller picks it up at its
-# next Slurm poll.
-REQUESTS = "requests"
-# A request holds one reason of at most 200 characters (ask_move): anything much bigger is
-# not one of ours, and is refused unread.
-REQUEST_MAX_BYTES = 1024
-# Read in the controller's loop: never block (a fifo), never follow a link, never a file the
-# run dir's owner did not write as a request (a directory, a device).
-_REQUEST_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 COMMENT_MAX = 250  # Slurm keeps more, but the summary must fit a `squeue -O comment` column
 # A comment refused with "try again in a bit" is tried again after a pause, at most so many
 # times and for so long (slurmctld itself waits up to 5 s for a job's DB index before it says
@@ -139,65 +125,6 @@ def moved_reason(admin_reason: str | None, spare: str, job_id: int) -> str:
     return base if ours in base else f"{base}; {ours}"
 
 
-def ask_move(run_dir: Path, node: str, reason: str) -> Path:
-    """Leave a move request for the controller of the job whose run dir is `run_dir`."""
-    if not NODE_NAME_RE.fullmatch(node):
-        raise HpctError(f"node name {node!r} is not one node name")
-    if not reason.strip() or not reason.isprintable() or len(reason) > 200:
-        raise HpctError(f"move reason {reason!r:.60} is not one printable line of at most 200 "
-                        f"characters")
-    if not (run_dir / "secret").is_file():
-        raise HpctError(f"{run_dir} is not a job's run dir (no secret file): pass --run-dir")
-    d = private_dir(run_dir / REQUESTS, "requests dir")
-    return write_private(d / f"move-{node}", reason.encode())
-
-
-def read_request(f: Path) -> bytes:
-    """What one request file holds; HpctError saying why when the entry is not a regular
-    file of at most REQUEST_MAX_BYTES (a fifo froze the controller's loop; a link was
-    followed)."""
-    try:
-        fd = os.open(f, _REQUEST_FLAGS)
-    except OSError as exc:
-        what = "a symlink (never followed)" if exc.errno == errno.ELOOP else \
-            f"not openable ({exc.strerror})"
-        raise HpctError(f"request {f.name} is {what}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            mode = stat.filemode(st.st_mode)
-            what = {"p": "a fifo", "d": "a directory"}.get(mode[0], f"mode {mode}")
-            raise HpctError(f"request {f.name} is not a regular file ({what})")
-        data = os.read(fd, REQUEST_MAX_BYTES + 1)
-        if st.st_size > REQUEST_MAX_BYTES or len(data) > REQUEST_MAX_BYTES:
-            raise HpctError(f"request {f.name} holds {max(st.st_size, len(data))} bytes, more "
-                            f"than the {REQUEST_MAX_BYTES} a request may")
-        return data
-    finally:
-        os.close(fd)
-
-
-def read_requests(run_dir: Path) -> list[tuple[Path, str, str, str]]:
-    """The move requests waiting: (file, node, reason, refused). Malformed ones have an
-    empty reason, so they are answered (move.skipped) rather than retried forever; `refused`
-    says why an entry was not read at all (move.request_refused)."""
-    d = run_dir / REQUESTS
-    out = []
-    for f in sorted(d.glob("move-*")) if d.is_dir() else []:
-        node = f.name[len("move-"):]
-        reason = refused = ""
-        try:
-            reason = read_request(f).decode()[:200]
-        except UnicodeDecodeError:
-            pass
-        except HpctError as exc:
-            refused = exc.message
-        if not reason.isprintable() or not NODE_NAME_RE.fullmatch(node):
-            reason = ""
-        out.append((f, node, reason, refused))
-    return out
-
-
 class Host(Protocol):
     """What Lifecycle uses of the controller it belongs to (controller.Controller; this
     module does not import it): its state, and the round's steps that a planned round shares
@@ -250,6 +177,7 @@ class Lifecycle:
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
         self.refused: set[str] = set()     # request entries refused that stay (said once)
         self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
+        self.why: dict[str, str] = {}  # moved node -> why it was moved, for its release
         self.grow_refused = False
         self.task: asyncio.Task | None = None
         self.maintenance: list[tuple[str, str]] = []  # the last reservation poll's answer
@@ -329,6 +257,7 @@ class Lifecycle:
                               why="no warm spare ready: the node trains on until one is")
             return False
         self.requested.add(node)
+        self.why[node] = why
         c.events.emit(Ev.MOVE_REQUESTED, node=node, reason=why,
                       generation=c.world.generation)
         self._start(self._move(node, why))
@@ -498,7 +427,14 @@ class Lifecycle:
             await c._send(x, P.Goodbye(f"moved to {spare}"))
         try:
             info = await asyncio.to_thread(c.slurm.show_node, node)
-            if "DRAIN" in info.flags:
+            why = self.why.pop(node, "")
+            if CORRUPTION in why and "DRAIN" not in info.flags:
+                # its replicas disagreed with it (recovery/crosscheck.py): the site must see
+                # the node before anyone runs on it again
+                await asyncio.to_thread(c.slurm.update_node, node, "DRAIN",
+                                        f"{REASON_TAG} {why[why.index(CORRUPTION):]}"[:200]
+                                        + f"; job {c.o.job_id} moved its ranks to {spare}")
+            elif "DRAIN" in info.flags:
                 await asyncio.to_thread(c.slurm.update_node, node, "DRAIN",
                                         moved_reason(info.reason, spare, c.o.job_id))
         except HpctError as exc:

@@ -24,11 +24,14 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from ..config import TAKER_PHASES as PHASES
 from ..events import Ev, EventLog
 
-__all__ = ["PHASES", "TakerFault"]
+__all__ = ["PHASES", "TakerFault", "flip_one_bit"]
 # `connect`: the others finish reading this node's shard before it dies (their reads take
 # milliseconds), so the formation fails in the pair connects, not at the store: those that
 # wait for its connect give up after 5 x a pair's timeout (pg.init), the worst of the phases.
@@ -73,3 +76,14 @@ def _die_after(seconds: float) -> None:
     if seconds:
         time.sleep(seconds)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def flip_one_bit(state: Any, events: EventLog, rank: int, step: int) -> None:
+    """`HPCT_FAULT_FLIP_RANK`/`_STEP`: silent data corruption, between two steps: one bit of
+    the first shared parameter of this rank flips in place, and nothing else happens (what
+    the replicas' cross-check must find: crosscheck.py)."""
+    _, tensors = state.plan(("shared",), rng=False)
+    t = next(t for t in tensors if t.is_floating_point() and t.numel())
+    with torch.no_grad():
+        t.view(-1)[:1].view(torch.int16 if t.element_size() == 2 else torch.int32)[0] ^= 1 << 9
+    events.emit(Ev.FAULT_INJECTED, rank=rank, phase="bit_flip", step=step, pid=os.getpid())

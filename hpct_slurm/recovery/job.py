@@ -47,15 +47,17 @@ import torch.distributed as dist
 from .. import config as C
 from .. import protocol as P
 from ..config import JobSettings
-from ..errors import HpctError, UsageError
+from ..move_requests import CORRUPTION, ask_move
+from ..errors import HpctError, UsageError, describe
 from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import ControllerAddress, CoordinationClient
 from .controller_loss import ControllerLoss, witnesses
+from .crosscheck import compare, exchange, shared_digest
 from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
-from .inject import TakerFault
+from .inject import TakerFault, flip_one_bit
 from .health import health_check
 from .losses import recorded_losses
 from .loop import StepLoop
@@ -207,6 +209,9 @@ class Job:
             late=Job._in_main and model is None and build is None)
         if optimizer is not None:
             self._policy.watch_optimizer(optimizer)
+        self._policy.cross_check = self._cross_check
+        self._agreed_at = -1  # the newest step the replicas agreed on (or restored to)
+        self._flip = (s.flip_rank, s.flip_step)  # test fault injection: a bit flipped
         self._restorer = Restorer(self.state, self._policy, self._group, self,
                                   secret=self.secret, job_id=self.job_id, events=self.events,
                                   run_dir=self.run_dir, timeout=self.collective_timeout_s)
@@ -699,11 +704,11 @@ class Job:
         took = time.perf_counter() - t0
         if problems:
             self.events.emit(Ev.RESTORE_UNPROVEN, rank=self.rank, generation=self.generation,
-                             step=self.loop.step - 1, problems=problems, proof_s=took)
+                             step=self._agreed_at, problems=problems, proof_s=took)
             raise HpctError("the state this rank would train with is not the state it "
                             "restored: " + "; ".join(problems))
         self.events.emit(Ev.RESTORE_PROVEN, rank=self.rank, generation=self.generation,
-                         step=self.loop.step - 1, names=self.state.names(), proof_s=took)
+                         step=self._agreed_at, names=self.state.names(), proof_s=took)
 
     def _end_step(self, step: int, out: Any = None) -> None:
         """After a step: its snapshot when one is due, the report to the controller."""
@@ -715,6 +720,38 @@ class Job:
         self.client.step_done(step)
         self.events.emit(Ev.RANK_STEP, rank=self.rank, generation=self.generation,
                          step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
+        if self._flip == (self.rank, step) and self.generation == 0:
+            flip_one_bit(self.state, self.events, self.rank, step)
+
+    def _cross_check(self, step: int) -> None:
+        """At a full commit (SnapshotPolicy.end_step): the replicas of each shared state
+        compare digests (crosscheck.py). Where they disagree, every rank drops what it holds
+        after the last agreeing step and the step fails in place, so the group restores
+        that step; a diverging rank first asks the controller to move its node out."""
+        digests = exchange(shared_digest(self.state), dist.get_world_size())
+        verdict = compare(digests, self._group.key)
+        if verdict.agreed:
+            self._agreed_at = step
+            return
+        back_to = self._agreed_at
+        mine = self.rank in verdict.diverged
+        if mine or self.rank == 0:
+            self.events.emit(Ev.REPLICA_DIVERGED, rank=self.rank, step=step,
+                             diverged=list(verdict.diverged), undecided=list(verdict.undecided),
+                             keys_compared=verdict.keys_compared, rollback_to=back_to,
+                             this_rank=mine)
+        self._policy.distrust_after(back_to)
+        if mine:
+            why = (f"{CORRUPTION}: rank {self.rank}'s shared state at step {step} "
+                   f"differed from its replicas'")
+            try:
+                ask_move(self.run_dir, self.node, why)
+            except (HpctError, OSError) as exc:  # the rollback still happens: said, not fatal
+                self.events.emit(Ev.REPLICA_DIVERGED, rank=self.rank, step=step,
+                                 move_request_failed=describe(exc))
+        raise HpctError(f"the replicas' cross-check at step {step} found ranks "
+                        f"{list(verdict.diverged) or verdict.undecided} diverged: the group "
+                        f"rolls back to step {back_to}")
 
     def _shard(self) -> tuple[int, int]:
         """This rank's data shard and the number of shards, for scripts that train one."""
@@ -827,6 +864,7 @@ class Job:
             self._read_back_losses(a.rank, a.restore_step)
         self._policy.hold_restored(a.restore_step)
         self._held_at, self._held_names = a.restore_step, self.state.version
+        self._agreed_at = a.restore_step  # restored, and proven before the next step
         dropped = self.replicas.forget_after(a.restore_step)
         if dropped:
             self.events.emit(Ev.REPLICA_ROLLED_BACK, ranks=dropped, step=a.restore_step)

@@ -144,6 +144,10 @@ class SnapshotPolicy:
         # update that is not a step's last copies what it changes ahead (before_update)
         self._updates = 0
         self._updates_per_step = 1
+        # Called at every full commit of a lazily holding job, before the step is committed
+        # or pinned: the replicas' cross-check (Job._cross_check, crosscheck.py); it raises
+        # when they disagree
+        self.cross_check: Callable[[int], None] | None = None
 
     # ---- the mode -------------------------------------------------------------------------
     def sharded_mode(self, spec: MeshSpec) -> str:
@@ -202,6 +206,10 @@ class SnapshotPolicy:
         self._updates_per_step, self._updates = max(self._updates, 1), 0
         if self._full_commit(step):
             self._commit_rank_state(step)
+            if self.cross_check is not None and self._lazy():
+                # before this step is committed, and before its rank state is pinned in place
+                # of the last agreeing one's, which a disagreement rolls back to
+                self.cross_check(step)
             if self._pins(step):
                 self.rank_snaps.slots.pin(step)  # type: ignore[union-attr]
             if self._overlap():
@@ -355,6 +363,19 @@ class SnapshotPolicy:
             # an update rolls back to this step, every rank's position at it in memory.
             self.rank_snaps.slots.pin(step)
             self.replicas.pin(step)
+
+    def distrust_after(self, step: int) -> None:
+        """Nothing newer than `step` may be restored or served (the replicas disagreed after
+        it): this rank's snapshots and the replicas it keeps of newer steps go."""
+        self.snapshots.drop_pending()
+        for store in (self.snapshots, self.rank_snaps):
+            if store is None:
+                continue
+            for newer in [s for s in store.slots.steps() if s > step]:
+                with store.lease(newer) as snap:
+                    if snap is not None:
+                        store.slots.discard(snap)
+        self.replicas.forget_after(step)
 
     def hold_again(self, step: int) -> None:
         """The script registered more state after `hold_restored(step)` and before the next

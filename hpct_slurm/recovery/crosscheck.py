@@ -1,0 +1,110 @@
+"""Replicas check each other: ranks that hold the same shared state (one shard key) compare a
+checksum of it at every full commit, so one node's silent data corruption (a flipped bit in a
+weight, a bad DIMM, a GPU computing wrong) is found within one full-commit interval instead
+of training on for the rest of the run, and so are bugs of ours that let replicas drift.
+
+What is compared: a 16-byte digest of the committed step's shared state, made on the live
+tensors at the step's end (they are the committed state then): each tensor's bytes summed as
+unsigned bytes into a 64-bit integer on the tensor's own device (memory bandwidth, no copy to
+the host on a GPU), the sums and the state's structure (its encoded tree, scalars included,
+less a shard's mesh coordinate) hashed together. It finds any single flipped bit, and all but
+pathological combinations of several (two flips that cancel exactly); it is no defence
+against a process that lies, which the job's secret and the transfer checksums cover.
+
+The digests travel in one all-gather of the whole group (16 bytes a rank). Each shard key's
+ranks agree, or those that differ from the key's strict majority are named (`replica.diverged`).
+Then every step since the last agreeing commit is suspect on every rank, whose gradients the
+diverging rank took part in: every rank drops its snapshots newer than that commit and the step
+fails in place; the group restores the last agreeing commit (each rank's own, pinned), and a
+diverging rank asks the controller to move its node out (`move_requests.ask_move`), which
+continues its ranks on a warm spare and drains the node with the reason. With no strict
+majority (two replicas that differ) the rollback happens and nobody is moved: which one is
+wrong cannot be told.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import blake3
+import torch
+import torch.distributed as dist
+
+from .state import TrainState
+
+DIGEST_BYTES = 16
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
+def shared_digest(state: TrainState) -> bytes:
+    """The digest of the shared state registered now (see the module docstring)."""
+    layout, tensors = state.plan(("shared",), rng=False)
+    sums = [int(t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64))
+            if t.numel() else 0 for t in tensors]
+    h = blake3.blake3()
+    h.update(_JSON.encode(_without_coords(layout.tree)).encode())
+    h.update(_JSON.encode([[str(t.dtype), list(t.shape), s]
+                           for t, s in zip(tensors, sums)]).encode())
+    return h.digest(DIGEST_BYTES)
+
+
+def _without_coords(node: object) -> object:
+    """The encoded tree less a shard's mesh coordinate: HSDP replicas at other coordinates of
+    the replicated dimension hold the same state."""
+    if isinstance(node, dict):
+        if set(node) == {"D"}:
+            idx, meta = node["D"]
+            return {"D": [idx, {k: v for k, v in meta.items() if k != "coord"}]}
+        return {k: _without_coords(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_without_coords(v) for v in node]
+    return node
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The group's digests compared: the ranks that differ from their key's strict majority,
+    the keys with no strict majority (two replicas that differ), the keys compared."""
+    diverged: tuple[int, ...]
+    undecided: tuple[int, ...]
+    keys_compared: int
+
+    @property
+    def agreed(self) -> bool:
+        return not self.diverged and not self.undecided
+
+
+def compare(digests: Sequence[bytes], key: Callable[[int], int]) -> Verdict:
+    """Pure: rank r's digest is digests[r]; ranks of one key (`key(r)`) must agree."""
+    by_key: dict[int, list[int]] = {}
+    for r in range(len(digests)):
+        by_key.setdefault(key(r), []).append(r)
+    diverged: list[int] = []
+    undecided: list[int] = []
+    compared = 0
+    for k, ranks in sorted(by_key.items()):
+        if len(ranks) < 2:
+            continue  # one holder: nothing to compare with (1-D FSDP)
+        compared += 1
+        counts = Counter(digests[r] for r in ranks)
+        top, n = counts.most_common(1)[0]
+        if n == len(ranks):
+            continue
+        if 2 * n > len(ranks):
+            diverged += [r for r in ranks if digests[r] != top]
+        else:
+            undecided.append(k)
+    return Verdict(tuple(diverged), tuple(undecided), compared)
+
+
+def exchange(mine: bytes, world_size: int) -> list[bytes]:
+    """Every rank's digest, by one all-gather over this generation's group (on the GPU for
+    NCCL, which moves device tensors only)."""
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t)
+    return [bytes(o.cpu().numpy()) for o in out]

@@ -1,0 +1,52 @@
+"""Replicas check each other, on the real cluster (issue 42, item 8): one bit of one rank's
+parameter flips between two steps (HPCT_FAULT_FLIP_RANK/STEP: silent data corruption, nothing
+else happens). At the next full commit the replicas' digests disagree: the group rolls back
+to the last commit they agreed on, recomputes the steps since (counted), the diverging node
+is moved onto the warm spare and drained with the reason, and the run ends bit-identical to
+one without the flip."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
+                                          rank_events, recomputed_steps, submit, wait_job)
+
+pytestmark = pytest.mark.cluster
+STEPS, EVERY, FLIP_AT, WORLD = 64, 16, 20, 4   # full commits at 0, 16, 32, 48
+ENV = {"HPCT_SNAPSHOT_EVERY": str(EVERY)}
+
+
+def _train() -> list[str]:
+    return [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(STEPS),
+            "--step-sleep", "0.1"]
+
+
+def test_a_flipped_bit_is_found_at_the_next_full_commit_rolled_back_and_moved_out(
+        cluster, tmp_path):
+    ref = tmp_path / "reference"
+    wait_job(cluster, submit(cluster, ref, TEMPLATE, _train(), env=ENV), ref, 240,
+             label="crosscheck-reference")
+    run = tmp_path / "flip"
+    jid = submit(cluster, run, TEMPLATE, _train(),
+                 env={**ENV, "HPCT_FAULT_FLIP_RANK": "1", "HPCT_FAULT_FLIP_STEP": str(FLIP_AT)})
+    wait_job(cluster, jid, run, 240, label="crosscheck-flip")
+    # the final state (and every loss a result keeps) is the uninterrupted run's
+    assert bitwise_equal(collect(ref, WORLD), collect(run, WORLD))
+    diverged = [e for e in rank_events(run) if e["event"] == "replica.diverged"]
+    detected = EVERY * (FLIP_AT // EVERY + 1)  # the first full commit after the flip
+    assert {(e["rank"], e["this_rank"]) for e in diverged} == {(0, False), (1, True)}
+    assert all(e["step"] == detected and e["diverged"] == [1] and e["rollback_to"] ==
+               detected - EVERY for e in diverged)
+    ctl = controller_events(run)
+    assigns = [e for e in ctl if e["event"] == "recovery.assign"]
+    assert [e["restore_step"] for e in assigns] == [detected - EVERY]
+    # the steps after the last agreeing commit, recomputed on every rank and counted
+    assert recomputed_steps(run) == WORLD * (EVERY - 1)
+    moves = [e for e in ctl if e["event"] == "move.done"]
+    victim = next(e["node"] for e in ctl if e["event"] == "move.requested")
+    assert moves and moves[0]["taken"] == {victim: "n5"}
+    info = cluster.client().show_node(victim)
+    assert "DRAIN" in info.flags and "silent data corruption" in (info.reason or "")
+    assert not [e for e in rank_events(run) if e["event"] == "restore.unproven"]

@@ -34,7 +34,7 @@ CASES = {
     "teardown": (["--quick", "--smoke"], {"bench", "gc_s", "parts", "old_ready_path_s"}),
     "cache": (["--quick", "--smoke"], {"bench", "reattach_over_cold", "copies_per_node"}),
     "gradients": (["--smoke"], {"bench", "step_s", "vs_torch_ddp", "all_reduce_calls_per_step"}),
-    "proof": (["--smoke"], {"bench", "per_size", "added_s"}),
+    "proof": (["--smoke"], {"bench", "per_size", "added_s", "crosscheck_pct_of_step"}),
 }
 
 

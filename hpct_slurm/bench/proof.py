@@ -5,6 +5,11 @@ objects, with and without the per-object digests the proof records, and the proo
 side in one process, rounds alternating, median of each. The proof adds `digest` + `proof`
 to a recovery's critical path, once per restore.
 
+Beside it, the replicas' cross-check (recovery/crosscheck.py): the digest a rank makes of its
+shared state at every full commit, against one training step of the same model (batch 64,
+one thread), the share of a step it costs spread over the LAZY_FULL_EVERY steps between full
+commits (its 16-byte all-gather is not in it: one small collective per interval).
+
 Sizes: the demo's MLP (256 wide, 1 layer), the recovery benchmark's (2048 wide, 3 layers:
 101.5 MB) and a larger one (2048 wide, 9 layers), each as parameters plus Adam's state.
 """
@@ -32,7 +37,10 @@ def _measure(hidden: int, layers: int, rounds: int) -> dict:
     opt.step()  # Adam's moments exist: the state a restore really moves
     state = TrainState(model=model, optimizer=opt)
     layout, buf = state.capture_into(None, ("shared",))
-    plain, digest, proof = [], [], []
+    from ..recovery.crosscheck import shared_digest
+    from ..recovery.snapshot_policy import LAZY_FULL_EVERY
+
+    plain, digest, proof, cross, step = [], [], [], [], []
     for rnd in range(rounds + 1):  # round 0 warms up
         for with_proof in ((False, True) if rnd % 2 else (True, False)):
             t0 = time.perf_counter()
@@ -48,12 +56,26 @@ def _measure(hidden: int, layers: int, rounds: int) -> dict:
                     proof.append(t2 - t1)
             elif rnd:
                 plain.append(t1 - t0)
+        t0 = time.perf_counter()
+        shared_digest(state)
+        t1 = time.perf_counter()
+        x = torch.randn(64, 32)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+        t2 = time.perf_counter()
+        if rnd:
+            cross.append(t1 - t0)
+            step.append(t2 - t1)
     med = {k: statistics.median(v) for k, v in
-           (("restore_s", plain), ("restore_with_digest_s", digest), ("proof_s", proof))}
+           (("restore_s", plain), ("restore_with_digest_s", digest), ("proof_s", proof),
+            ("crosscheck_digest_s", cross), ("step_s", step))}
     added = med["restore_with_digest_s"] - med["restore_s"] + med["proof_s"]
     return {"state_mb": round(layout.nbytes / 1e6, 1),
             **{k: round(v, 5) for k, v in med.items()},
-            "added_s": round(added, 5), "added_over_restore": round(added / med["restore_s"], 2)}
+            "added_s": round(added, 5), "added_over_restore": round(added / med["restore_s"], 2),
+            "crosscheck_pct_of_step": round(
+                100 * med["crosscheck_digest_s"] / (LAZY_FULL_EVERY * med["step_s"]), 3)}
 
 
 def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
@@ -62,7 +84,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     rounds = 1 if smoke else 3 if quick else 7
     per_size = {name: _measure(h, n, rounds) for name, (h, n) in sizes.items()}
     summary = {"bench": NAME, "per_size": per_size,
-               "added_s": {k: v["added_s"] for k, v in per_size.items()}}
+               "added_s": {k: v["added_s"] for k, v in per_size.items()},
+               "crosscheck_pct_of_step": {k: v["crosscheck_pct_of_step"]
+                                          for k, v in per_size.items()}}
     write_result(out_dir, NAME, {**summary, "quick": quick, "smoke": smoke, "rounds": rounds,
                                  "method": __doc__})
     labels, values = [], []

@@ -43,6 +43,20 @@ def test_one_flipped_bit_anywhere_changes_the_digest_and_rank_state_does_not():
     assert shared_digest(state) == before
 
 
+def test_buffers_count_by_shape_only():
+    """BatchNorm's running statistics follow each rank's own batch until DDP's next buffer
+    broadcast: replicas differ there at a step's end without anything being wrong."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    state = TrainState(model=model)
+    before = shared_digest(state)
+    model(torch.randn(8, 4))  # train mode: the running statistics move
+    assert shared_digest(state) == before
+    with torch.no_grad():
+        model[0].weight.view(-1)[:1].view(torch.int32)[0] ^= 1
+    assert shared_digest(state) != before
+
+
 @pytest.mark.parametrize("digests, keys, diverged, undecided", [
     ([A, A, A, A], [0, 0, 0, 0], (), ()),
     ([A, A, B, A], [0, 0, 0, 0], (2,), ()),

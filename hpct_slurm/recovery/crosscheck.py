@@ -4,10 +4,13 @@ weight, a bad DIMM, a GPU computing wrong) is found within one full-commit inter
 of training on for the rest of the run, and so are bugs of ours that let replicas drift.
 
 What is compared: a 16-byte digest of the committed step's shared state, made on the live
-tensors at the step's end (they are the committed state then): each tensor's bytes summed as
-unsigned bytes into a 64-bit integer on the tensor's own device (memory bandwidth, no copy to
-the host on a GPU), the sums and the state's structure (its encoded tree, scalars included,
-less a shard's mesh coordinate) hashed together. It finds any single flipped bit, and all but
+tensors at the step's end (they are the committed state then): each parameter's and each
+optimizer state tensor's bytes summed as unsigned bytes into a 64-bit integer on the tensor's
+own device (memory bandwidth, no copy to the host on a GPU), the sums and the state's
+structure (its encoded tree, scalars included, less a shard's mesh coordinate) hashed
+together. Buffers count by dtype and shape only: BatchNorm's running statistics are updated
+from each rank's own batch, and DDP makes them equal only at the next forward (its buffer
+broadcast), so replicas hold different ones at a step's end. It finds any single flipped bit, and all but
 pathological combinations of several (two flips that cancel exactly); it is no defence
 against a process that lies, which the job's secret and the transfer checksums cover.
 
@@ -41,8 +44,9 @@ _JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 def shared_digest(state: TrainState) -> bytes:
     """The digest of the shared state registered now (see the module docstring)."""
     layout, tensors = state.plan(("shared",), rng=False)
+    kept = state.stable_ptrs()
     sums = [int(t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64))
-            if t.numel() else 0 for t in tensors]
+            if t.numel() and t.data_ptr() in kept else None for t in tensors]
     h = blake3.blake3()
     h.update(_JSON.encode(_without_coords(layout.tree)).encode())
     h.update(_JSON.encode([[str(t.dtype), list(t.shape), s]

@@ -24,6 +24,8 @@ snapshots):
 - `jit_lazy`: what `Job` does for data parallelism without per-rank state: a full
   commit every LAZY_FULL_EVERY (64) of its own steps, and every step in between held where it
   lies and copied only if a fault comes before the next optimizer step (`prepare_lazy`).
+  Every lazy variant's full commits (and persisted steps) run the replicas' cross-check as
+  `Job` does (crosscheck.py: the shared state's digest and its all-gather).
 - `jit_k1_sync`: what `Job` does on CPU with per-rank state registered and no disk
   persistence (HPCT_PERSIST_EVERY=0): a full commit (a copy; the digest is left to its first
   reader) after every step, before the step returns.
@@ -116,6 +118,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
 
     from ..events import EventLog
     from ..recovery.carry import Carry, CarryRecord
+    from ..recovery.crosscheck import compare, exchange, shared_digest
     from ..recovery.gradients import average_gradients, parameter_gradients
     from ..recovery.persist import DiskPersister
     from ..recovery.snapshot import ReplicaStore, Snapshot, SnapshotStore
@@ -286,6 +289,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                 # a lazy variant's full commits fall on its own steps (the global step counts
                 # every variant's blocks, whose turns would place them unevenly)
                 due = store is not None and store.due(vsteps[variant] if lazy else step)
+                if lazy and (due or persist_now):
+                    # the replicas' cross-check at a full commit, as Job runs it (crosscheck.py)
+                    compare(exchange(shared_digest(state), 1), lambda r: 0)
                 if persist_now:
                     store.commit(step)  # type: ignore[union-attr]
                     persisters[variant][0].after_commit(step)

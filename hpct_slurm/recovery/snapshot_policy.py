@@ -48,6 +48,14 @@ LAZY_FULL_EVERY = 64
 RESEEDED = True
 
 
+def _discard(store: SnapshotStore, steps: list[int]) -> None:
+    """Give up the snapshots of `steps` this store holds (their slots are free again)."""
+    for step in steps:
+        with store.lease(step) as snap:
+            if snap is not None:
+                store.slots.discard(snap)
+
+
 def _changed_by(optimizer: Any) -> set[int]:
     """The addresses of the tensors an optimizer's update changes: its parameters (a
     DTensor's local shard) and its state's tensors."""
@@ -352,10 +360,7 @@ class SnapshotPolicy:
                 continue
             # After a rollback (a restore from disk) newer snapshots belong to a history that
             # no longer happens: offering them in the next fault would mix two histories.
-            for newer in [s for s in store.slots.steps() if s > step]:
-                with store.lease(newer) as snap:
-                    if snap is not None:
-                        store.slots.discard(snap)
+            _discard(store, [s for s in store.slots.steps() if s > step])
             if step not in store.slots.steps():
                 store.commit(step)
         if self.rank_snaps is not None and self._lazy():
@@ -369,12 +374,8 @@ class SnapshotPolicy:
         it): this rank's snapshots and the replicas it keeps of newer steps go."""
         self.snapshots.drop_pending()
         for store in (self.snapshots, self.rank_snaps):
-            if store is None:
-                continue
-            for newer in [s for s in store.slots.steps() if s > step]:
-                with store.lease(newer) as snap:
-                    if snap is not None:
-                        store.slots.discard(snap)
+            if store is not None:
+                _discard(store, [s for s in store.slots.steps() if s > step])
         self.replicas.forget_after(step)
 
     def hold_again(self, step: int) -> None:
@@ -385,9 +386,7 @@ class SnapshotPolicy:
         state only: per-rank state registered that late is refused (Job)."""
         if step not in self.snapshots.slots.steps():
             return
-        with self.snapshots.lease(step) as snap:
-            if snap is not None:
-                self.snapshots.slots.discard(snap)
+        _discard(self.snapshots, [step])
         self.snapshots.commit(step)
 
     def open_persisters(self, key: Callable[[int], int]) -> None:

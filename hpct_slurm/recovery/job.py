@@ -47,17 +47,16 @@ import torch.distributed as dist
 from .. import config as C
 from .. import protocol as P
 from ..config import JobSettings
-from ..move_requests import CORRUPTION, ask_move
-from ..errors import HpctError, UsageError, describe
+from ..errors import HpctError, UsageError
 from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import ControllerAddress, CoordinationClient
 from .controller_loss import ControllerLoss, witnesses
-from .crosscheck import compare, exchange, shared_digest
 from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
-from .inject import TakerFault, flip_one_bit
+from .inject import TakerFault
+from .integrity import Integrity
 from .health import health_check
 from .losses import recorded_losses
 from .loop import StepLoop
@@ -209,9 +208,10 @@ class Job:
             late=Job._in_main and model is None and build is None)
         if optimizer is not None:
             self._policy.watch_optimizer(optimizer)
-        self._policy.cross_check = self._cross_check
-        self._agreed_at = -1  # the newest step the replicas agreed on (or restored to)
-        self._flip = (s.flip_rank, s.flip_step)  # test fault injection: a bit flipped
+        # The proof of every restore, late registrations, the replicas' cross-check
+        self._integrity = Integrity(self.state, self._policy, self, self.events,
+                                    self._group.key, self.run_dir, self.node,
+                                    flip=(s.flip_rank, s.flip_step))
         self._restorer = Restorer(self.state, self._policy, self._group, self,
                                   secret=self.secret, job_id=self.job_id, events=self.events,
                                   run_dir=self.run_dir, timeout=self.collective_timeout_s)
@@ -247,12 +247,6 @@ class Job:
         self._own_names = (*_SHARED_NAMES, *extra_state)
         self._registered = {n: self.state.get(n) is not None for n in self._own_names}
         self._formed: tuple | None = None  # a formation whose restore waits for register()
-        # A restore happened and the first step boundary after it has yet to prove it (proof.py)
-        self._proof_due = False
-        self._names_seen = -1  # the registrations last checked (_check_registrations)
-        # The restored step held, until the next step ends, and the registrations then
-        self._held_at: int | None = None
-        self._held_names = -1
         self._registered_once = False  # job.register was called in an earlier run of main()
         if self._inline:
             if Job._main is not None:
@@ -658,100 +652,26 @@ class Job:
 
     def _check_stop(self) -> None:
         """Leave at this step boundary if the controller asked, or is gone."""
-        self._before_step()
+        self._integrity.before_step()
         if self.client.stop_event.is_set():
             raise _Stopped(self.client.stop_reason)
         if self.client.closed.is_set():
             raise _Stopped(LOST)
 
     def _seed_step(self, step: int) -> None:
-        self._before_step()
+        self._integrity.before_step()
         seed_everything(step_seed(self.seed, self._shard()[0], step))
-
-    def _before_step(self) -> None:
-        """The earliest moment of a step (its seeding or its stop check, whichever the form
-        runs first): the registrations made since the last look are checked, and the first
-        step after a restore proves it first."""
-        if self._proof_due:
-            self._prove_restore()
-        if self._held_at is not None and self.state.version != self._held_names:
-            # registered since the restored step was held, which lacks them (the inline
-            # form's job.state.register after Job(...)): held again, now that the proof
-            # above says the live state is the restored one
-            self._policy.hold_again(self._held_at)
-            self._held_names = self.state.version
-        if self.state.version != self._names_seen:
-            self._check_registrations()
-
-    def _check_registrations(self) -> None:
-        """Per-rank state travels in the rank's own snapshots, which exist only where some
-        was registered when Job(...) was made: registered later, it would be kept nowhere."""
-        self._names_seen = self.state.version
-        if self._policy.rank_snaps is None and self.state.has_rank_state():
-            late = [n for n in self.state.names() if self.state.scope(n) == "rank"]
-            raise UsageError(
-                f"per-rank state {late or ['state.extras']} was registered after Job(...): "
-                f"this rank's own state is kept only when Job(...) knows of it. Pass it to "
-                f"Job(...) (or job.register) as a keyword argument; an object every rank "
-                f"holds alike (an EMA, a second model) goes in with scope='shared'")
-
-    def _prove_restore(self) -> None:
-        """Every object this rank trains with holds the state it restored (proof.py), or
-        the rank does not train on: the mismatch is named and the group restores again."""
-        self._proof_due = False
-        t0 = time.perf_counter()
-        problems = self.state.prove()
-        took = time.perf_counter() - t0
-        if problems:
-            self.events.emit(Ev.RESTORE_UNPROVEN, rank=self.rank, generation=self.generation,
-                             step=self._agreed_at, problems=problems, proof_s=took)
-            raise HpctError("the state this rank would train with is not the state it "
-                            "restored: " + "; ".join(problems))
-        self.events.emit(Ev.RESTORE_PROVEN, rank=self.rank, generation=self.generation,
-                         step=self._agreed_at, names=self.state.names(), proof_s=took)
 
     def _end_step(self, step: int, out: Any = None) -> None:
         """After a step: its snapshot when one is due, the report to the controller."""
         self._updating = False  # the next step's forward and backward may be abandoned again
-        self._held_at = None
         if isinstance(out, (int, float)):
             self._losses[step] = float(out)
         self._policy.end_step(step)
         self.client.step_done(step)
         self.events.emit(Ev.RANK_STEP, rank=self.rank, generation=self.generation,
                          step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
-        if self._flip == (self.rank, step) and self.generation == 0:
-            flip_one_bit(self.state, self.events, self.rank, step)
-
-    def _cross_check(self, step: int) -> None:
-        """At a full commit (SnapshotPolicy.end_step): the replicas of each shared state
-        compare digests (crosscheck.py). Where they disagree, every rank drops what it holds
-        after the last agreeing step and the step fails in place, so the group restores
-        that step; a diverging rank first asks the controller to move its node out."""
-        digests = exchange(shared_digest(self.state), dist.get_world_size())
-        verdict = compare(digests, self._group.key)
-        if verdict.agreed:
-            self._agreed_at = step
-            return
-        back_to = self._agreed_at
-        mine = self.rank in verdict.diverged
-        if mine or self.rank == 0:
-            self.events.emit(Ev.REPLICA_DIVERGED, rank=self.rank, step=step,
-                             diverged=list(verdict.diverged), undecided=list(verdict.undecided),
-                             keys_compared=verdict.keys_compared, rollback_to=back_to,
-                             this_rank=mine)
-        self._policy.distrust_after(back_to)
-        if mine:
-            why = (f"{CORRUPTION}: rank {self.rank}'s shared state at step {step} "
-                   f"differed from its replicas'")
-            try:
-                ask_move(self.run_dir, self.node, why)
-            except (HpctError, OSError) as exc:  # the rollback still happens: said, not fatal
-                self.events.emit(Ev.REPLICA_DIVERGED, rank=self.rank, step=step,
-                                 move_request_failed=describe(exc))
-        raise HpctError(f"the replicas' cross-check at step {step} found ranks "
-                        f"{list(verdict.diverged) or verdict.undecided} diverged: the group "
-                        f"rolls back to step {back_to}")
+        self._integrity.after_step(step)
 
     def _shard(self) -> tuple[int, int]:
         """This rank's data shard and the number of shards, for scripts that train one."""
@@ -859,12 +779,10 @@ class Job:
             # before it failed. A survivor holds the restore step itself, whatever its new
             # rank (shared state is the same on every rank); a newcomer pulls it from a peer.
             source = self._restorer.restore(a, survivor=held_state, prefetch=prefetch)
-            self._proof_due = True
         if not held_state and a.restore_step >= 0:
             self._read_back_losses(a.rank, a.restore_step)
         self._policy.hold_restored(a.restore_step)
-        self._held_at, self._held_names = a.restore_step, self.state.version
-        self._agreed_at = a.restore_step  # restored, and proven before the next step
+        self._integrity.restored(a.restore_step, proof_due=source != "creation")
         dropped = self.replicas.forget_after(a.restore_step)
         if dropped:
             self.events.emit(Ev.REPLICA_ROLLED_BACK, ranks=dropped, step=a.restore_step)

@@ -5,8 +5,9 @@ of training on for the rest of the run, and so are bugs of ours that let replica
 
 What is compared: a 16-byte digest of the committed step's shared state, made on the live
 tensors at the step's end (they are the committed state then): each parameter's and each
-optimizer state tensor's bytes summed as unsigned bytes into a 64-bit integer on the tensor's
-own device (memory bandwidth, no copy to the host on a GPU), the sums and the state's
+optimizer state tensor's bytes summed as 64-bit words (wrapping; a last partial word byte by
+byte) on the tensor's own device (memory bandwidth: 10 ms for 100 MB on one core here, no copy
+to the host on a GPU; summed byte by byte it was 0.38 s), the sums and the state's
 structure (its encoded tree, scalars included, less a shard's mesh coordinate) hashed
 together. Buffers count by dtype and shape only: BatchNorm's running statistics are updated
 from each rank's own batch, and DDP makes them equal only at the next forward (its buffer
@@ -45,13 +46,24 @@ def shared_digest(state: TrainState) -> bytes:
     """The digest of the shared state registered now (see the module docstring)."""
     layout, tensors = state.plan(("shared",), rng=False)
     kept = state.stable_ptrs()
-    sums = [int(t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64))
-            if t.numel() and t.data_ptr() in kept else None for t in tensors]
+    sums = [_word_sum(t) if t.numel() and t.data_ptr() in kept else None for t in tensors]
     h = blake3.blake3()
     h.update(_JSON.encode(_without_coords(layout.tree)).encode())
     h.update(_JSON.encode([[str(t.dtype), list(t.shape), s]
                            for t, s in zip(tensors, sums)]).encode())
     return h.digest(DIGEST_BYTES)
+
+
+def _word_sum(t: torch.Tensor) -> int:
+    """The tensor's bytes summed as 64-bit words (wrapping), its last partial word byte by
+    byte: a flipped bit changes it by a power of two, never by a multiple of 2**64."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    head = raw[:whole]
+    if head.storage_offset() % 8:
+        head = head.clone()  # a word view needs 8-byte alignment (a tensor's start mostly is)
+    total = int(head.view(torch.int64).sum()) if whole else 0
+    return total + int(raw[whole:].sum(dtype=torch.int64))
 
 
 def _without_coords(node: object) -> object:

@@ -91,7 +91,8 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
                                  "method": __doc__})
     labels, values = [], []
     for name, v in per_size.items():
-        labels += [f"{name}\nrestore", f"{name}\n+digest+proof"]
+        size = f"{v['state_mb']:g} MB"
+        labels += [f"{size}\nrestore", f"{size}\nproven"]
         values += [v["restore_s"], v["restore_s"] + v["added_s"]]
     plot_bars(Path(out_dir) / f"{NAME}.png", labels, values, "seconds (median)",
               "A restore, and the same restore proven")

@@ -13,7 +13,8 @@ from hpct_slurm.slurm.client import (
     REQUEUE_BEGIN_S, SlurmClient, SlurmCommandError, parse_job_record, parse_node_record,
     parse_node_state, parse_sbatch_parsable, parse_scontrol_record, parse_sinfo_json,
     parse_squeue_json, parse_version, srun_argv)
-from hpct_slurm.slurm.pyslurm_backend import choose_backend, select_backend
+from hpct_slurm.slurm.pyslurm_backend import (PyslurmClient, choose_backend, probe_pyslurm,
+                                              select_backend)
 
 T = TypeVar("T")
 
@@ -231,6 +232,54 @@ def test_select_backend_here_is_the_cli_and_says_why() -> None:
     assert type(client) is SlurmClient and client.backend.name == "cli"
     # no pyslurm build matches Slurm 22.05; whichever way it fails, the reason names pyslurm
     assert client.backend.reason.startswith("CLI backend: ") and "pyslurm" in client.backend.reason
+
+
+def _fake_pyslurm(where: Path, body: str) -> None:
+    pkg = where / "pyslurm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(body)
+
+
+def test_a_pyslurm_that_ends_the_process_on_import_is_never_imported_here(tmp_path, monkeypatch):
+    # what pyslurm's import does without a reachable slurm.conf: slurm_init() logs a fatal and
+    # exits the process, no exception (seen with pyslurm 24.11 built against Slurm 24.11.5)
+    _fake_pyslurm(tmp_path, "import os, sys\n"
+                            "sys.stderr.write('scontrol: fatal: Could not establish a "
+                            "configuration source\\n')\nos._exit(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    version, why = probe_pyslurm()
+    assert version is None
+    assert why == ("importing pyslurm ended the process (exit 1): scontrol: fatal: Could not "
+                   "establish a configuration source")
+    client = select_backend()
+    assert type(client) is SlurmClient and client.backend.name == "cli"
+    assert client.backend.reason == "CLI backend: " + why
+    with pytest.raises(HpctError, match="pyslurm backend requested but importing pyslurm ended"):
+        select_backend("pyslurm")
+    assert "pyslurm" not in __import__("sys").modules  # this worker lives, never imported it
+
+
+def test_a_matching_pyslurm_is_imported_only_after_its_probe(tmp_path, monkeypatch):
+    import sys
+    _fake_pyslurm(tmp_path, "__version__ = '24.11.0'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(SlurmClient, "version", lambda self: "24.11.5")
+    assert "pyslurm" not in sys.modules
+    try:
+        assert probe_pyslurm() == ("24.11.0", "imports")
+        assert "pyslurm" not in sys.modules
+        client = select_backend()
+        assert type(client) is PyslurmClient
+        assert client.backend.reason == "pyslurm 24.11.0 matches Slurm 24.11.5"
+        # pyslurm reads this process's config and namespace: a client of another cluster
+        # stays on the CLI
+        other = select_backend(env={"SLURM_CONF": str(tmp_path / "other.conf")})
+        assert type(other) is SlurmClient and "not SLURM_CONF=" in other.backend.reason
+        wrapped = select_backend(wrap=["nsenter", "--net=/run/netns/x", "--"])
+        assert type(wrapped) is SlurmClient
+        assert "cannot follow the client's wrap" in wrapped.backend.reason
+    finally:
+        sys.modules.pop("pyslurm", None)
 
 
 # ---- against the real cluster ---------------------------------------------------------------

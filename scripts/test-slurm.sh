@@ -120,9 +120,9 @@ if [ ! -x "$ROOT/usr/sbin/slurmctld" ] || ! chroot "$ROOT" dpkg -s "${PKGS[@]}" 
   fi
   cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
   echo "HPCT: installing ${PKGS[*]} into $ROOT"
-  unshare -m --propagation private sh -c '
-    mount -t proc proc "$1/proc" && mount --bind /dev "$1/dev" && shift &&
-    root=$1 && shift && chroot "$root" "$@"' sh "$ROOT" sh -c \
+  unshare -m --propagation private sh -c 'root=$1; shift
+    mount -t proc proc "$root/proc" && mount --bind /dev "$root/dev" && exec chroot "$root" "$@"
+    ' sh "$ROOT" sh -c \
     "${APT[*]} update -qq && DEBIAN_FRONTEND=noninteractive ${APT[*]} install -y -qq \
      --no-install-recommends ${PKGS[*]} >/dev/null" || exit 2
   echo "HPCT: chroot ready in $(( $(date +%s) - start )) s"

@@ -259,6 +259,29 @@ def test_a_pyslurm_that_ends_the_process_on_import_is_never_imported_here(tmp_pa
     assert "pyslurm" not in __import__("sys").modules  # this worker lives, never imported it
 
 
+def test_nothing_in_the_product_imports_pyslurm_but_select_backend_after_its_probe() -> None:
+    import ast
+    import hpct_slurm
+
+    found = []
+    for path in Path(hpct_slurm.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif (isinstance(node, ast.Call) and node.args
+                  and isinstance(node.args[0], ast.Constant) and node.args[0].value == "pyslurm"
+                  and getattr(node.func, "attr", getattr(node.func, "id", None))
+                  in ("import_module", "__import__")):
+                names = ["pyslurm"]
+            if any(n.split(".")[0] == "pyslurm" for n in names):
+                found.append((path.name, node.lineno))
+    # the one import: importlib.import_module("pyslurm") in select_backend, after the probe
+    assert [f for f, _ in found] == ["pyslurm_backend.py"], found
+
+
 def test_a_matching_pyslurm_is_imported_only_after_its_probe(tmp_path, monkeypatch):
     import sys
     _fake_pyslurm(tmp_path, "__version__ = '24.11.0'\n")

@@ -144,7 +144,8 @@ inner() {  # runs in the private mount namespace, as root of it
   mount --bind /dev/pts "$ROOT/dev/pts" 2>/dev/null || true
   mount -t tmpfs -o mode=1777 shm "$ROOT/dev/shm"
   mount -t tmpfs -o mode=0755 run "$ROOT/run"
-  mount -t tmpfs -o mode=1777 tmp "$ROOT/tmp"
+  # the chroot's own /tmp, on disk: a failed run's files stay there to be read afterwards
+  # ($ROOT/tmp/pytest-of-root/..., the cluster logs in $ROOT/tmp/hpct-test-cluster-last-log*)
   # the machine's hostname must resolve (slurmctld stalls ~10 s otherwise)
   mount --bind -o ro /etc/hosts "$ROOT/etc/hosts"
   bind() {  # bind SRC [ro]: SRC at its own path inside
@@ -181,6 +182,7 @@ export -f inner
 start=$(date +%s)
 unshare -m --propagation private bash -c 'inner "$@"' inner "${FILES[@]}" "$@"
 rc=$?
+rmdir "$ROOT$report" 2>/dev/null  # the mount point of the report dir
 echo "HPCT: $(( $(date +%s) - start )) s"
 version=$(cat "$report/version" 2>/dev/null || echo "$release (did not start)")
 summary "$report/junit.xml" "$version"

@@ -340,9 +340,10 @@ BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 # (a SPANK plugin built before the rename still exports HPCT_RENDEZVOUS).
 RENAMED: dict[str, str] = {"HPCT_RENDEZVOUS": STORE}
 
-# HPCT_* words in the sources that are not settings (constants, C macros).
+# HPCT_* words in the sources that are not settings (constants, C macros; HPCT_SLURM_CHROOT:
+# where scripts/test-slurm.sh keeps a release's chroot, read by that script only).
 NOT_SETTINGS = frozenset({"HPCT_PHASES", "HPCT_SPANK_H", "HPCT_PATH_MAX", "HPCT_SLURM",
-                          "HPCT_TEST_DIR"})
+                          "HPCT_TEST_DIR", "HPCT_SLURM_CHROOT"})
 
 
 def _fail(raw: str, what: str) -> _Refused:

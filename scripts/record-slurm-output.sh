@@ -37,7 +37,7 @@ scontrol create reservation ReservationName=hpct_rec StartTime=now+3600 Duration
     Users=root Nodes=n1 Flags=MAINT,IGNORE_JOBS >/dev/null
 sleep 1
 rec sinfo.json sinfo --json
-rec squeue.json squeue --json
+rec squeue.json squeue --json --states=all   # as SlurmClient.jobs() asks (24.11 on hide finished jobs otherwise)
 rec scontrol-show-node.txt scontrol show node -o
 rec scontrol-show-job.txt scontrol show job -o
 rec scontrol-show-nodes.json scontrol show nodes --json

@@ -438,7 +438,9 @@ def test_a_member_lost_before_generation_0_is_replaced_without_a_round(tmp_path)
     run(scenario)
 
 
-def test_a_spare_takes_the_lost_rank_and_restores_from_the_survivors_holdings(tmp_path):
+@pytest.mark.parametrize("srun_rc", [0, 1], ids=["slurm22.05-exit0", "slurm24.11-exit1"])
+def test_a_spare_takes_the_lost_rank_and_restores_from_the_survivors_holdings(tmp_path, srun_rc):
+    # srun exits 0 on a node failure in Slurm 22.05, 1 in 24.11 and 26.05: the same recovery
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
             await c.started()
@@ -446,7 +448,7 @@ def test_a_spare_takes_the_lost_rank_and_restores_from_the_survivors_holdings(tm
             assert (first.rank, first.world_size, first.restore_step) == (1, 2, -1)
             assert c.ctl.world.spares == ["s1"] and c.rank("s1").assigns == []
             await c.train(["localhost", "a1"], 4)
-            await c.crash("a1", stderr="srun: error: Node failure on a1\n")
+            await c.crash("a1", rc=srun_rc, stderr="srun: error: Node failure on a1\n")
 
             a = await c.assigned("s1", 1)
             assert (a.rank, a.world_size, a.restore_step) == (1, 2, 4)

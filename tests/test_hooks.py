@@ -350,6 +350,7 @@ def test_hooks_install_writes_the_tmpfiles_line_that_makes_the_shm_root_at_boot(
     if shutil.which("systemd-tmpfiles") and os.geteuid() == 0:
         # what boot does, under another root: the directory the Prolog then accepts
         boot = tmp_path / "boot"
+        boot.mkdir()  # systemd 262 (Debian sid) refuses a --root that does not exist
         subprocess.run(["systemd-tmpfiles", "--create", f"--root={boot}", str(conf)],
                        check=True, capture_output=True, timeout=60)
         made = boot / odd.lstrip("/")

@@ -13,7 +13,8 @@ from hpct_slurm.slurm.client import (
     REQUEUE_BEGIN_S, SlurmClient, SlurmCommandError, parse_job_record, parse_node_record,
     parse_node_state, parse_sbatch_parsable, parse_scontrol_record, parse_sinfo_json,
     parse_squeue_json, parse_version, srun_argv)
-from hpct_slurm.slurm.pyslurm_backend import choose_backend, select_backend
+from hpct_slurm.slurm.pyslurm_backend import (PyslurmClient, choose_backend, probe_pyslurm,
+                                              select_backend)
 
 T = TypeVar("T")
 
@@ -233,6 +234,77 @@ def test_select_backend_here_is_the_cli_and_says_why() -> None:
     assert client.backend.reason.startswith("CLI backend: ") and "pyslurm" in client.backend.reason
 
 
+def _fake_pyslurm(where: Path, body: str) -> None:
+    pkg = where / "pyslurm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(body)
+
+
+def test_a_pyslurm_that_ends_the_process_on_import_is_never_imported_here(tmp_path, monkeypatch):
+    # what pyslurm's import does without a reachable slurm.conf: slurm_init() logs a fatal and
+    # exits the process, no exception (seen with pyslurm 24.11 built against Slurm 24.11.5)
+    _fake_pyslurm(tmp_path, "import os, sys\n"
+                            "sys.stderr.write('scontrol: fatal: Could not establish a "
+                            "configuration source\\n')\nos._exit(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    version, why = probe_pyslurm()
+    assert version is None
+    assert why == ("importing pyslurm ended the process (exit 1): scontrol: fatal: Could not "
+                   "establish a configuration source")
+    client = select_backend()
+    assert type(client) is SlurmClient and client.backend.name == "cli"
+    assert client.backend.reason == "CLI backend: " + why
+    with pytest.raises(HpctError, match="pyslurm backend requested but importing pyslurm ended"):
+        select_backend("pyslurm")
+    assert "pyslurm" not in __import__("sys").modules  # this worker lives, never imported it
+
+
+def test_nothing_in_the_product_imports_pyslurm_but_select_backend_after_its_probe() -> None:
+    import ast
+    import hpct_slurm
+
+    found = []
+    for path in Path(hpct_slurm.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif (isinstance(node, ast.Call) and node.args
+                  and isinstance(node.args[0], ast.Constant) and node.args[0].value == "pyslurm"
+                  and getattr(node.func, "attr", getattr(node.func, "id", None))
+                  in ("import_module", "__import__")):
+                names = ["pyslurm"]
+            if any(n.split(".")[0] == "pyslurm" for n in names):
+                found.append((path.name, node.lineno))
+    # the one import: importlib.import_module("pyslurm") in select_backend, after the probe
+    assert [f for f, _ in found] == ["pyslurm_backend.py"], found
+
+
+def test_a_matching_pyslurm_is_imported_only_after_its_probe(tmp_path, monkeypatch):
+    import sys
+    _fake_pyslurm(tmp_path, "__version__ = '24.11.0'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(SlurmClient, "version", lambda self: "24.11.5")
+    assert "pyslurm" not in sys.modules
+    try:
+        assert probe_pyslurm() == ("24.11.0", "imports")
+        assert "pyslurm" not in sys.modules
+        client = select_backend()
+        assert type(client) is PyslurmClient
+        assert client.backend.reason == "pyslurm 24.11.0 matches Slurm 24.11.5"
+        # pyslurm reads this process's config and namespace: a client of another cluster
+        # stays on the CLI
+        other = select_backend(env={"SLURM_CONF": str(tmp_path / "other.conf")})
+        assert type(other) is SlurmClient and "not SLURM_CONF=" in other.backend.reason
+        wrapped = select_backend(wrap=["nsenter", "--net=/run/netns/x", "--"])
+        assert type(wrapped) is SlurmClient
+        assert "cannot follow the client's wrap" in wrapped.backend.reason
+    finally:
+        sys.modules.pop("pyslurm", None)
+
+
 # ---- against the real cluster ---------------------------------------------------------------
 
 def _until(what: str, probe: Callable[[], T | None], timeout: float, every: float = 0.25) -> T:
@@ -248,7 +320,8 @@ def _until(what: str, probe: Callable[[], T | None], timeout: float, every: floa
 
 def _step_script(out: Path, sleep_s: int) -> str:
     # One srun per node, so a node's loss ends only its own step. srun's own messages and its
-    # exit code go to the step's file: srun exits 0 on node failure, the text is the signal.
+    # exit code go to the step's file: srun exits 0 (22.05) or 1 (24.11, 26.05) on a node
+    # failure, the text is the signal.
     return f"""#!/bin/sh
 for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
   ( srun -N1 -n1 -w "$n" sh -c 'echo "host=$(hostname) node=$SLURMD_NODENAME"; sleep {sleep_s}'
@@ -415,7 +488,10 @@ def test_killed_node_inside_no_kill_job(cluster, tmp_path: Path) -> None:
         log = _until(f"srun on {victim} exits", lambda: _exited_log(tmp_path, victim),
                      timeout=90)
         assert f"Node failure on {victim}" in log
-        assert "srun_exit=0" in log  # why srun's exit code can never be the failure signal
+        # why srun's exit code can never be the failure signal: 0 on Slurm 22.05, 1 on 24.11
+        # and 26.05 (measured), what a task's own clean exit or error gives as well
+        expected = "0" if client.version().split(".")[0] == "22" else "1"
+        assert f"srun_exit={expected}\n" in log, log
         # Not only "not responding": slurmctld declared it DOWN, which is what took it out of
         # the --no-kill job below.
         _until(f"{victim} DOWN", lambda: client.show_node(victim).state == "DOWN", timeout=30)

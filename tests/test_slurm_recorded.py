@@ -52,7 +52,8 @@ class Recorded:
         return self.release != "22.05"
 
     def runner(self, calls: list[list[str]]):
-        files = {("sinfo", "--json"): "sinfo.json", ("squeue", "--json"): "squeue.json",
+        files = {("sinfo", "--json"): "sinfo.json",
+                 ("squeue", "--json", "--states=all"): "squeue.json",
                  ("scontrol", "show", "nodes", "--json"): "scontrol-show-nodes.json"}
 
         def run(argv, **kwargs) -> subprocess.CompletedProcess:

@@ -34,6 +34,15 @@ def test_batch_script_env() -> None:
     assert env.submit_dir == "/tmp/sdev" and env.cpus_on_node == 1
 
 
+@pytest.mark.parametrize("value, step", [("-5", 0xfffffffb), ("-4", 0xfffffffc),
+                                         ("-6", 0xfffffffa), ("4294967291", 0xfffffffb)])
+def test_special_step_ids_as_slurm_26_05_writes_them(value: str, step: int) -> None:
+    # Slurm 26.05's batch script sees SLURM_STEP_ID=-5 (SLURM_BATCH_SCRIPT as a signed int)
+    assert SlurmEnv.from_environ({**BATCH, "SLURM_STEP_ID": value}).step_id == step
+    with pytest.raises(HpctError, match="SLURM_STEP_ID '-7' is not a non-negative integer"):
+        SlurmEnv.from_environ({**BATCH, "SLURM_STEP_ID": "-7"})
+
+
 def test_step_task_env() -> None:
     env = SlurmEnv.from_environ({**STEP, "SLURM_RESTART_COUNT": "2",
                                  "SLURM_STEP_RESV_PORTS": "12000-12004"})

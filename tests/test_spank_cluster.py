@@ -3,9 +3,13 @@ strict refusal of bad values, the env tasks see, the job's shm dir (owner, mode,
 sweep), health-check drains, and 4 ranks on one node sharing one cache copy."""
 from __future__ import annotations
 
+import grp
 import json
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -191,12 +195,25 @@ def test_job_dir_owner_mode_removal_and_stale_sweep(hpct, artifacts, tmp_path):
     plant = ('mkdir -p /dev/shm/hpct/999999/sub && ln -sfn "$1" /dev/shm/hpct/999999/sub/link '
              '&& ln -sfn "$1" /dev/shm/hpct/888888')
     assert hpct.run(["sh", "-c", plant, "plant", str(victim)], node="n3").returncode == 0
-    p = hpct.run(["srun", "-N1", "-w", "n3", "--uid=nobody", "--gid=nogroup", "--chdir=/tmp",
-                  "sh", "-c", "id -u; stat -c '%u %g %a' /dev/shm/hpct/$SLURM_JOB_ID; "
-                  "ls /dev/shm/hpct"], timeout=60)
-    assert p.returncode == 0, p.stderr
-    uid, owner, listing = p.stdout.split("\n", 2)
-    assert uid == "65534" and owner == "65534 65534 700"
+    # a batch job as nobody: srun and salloc have no --uid/--gid from Slurm 23.x on (24.11,
+    # 26.05), sbatch has them on every release; its output goes where nobody may write.
+    # Numeric ids: 26.05's sbatch refuses --uid=nobody ("Invalid --uid specification")
+    nobody, nogroup = pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid
+    out_dir = Path(tempfile.mkdtemp(prefix="hpct-spank-out-"))
+    try:
+        out_dir.chmod(0o777)
+        out = out_dir / "out.txt"
+        p = _sbatch_wait(hpct, [
+            "sbatch", "--parsable", "-N1", "-w", "n3", f"--uid={nobody}", f"--gid={nogroup}",
+            "--chdir=/tmp", "-o", str(out), "--wrap",
+            "id -u; stat -c '%u %g %a' /dev/shm/hpct/$SLURM_JOB_ID; ls /dev/shm/hpct"],
+            timeout=60)
+        assert p.returncode == 0, p.stderr + (out.read_text() if out.exists() else "")
+        stdout = out.read_text()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    uid, owner, listing = stdout.split("\n", 2)
+    assert uid == str(nobody) and owner == f"{nobody} {nogroup} 700"
     assert "999999" not in listing and "888888" not in listing
     job = int(listing.split()[0])
     assert [p.name for p in victim.iterdir()] == ["keep"]

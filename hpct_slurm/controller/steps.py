@@ -130,7 +130,8 @@ class Steps:
             self._start_failure(node, rc)
         if not self.finished.is_set() and node not in self.dead_nodes \
                 and proc.pid not in self.expected_exits:
-            # srun exits 0 even on node failure: any exit while training runs is a fault.
+            # srun's exit code on a node failure is 0 in Slurm 22.05 and 1 in 24.11 and
+            # 26.05: never read it; any exit while training runs is a fault.
             if node in self.world.members or node in self.world.spares:
                 self._fault(node, f"step exited ({rc})")
 

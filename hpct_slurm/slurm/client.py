@@ -738,9 +738,11 @@ class SlurmClient:
     def jobs(self, user: str | None = None, job_ids: Sequence[int] = ()) -> list[JobInfo]:
         """Jobs slurmctld still remembers (finished ones too, until MinJobAge), with flags.
 
-        Filtered here: Slurm 22.05 ignores --user/--jobs when it prints --json."""
+        Filtered here: Slurm 22.05 ignores --user/--jobs when it prints --json. `--states=all`:
+        from 23.x on squeue --json honours squeue's default filter, which hides finished jobs
+        (22.05 ignores it and lists them anyway)."""
         wanted = {int(j) for j in job_ids}
-        return [j for j in parse_squeue_json(self.run(["squeue", "--json"]).stdout)
+        return [j for j in parse_squeue_json(self.run(["squeue", "--json", "--states=all"]).stdout)
                 if (user is None or j.user == user) and (not wanted or j.job_id in wanted)]
 
     def show_hostnames(self, hostlist: str) -> list[str]:

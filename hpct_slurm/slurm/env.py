@@ -88,6 +88,15 @@ class _Reader:
             return None
         return check_uint(value, name)
 
+    def step_id(self, name: str) -> int | None:
+        """A step id: a number, or (Slurm 26.05 on) one of Slurm's special steps written as a
+        negative number (the batch script's SLURM_STEP_ID is '-5'), read as Slurm's own
+        unsigned id (SLURM_BATCH_SCRIPT, 0xfffffffb), what older releases print for it."""
+        value = self.environ.get(name)
+        if value in SPECIAL_STEP_IDS:
+            return SPECIAL_STEP_IDS[value]
+        return self.uint(name)
+
     def hosts(self, name: str) -> list[str] | None:
         value = self.environ.get(name)
         if value is None:
@@ -108,6 +117,15 @@ class _Reader:
             raise HpctError(f"{name} {shown(value)} is not a port or a port range like "
                             f"'12000-12004'")
         return lo, hi
+
+
+# Slurm's special step ids (slurm.h), as Slurm 26.05 writes them into SLURM_STEP_ID: signed.
+SPECIAL_STEP_IDS = {
+    "-3": 0xfffffffd,  # SLURM_PENDING_STEP
+    "-4": 0xfffffffc,  # SLURM_EXTERN_CONT
+    "-5": 0xfffffffb,  # SLURM_BATCH_SCRIPT
+    "-6": 0xfffffffa,  # SLURM_INTERACTIVE_STEP
+}
 
 
 @dataclass(frozen=True)
@@ -169,7 +187,7 @@ class SlurmEnv:
             job_nodelist=nodelist,
             job_num_nodes=len(nodelist),
             node_name=r.str("SLURMD_NODENAME"),
-            step_id=r.uint("SLURM_STEP_ID"),
+            step_id=r.step_id("SLURM_STEP_ID"),
             step_nodelist=step_nodelist,
             procid=r.uint("SLURM_PROCID"),
             localid=r.uint("SLURM_LOCALID"),

@@ -666,7 +666,8 @@ class TrainState:
         finally:
             for device in copying:  # then nothing reads `buf` any more: the caller may reuse it
                 torch.cuda.current_stream(device).synchronize()
-        self._restored_scopes |= scopes
+        if proof:
+            self._restored_scopes |= scopes
         if "rank" not in scopes:
             return
         if EXTRAS_KEY in raw and proof:

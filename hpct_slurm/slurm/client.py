@@ -304,7 +304,10 @@ def sinfo_json_has_nodes(text: str) -> bool:
     """Whether `sinfo --json` printed one record per node (Slurm 22.05's `nodes`), rather than
     the groups of nodes of data_parser v0.0.40 on (`sinfo`: no addresses, no hostnames), for
     which `scontrol show nodes --json` is the per-node read. Neither: an HpctError."""
-    doc = _json_doc(text, SINFO_JSON)
+    return _sinfo_has_nodes(_json_doc(text, SINFO_JSON))
+
+
+def _sinfo_has_nodes(doc: dict) -> bool:
     if isinstance(doc.get("nodes"), list):
         return True
     if isinstance(doc.get("sinfo"), list):
@@ -318,11 +321,15 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
     node. 23.02 on (data_parser v0.0.39-42): `sinfo`, one record per group of alike nodes, read
     here node by node (their address and hostname are not in it: None). Anything else raises
     an HpctError naming the field."""
-    if sinfo_json_has_nodes(text):
-        doc = json.loads(text)
+    return _sinfo_nodes(_json_doc(text, SINFO_JSON))
+
+
+def _sinfo_nodes(doc: dict) -> list[NodeInfo]:
+    """`parse_sinfo_json` of the parsed document (the text is parsed once)."""
+    if _sinfo_has_nodes(doc):
         return [_node_from_record(n, SINFO_JSON) for n in doc["nodes"]]
     nodes: dict[str, NodeInfo] = {}
-    for i, group in enumerate(json.loads(text)["sinfo"]):
+    for i, group in enumerate(doc["sinfo"]):
         where = f"sinfo[{i}]"
         members = _field(_field(group, "nodes", SINFO_JSON, dict, where), "nodes", SINFO_JSON,
                          list, where + ".nodes")
@@ -722,9 +729,9 @@ class SlurmClient:
         (23.02 on, whose sinfo groups nodes and leaves out their addresses). Which one is
         remembered after the first read."""
         if not self._nodes_from_scontrol:
-            text = self.run(["sinfo", "--json"]).stdout
-            if sinfo_json_has_nodes(text):
-                return parse_sinfo_json(text)
+            doc = _json_doc(self.run(["sinfo", "--json"]).stdout, SINFO_JSON)
+            if _sinfo_has_nodes(doc):
+                return _sinfo_nodes(doc)
             self._nodes_from_scontrol = True
         return parse_scontrol_nodes_json(self.run(["scontrol", "show", "nodes", "--json"]).stdout)
 

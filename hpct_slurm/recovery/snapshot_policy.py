@@ -11,7 +11,6 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import protocol as P
@@ -23,7 +22,7 @@ from .persist import DiskPersister
 from .sharding import MeshSpec
 from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
                        choose_mode, replica_peer_rank)
-from .state import TrainState
+from .state import TrainState, local_ptr, optimizer_state_tensors
 from .transfer import ReplicaPusher
 
 if TYPE_CHECKING:
@@ -57,15 +56,13 @@ def _discard(store: SnapshotStore, steps: list[int]) -> None:
 
 
 def _changed_by(optimizer: Any) -> set[int]:
-    """The addresses of the tensors an optimizer's update changes: its parameters (a
-    DTensor's local shard) and its state's tensors."""
-    ptrs = {(p.to_local() if hasattr(p, "to_local") else p).data_ptr()
-            for g in optimizer.param_groups for p in g["params"]}
-    for st in optimizer.state.values():
-        for t in st.values():
-            if isinstance(t, torch.Tensor):
-                ptrs.add((t.to_local() if hasattr(t, "to_local") else t).data_ptr())
-    return ptrs
+    """The addresses of the tensors an optimizer's update changes: its parameters and its
+    state's tensors."""
+    return {local_ptr(t) for t in (*_params(optimizer), *optimizer_state_tensors(optimizer))}
+
+
+def _params(optimizer: Any) -> list[Any]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def first_mode(state: TrainState, given: str | None, mesh_spec: MeshSpec | None) -> str:
@@ -299,9 +296,8 @@ class SnapshotPolicy:
             return  # its own hook runs
         if optimizer not in self._updates_state:
             stable = self.state.stable_ptrs()
-            self._updates_state[optimizer] = any(
-                (p.to_local() if hasattr(p, "to_local") else p).data_ptr() in stable
-                for g in optimizer.param_groups for p in g["params"])
+            self._updates_state[optimizer] = any(local_ptr(p) in stable
+                                                 for p in _params(optimizer))
         if self._updates_state[optimizer]:
             self.before_update(optimizer)
 

@@ -279,6 +279,17 @@ def _dtensor_meta(t: Any, path: str) -> dict:
             "coord": list(mesh.get_coordinate() or [])}
 
 
+def local_ptr(t: torch.Tensor) -> int:
+    """The address of a tensor's data: a DTensor's local shard's."""
+    return (t.to_local() if _is_dtensor(t) else t).data_ptr()
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of an optimizer's state (Adam's moments and step counts)."""
+    return [t for st in optimizer.state.values() for t in st.values()
+            if isinstance(t, torch.Tensor)]
+
+
 def describe_coord(names: Iterable[str], coord: Iterable[int]) -> str:
     return "(" + ", ".join(f"{n}={c}" for n, c in zip(names, coord)) + ")"
 
@@ -571,15 +582,10 @@ class TrainState:
         them after the step function returned, until the next optimizer step."""
         ptrs: set[int] = set()
         for obj, _ in self._objects.values():
-            tensors: list[Any] = []
             if isinstance(obj, torch.nn.Module):
-                tensors = list(obj.parameters())
+                ptrs.update(local_ptr(p) for p in obj.parameters())
             elif isinstance(obj, torch.optim.Optimizer):
-                tensors = [t for st in obj.state.values() for t in st.values()
-                           if isinstance(t, torch.Tensor)]
-            for t in tensors:
-                local = t.to_local() if _is_dtensor(t) else t
-                ptrs.add(local.data_ptr())
+                ptrs.update(local_ptr(t) for t in optimizer_state_tensors(obj))
         return ptrs
 
     # --- restore ---------------------------------------------------------------------------
@@ -706,9 +712,7 @@ class TrainState:
                                 f"the state restored into {name!r}")
         if EXTRAS_KEY in self._restored and _live_digest(self.extras) != self._restored[EXTRAS_KEY]:
             problems.append("extras: state.extras changed after the restore")
-        self._restored.clear()
-        self._restored_scopes.clear()
-        self._pending.clear()
+        self.forget_restored()
         return problems
 
 

@@ -27,31 +27,30 @@ wrong cannot be told.
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import blake3
 import torch
 import torch.distributed as dist
 
+from .proof import tree_digest
 from .state import TrainState
-
-DIGEST_BYTES = 16
-_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 
 
 def shared_digest(state: TrainState) -> bytes:
-    """The digest of the shared state registered now (see the module docstring)."""
+    """The digest of the shared state registered now (see the module docstring): the
+    proof's digest of its tree (proof.py, which leaves a shard's coordinate out), with a
+    word sum for each parameter and optimizer tensor and nothing for a buffer's values."""
     layout, tensors = state.plan(("shared",), rng=False)
     kept = state.stable_ptrs()
-    sums = [_word_sum(t) if t.numel() and t.data_ptr() in kept else None for t in tensors]
-    h = blake3.blake3()
-    h.update(_JSON.encode(_without_coords(layout.tree)).encode())
-    h.update(_JSON.encode([[str(t.dtype), list(t.shape), s]
-                           for t, s in zip(tensors, sums)]).encode())
-    return h.digest(DIGEST_BYTES)
+
+    def content(t: torch.Tensor) -> bytes:
+        if not t.numel() or t.data_ptr() not in kept:
+            return b""
+        return _word_sum(t).to_bytes(9, "little", signed=True)
+
+    return tree_digest(layout.tree, tensors, content)
 
 
 def _word_sum(t: torch.Tensor) -> int:
@@ -64,19 +63,6 @@ def _word_sum(t: torch.Tensor) -> int:
         head = head.clone()  # a word view needs 8-byte alignment (a tensor's start mostly is)
     total = int(head.view(torch.int64).sum()) if whole else 0
     return total + int(raw[whole:].sum(dtype=torch.int64))
-
-
-def _without_coords(node: object) -> object:
-    """The encoded tree less a shard's mesh coordinate: HSDP replicas at other coordinates of
-    the replicated dimension hold the same state."""
-    if isinstance(node, dict):
-        if set(node) == {"D"}:
-            idx, meta = node["D"]
-            return {"D": [idx, {k: v for k, v in meta.items() if k != "coord"}]}
-        return {k: _without_coords(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_without_coords(v) for v in node]
-    return node
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def _epilog(args: argparse.Namespace) -> int:
 
 
 def _task_prolog(args: argparse.Namespace) -> int:
-    return never_fails("task-prolog", lambda: _task_prolog_work())
+    return never_fails("task-prolog", _task_prolog_work)
 
 
 def _task_prolog_work() -> int:

@@ -35,6 +35,7 @@ from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog, Role
+from ..fdlimit import nofile_fields, raise_nofile
 from ..rundir import private_dir
 from ..slurm.client import SlurmClient
 from .connections import Conn, Connections, Link
@@ -135,6 +136,7 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
             print(f"hpct-slurm: warning: {warning}", file=sys.stderr)
 
     async def run(self) -> int:
+        nofile = raise_nofile()  # before the listener: a full table stops accepting ranks
         host = _resolve(self.o.batch_host)
         server = await asyncio.start_server(self._serve, host, 0, backlog=1024)
         # `--signal=B:TERM@N` (or scancel -b -s TERM) reaches the batch shell, which execs us:
@@ -146,7 +148,7 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
                          spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
                          store=self.o.store,
                          address=f"{self.address[0]}:{self.address[1]}",
-                         command=self.o.command)
+                         command=self.o.command, **nofile_fields(nofile))
         if self._spares_short():
             self.exit_code = EXIT_FAILED
             self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)

@@ -49,6 +49,7 @@ from .. import protocol as P
 from ..config import JobSettings
 from ..errors import HpctError, UsageError
 from ..events import Ev, EventLog
+from ..fdlimit import nofile_fields, raise_nofile
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
 from .background import Background
@@ -260,12 +261,12 @@ class Job:
         if self._started:
             return
         self._started = True
+        self._nofile = raise_nofile()  # before any socket: gloo's listener aborts at the limit
         # Everything alive now (torch's modules, the script's model and data) lives as long as
         # the process: out of the collector's sight, the gc.collect() that frees the broken
         # group at a fault scans only what the training made since. Measured with the 100 MB
-        # benchmark model: 0.25-0.58 s per full collection, ~0 frozen, of a survivor's
-        # 0.9 s from fault to ready. (The cost: a cycle among these objects that becomes
-        # garbage later is never collected.)
+        # benchmark model: 0.25-0.58 s per full collection, ~0 frozen, of a survivor's 0.9 s
+        # from fault to ready. (The cost: a cycle among them that becomes garbage is never freed.)
         gc.freeze()
         self.host_addr = rdv.resolve_host(self.node)
         self.transfer = self._make_transfer(self.secret, self.job_id, rank=-1,
@@ -289,10 +290,9 @@ class Job:
                                          self._group.replicate_given is None)
         self.events.emit(Ev.RANK_REGISTERED, role=self.role, pid=os.getpid(),
                          mode="undecided" if undecided else self.mode,
-                         rank_state=self.rank_snaps is not None,
+                         rank_state=self.rank_snaps is not None, **nofile_fields(self._nofile),
                          settings={"collective_timeout_s": self.collective_timeout_s,
-                                   "init_timeout_s": self.init_timeout_s,
-                                   "store": self.store_kind})
+                                   "init_timeout_s": self.init_timeout_s, "store": self.store_kind})
 
     def _relay_address(self) -> ControllerAddress:
         """Where this rank's controller connection goes when its node's ranks share a relay

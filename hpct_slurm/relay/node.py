@@ -53,6 +53,7 @@ from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from ..fdlimit import raise_nofile
 from ..rundir import private_dir, write_private
 from .coalesce import WINDOW_S, Coalescer
 
@@ -135,6 +136,7 @@ class NodeRelay:
                  connect_timeout: float = 60.0, auth_timeout: float = AUTH_TIMEOUT_S,
                  max_strangers: int = MAX_STRANGERS):
         from ..recovery.client import HEARTBEAT_S, CoordinationClient  # see the imports above
+        raise_nofile()  # a rank already did (job.py); a relay started on its own does it here
         self.secret, self.job_id, self.node, self.own = secret, job_id, node, own_local_rank
         self.events = events or EventLog()
         # routine messages go up once per heartbeat interval (the controller's pacing)

@@ -162,6 +162,8 @@ SHM_FRACTION = "HPCT_SHM_FRACTION"
 DEFAULT_CACHE_MB = "HPCT_DEFAULT_CACHE_MB"
 HEALTH_MIN_SHM_MB = "HPCT_HEALTH_MIN_SHM_MB"
 HOOKS_LOG = "HPCT_HOOKS_LOG"
+FENCE = "HPCT_FENCE"
+FENCE_ALLOW = "HPCT_FENCE_ALLOW"
 SPANK_CACHE_MB = "SPANK_HPCT_CACHE_MB"
 SHM_DIR = "HPCT_SHM_DIR"
 CACHE_MB = "HPCT_CACHE_MB"
@@ -302,6 +304,14 @@ SETTINGS: tuple[Setting, ...] = (
        lo=0, hi=UINT32_MAX, scope="hooks"),
     _s(HOOKS_LOG, "path", None, ADMIN, "hooks", "the hooks' event log (not in a directory "
        "other users can write)", scope="hooks"),
+    _s(FENCE, "choice", "off", ADMIN, "hooks", "the Prolog's packet filter for the traffic "
+       "no secret protects (gloo, NCCL's bootstrap): `nft` admits to the node's ephemeral "
+       "ports only the allocation's nodes, loopback only from root and the job's user, "
+       "the Epilog removes it (docs/admin.md); off: none", choices=("nft", "off"),
+       scope="hooks"),
+    _s(FENCE_ALLOW, "str", None, ADMIN, "hooks", "comma-separated IPv4 addresses or "
+       "networks the fence admits besides the allocation and slurmctld (pool spares' nodes, "
+       "NFS servers' callbacks)", scope="hooks"),
     _s(SPANK_CACHE_MB, "int", None, USER, "hooks (prolog)", "`sbatch --hpct-cache-mb=` as "
        "the prolog sees it (plugstack.conf default_cache_mb)", lo=0, hi=UINT32_MAX,
        scope="hooks"),

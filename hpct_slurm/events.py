@@ -167,6 +167,9 @@ class Ev(_Name):
     HOOK_JOB_DIR_REMOVED = "hook_job_dir_removed"
     HOOK_JOB_DIR_REMOVE_FAILED = "hook_job_dir_remove_failed"
     HOOK_FAILED = "hook_failed"
+    HOOK_FENCE_INSTALLED = "hook_fence_installed"
+    HOOK_FENCE_REMOVED = "hook_fence_removed"
+    HOOK_FENCE_SKIPPED = "hook_fence_skipped"
 
     # the baselines (examples/baseline_train.py, bench/restart_all.py)
     BASELINE_IMPORTED = "baseline.imported"

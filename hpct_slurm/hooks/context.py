@@ -42,6 +42,7 @@ class JobContext:
     gid: int
     node: str
     requested_cache_mb: int | None = None
+    nodelist: str = ""  # SLURM_JOB_NODELIST: the allocation (the fence admits its nodes)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "JobContext":
@@ -58,4 +59,5 @@ class JobContext:
             raise HpctError(f"SLURM_JOB_UID/SLURM_JOB_GID {environ.get('SLURM_JOB_UID')!r}/"
                             f"{environ.get('SLURM_JOB_GID')!r} are not set")
         return cls(job_id=check_job_id(job, "SLURM_JOB_ID"), uid=uid, gid=gid, node=node,
-                   requested_cache_mb=C.read(environ, C.SPANK_CACHE_MB))
+                   requested_cache_mb=C.read(environ, C.SPANK_CACHE_MB),
+                   nodelist=environ.get("SLURM_JOB_NODELIST", ""))

@@ -84,8 +84,8 @@ def _ip(*argv: str) -> None:
 
 @pytest.fixture
 def nets():
-    """Node A with two links: to a peer P (in the allocation, 10.77.2.2) and to an outsider
-    O (10.77.1.2); a listener in A on an ephemeral port and one on a fixed port."""
+    """Node A with two links: to a peer P (in the allocation, 10.78.2.2) and to an outsider
+    O (10.78.1.2); a listener in A on an ephemeral port and one on a fixed port."""
     names = [f"{TAG}{n}" for n in ("a", "p", "o")]
     for n in names:
         _ip("netns", "add", n)
@@ -93,8 +93,8 @@ def nets():
         for peer, net in (("o", 1), ("p", 2)):
             _ip("link", "add", f"{TAG}a{peer}", "netns", f"{TAG}a", "type", "veth", "peer",
                 "name", f"{TAG}{peer}a", "netns", f"{TAG}{peer}")
-            _ip("-n", f"{TAG}a", "addr", "add", f"10.77.{net}.1/24", "dev", f"{TAG}a{peer}")
-            _ip("-n", f"{TAG}{peer}", "addr", "add", f"10.77.{net}.2/24", "dev", f"{TAG}{peer}a")
+            _ip("-n", f"{TAG}a", "addr", "add", f"10.78.{net}.1/24", "dev", f"{TAG}a{peer}")
+            _ip("-n", f"{TAG}{peer}", "addr", "add", f"10.78.{net}.2/24", "dev", f"{TAG}{peer}a")
             _ip("-n", f"{TAG}a", "link", "set", f"{TAG}a{peer}", "up")
             _ip("-n", f"{TAG}{peer}", "link", "set", f"{TAG}{peer}a", "up")
         for n in names:
@@ -149,42 +149,49 @@ def _ruleset() -> str:
 def test_the_fence_admits_the_allocation_and_refuses_strangers(nets, tmp_path):
     eph, fixed = nets["ephemeral"], nets["fixed"]
     # unfenced: everyone gets in (what issue 45 measured)
-    assert _connect("o", "10.77.1.1", eph) == "ok"
+    assert _connect("o", "10.78.1.1", eph) == "ok"
     assert _connect("a", "127.0.0.1", eph, uid=65534) == "ok"
 
     log = EventLog(tmp_path / "hooks.jsonl")
     job = JobContext(job_id=31, uid=JOB_UID, gid=JOB_UID, node="nA", nodelist="nA,nP")
-    where = {"nA": "10.77.2.1", "nP": "10.77.2.2", "ctld": "10.77.9.9"}
+    where = {"nA": "10.78.2.1", "nP": "10.78.2.2", "ctld": "10.78.9.9"}
     assert F.install(job, job.nodelist, F.FenceConfig("nft"), log, lambda: ["ctld"],
                      where.__getitem__, _fence())
-    assert _connect("p", "10.77.2.1", eph) == "ok"  # the allocation's peer
-    assert _connect("o", "10.77.1.1", eph) == "ConnectionRefusedError"  # a stranger host
-    assert _connect("o", "10.77.1.1", fixed) == "ok"  # fixed-port services untouched
+    assert _connect("p", "10.78.2.1", eph) == "ok"  # the allocation's peer
+    assert _connect("o", "10.78.1.1", eph) == "ConnectionRefusedError"  # a stranger host
+    assert _connect("o", "10.78.1.1", fixed) == "ok"  # fixed-port services untouched
     assert _connect("a", "127.0.0.1", eph, uid=JOB_UID) == "ok"  # the job's user
-    assert _connect("a", "10.77.2.1", eph, uid=JOB_UID) == "ok"  # via its own address
+    assert _connect("a", "10.78.2.1", eph, uid=JOB_UID) == "ok"  # via its own address
     assert _connect("a", "127.0.0.1", eph, uid=65534) == "ConnectionRefusedError"
-    assert _connect("a", "10.77.1.1", eph, uid=65534) == "ConnectionRefusedError"
+    assert _connect("a", "10.78.1.1", eph, uid=65534) == "ConnectionRefusedError"
     assert _connect("a", "127.0.0.1", eph) == "ok"  # root
 
     # a second job of another user on the node: its peer (the outsider's address) gets in,
     # the first job's admissions stand
     other = JobContext(job_id=32, uid=65534, gid=65534, node="nA", nodelist="nO")
-    assert F.install(other, other.nodelist, F.FenceConfig("nft", allow="10.77.3.0/24"), log,
-                     lambda: [], {"nO": "10.77.1.2"}.__getitem__, _fence())
-    assert _connect("o", "10.77.1.1", eph) == "ok"
+    assert F.install(other, other.nodelist, F.FenceConfig("nft", allow="10.78.3.0/24"), log,
+                     lambda: [], {"nO": "10.78.1.2"}.__getitem__, _fence())
+    assert _connect("o", "10.78.1.1", eph) == "ok"
     assert _connect("a", "127.0.0.1", eph, uid=65534) == "ok"
-    assert F.remove(other, F.FenceConfig("nft"), log, _fence())
-    assert _connect("o", "10.77.1.1", eph) == "ConnectionRefusedError"
-    assert _connect("p", "10.77.2.1", eph) == "ok"
+    # job 32's node crashed (no Epilog): the next Prolog sweeps what Slurm no longer runs
+    third = JobContext(job_id=33, uid=JOB_UID, gid=JOB_UID, node="nA", nodelist="nA")
+    assert F.install(third, third.nodelist, F.FenceConfig("nft"), log, lambda: [],
+                     where.__getitem__, _fence(), active=lambda: {31, 33})
+    assert _connect("o", "10.78.1.1", eph) == "ConnectionRefusedError"
+    assert _fence().jobs() == {31, 33}
+    assert not F.remove(other, F.FenceConfig("nft"), log, _fence())  # swept already
+    assert F.remove(third, F.FenceConfig("nft"), log, _fence())
+    assert _connect("p", "10.78.2.1", eph) == "ok"
 
     assert F.remove(job, F.FenceConfig("nft"), log, _fence())
     assert _ruleset().strip() == ""  # no rule, no table left behind
-    assert _connect("o", "10.77.1.1", eph) == "ok"
+    assert _connect("o", "10.78.1.1", eph) == "ok"
     assert not F.remove(job, F.FenceConfig("nft"), log, _fence())  # twice: nothing to do
     events = list(read_events(tmp_path / "hooks.jsonl"))
     installed = [e for e in events if e["event"] == "hook_fence_installed"]
-    assert installed[0]["admitted"] == ["10.77.2.1/32", "10.77.2.2/32", "10.77.9.9/32"]
+    assert installed[0]["admitted"] == ["10.78.2.1/32", "10.78.2.2/32", "10.78.9.9/32"]
     assert installed[0]["uids"] == [0, JOB_UID] and installed[1]["jobs"] == [31, 32]
+    assert installed[2]["swept"] == [32] and installed[2]["jobs"] == [31, 33]
     removed = [e for e in events if e["event"] == "hook_fence_removed"]
     assert [(e["job_id"], e["found"], e["jobs"]) for e in removed] == [
-        (32, True, [31]), (31, True, []), (31, False, [])]
+        (32, False, [31, 33]), (33, True, [31]), (31, True, []), (31, False, [])]

@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="absolute path of the python that has hpct_slurm (default: this one)")
     i.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a setting the hooks run with (HPCT_SHM_ROOT, HPCT_HOOKS_LOG, "
-                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB, HPCT_FENCE; "
-                        "`hpct-slurm settings` lists all) or SLURM_CONF")
+                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB, "
+                        "HPCT_FENCE, HPCT_FENCE_ALLOW; `hpct-slurm settings` lists all) or "
+                        "SLURM_CONF")
     i.add_argument("--tmpfiles-dir", type=Path, default=Path("/etc/tmpfiles.d"), metavar="DIR",
                    help="where to write hpct-slurm.conf, the systemd-tmpfiles line that makes "
                         "the shm root at boot, before any user can take its name (default: "

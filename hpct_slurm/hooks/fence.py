@@ -169,8 +169,12 @@ def admitted(nodes: Iterable[str], ctld: Iterable[str], allow: Sequence[str],
 
 def install(job: JobContext, nodelist: str, cfg: FenceConfig, log: EventLog,
             ctld: Callable[[], list[str]], resolve: Callable[[str], str],
-            fence: Fence | None = None) -> bool:
-    """The Prolog's part: fence the job; True when its rules are in. Never raises."""
+            fence: Fence | None = None,
+            active: Callable[[], set[int] | None] = lambda: None) -> bool:
+    """The Prolog's part: fence the job; True when its rules are in. The chains of jobs
+    Slurm no longer runs (`active`; None or an error: no sweep) go in the same script: a
+    node that crashed never ran their Epilog, and its namespace keeps its rules. Never
+    raises."""
     if cfg.mode == "off":
         return False
     try:
@@ -179,14 +183,26 @@ def install(job: JobContext, nodelist: str, cfg: FenceConfig, log: EventLog,
         fence = fence or Fence(_which_nft())
         nets = admitted(expand(nodelist), ctld(), parse_allow(cfg.allow), resolve)
         ports = port_range(fence.ports_file.read_text())
-        fenced = fence.apply({job.job_id: (job.uid, nets)})
+        stale = _stale(fence.jobs() - {job.job_id}, active)
+        fenced = fence.apply({job.job_id: (job.uid, nets), **{j: None for j in stale}})
     except Exception as exc:  # noqa: BLE001 - a fence it cannot make never fails the Prolog
         log.emit(Ev.HOOK_FENCE_SKIPPED, node=job.node, job_id=job.job_id, error=describe(exc))
         return False
     log.emit(Ev.HOOK_FENCE_INSTALLED, node=job.node, job_id=job.job_id, table=f"inet {TABLE}",
              chains=[f"job_{job.job_id}_in", f"job_{job.job_id}_out"], admitted=nets,
-             uids=[0, job.uid], ports=f"{ports[0]}-{ports[1]}", jobs=sorted(fenced))
+             uids=[0, job.uid], ports=f"{ports[0]}-{ports[1]}", jobs=sorted(fenced),
+             swept=sorted(stale))
     return True
+
+
+def _stale(present: set[int], active: Callable[[], set[int] | None]) -> set[int]:
+    if not present:
+        return set()
+    try:
+        running = active()
+    except Exception:  # noqa: BLE001 - Slurm cannot say: keep them (a job may still run)
+        return set()
+    return set() if running is None else present - running
 
 
 def remove(job: JobContext, cfg: FenceConfig, log: EventLog,

@@ -102,6 +102,7 @@ def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog,
              requested_mb=requested, granted_mb=granted)
     # After the health verdict: an unhealthy node runs no job to fence. Never fails.
     if fence.mode != "off":
-        install_fence(job, job.nodelist, fence, log, slurm.controller_hosts, resolve_host)
+        install_fence(job, job.nodelist, fence, log, slurm.controller_hosts, resolve_host,
+                      active=slurm.active_job_ids)
     return PrologResult(healthy=True, job_dir=info.path, granted_mb=granted,
                         stale_removed=stale)

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from hpct_slurm import fdlimit
-from tests.test_job_seams import _job, settings  # noqa: F401 - the fixture
+from tests import test_job_seams as seams
+
+settings = seams.settings  # the fixture: a Job's frozen settings in tmp_path
 
 SOFT, HARD = resource.getrlimit(resource.RLIMIT_NOFILE)
 
@@ -34,8 +36,8 @@ def test_raise_nofile_takes_the_hard_limit(low_soft):
     assert ("fd_limit_low" in fdlimit.nofile_fields((was, soft, hard))) == (soft < 4096)
 
 
-def test_a_rank_registers_with_the_raised_limit(low_soft, settings):  # noqa: F811
-    job, _ = _job(settings)
+def test_a_rank_registers_with_the_raised_limit(low_soft, settings):
+    job, _ = seams._job(settings)
     job.run(lambda step: 0.0, 3)
     events = [json.loads(line) for f in (settings.run_dir / "events").iterdir()
               for line in f.read_text().splitlines()]

@@ -61,6 +61,7 @@ class Ev(_Name):
     RECOVERY_DISK_FALLBACK = "recovery.disk_fallback"
     RECOVERY_DONE = "recovery.done"
     RECOVERY_FAILED = "recovery.failed"
+    FORMATION_BROKEN = "formation.broken"
     ESCALATE_REQUEUE = "escalate.requeue"
     ESCALATE_FAIL = "escalate.fail"
     ESCALATE_ELIGIBLE = "escalate.eligible"

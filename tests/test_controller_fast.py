@@ -833,6 +833,43 @@ def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_erro
     run(scenario)
 
 
+def test_a_formation_broken_from_outside_is_named_and_requeued_not_the_scripts(tmp_path):
+    """Issue 45: a stranger claiming a rank's gloo pairs breaks every formation with all
+    members alive; the ranks report only gloo's errors. Each round says so
+    (`formation.broken`), and at the limit the job is requeued as an infrastructure failure,
+    never failed as the script's own error."""
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+            "Timed out waiting 10000ms for recv operation to complete")
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
+                               max_stalled_restarts=2) as c:
+            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
+                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
+                                           [], {}, error=gloo))
+                rank.state = "ready"
+                await rank.heartbeat()
+            c.on_stop["a1"] = fails_again
+            await c.started()
+            await c.train(["localhost", "a1"], 3)
+            for generation in (1, 2):
+                await fails_again(c.rank("a1"))
+                await c.assigned("a1", generation)
+            await fails_again(c.rank("a1"))
+            await asyncio.wait_for(asyncio.shield(c.job), 10)
+            broken = c.events("formation.broken")
+            assert [(e["stalled_restarts"], e["escalates"]) for e in broken] == [
+                (0, False), (1, False), (2, True)]
+            assert all(e["errors"] == [gloo] for e in broken)
+            assert c.events("job.failed") == []
+            [requeue] = c.events("escalate.requeue")
+            assert requeue["cause"] == "infrastructure"
+            assert requeue["reason"].startswith("formation broken by something other than a "
+                                                "member: 2 restarts in place")
+            assert ["scontrol", "requeue", str(JOB)] in c.runner.argvs
+    run(scenario)
+
+
 @pytest.mark.parametrize("dies", ["s1", "a2"])
 def test_a_node_lost_while_the_new_generation_restores_costs_one_more_generation(tmp_path,
                                                                                  dies):

@@ -803,16 +803,21 @@ def test_a_rank_whose_state_and_ring_copy_are_both_lost_escalates_to_requeue(tmp
     run(scenario)
 
 
+def _fails_with(error: str):
+    """A rank whose step raises `error` (or that a STOP finds so): Holdings, then ready."""
+    async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
+        await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
+                                   [], {}, error=error))
+        rank.state = "ready"
+        await rank.heartbeat()
+    return fails_again
+
+
 def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_error(tmp_path):
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
                                max_stalled_restarts=2) as c:
-            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
-                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
-                                           [], {}, error="RuntimeError: boom"))
-                rank.state = "ready"
-                await rank.heartbeat()
-            c.on_stop["a1"] = fails_again
+            fails_again = c.on_stop["a1"] = _fails_with("RuntimeError: boom")
             await c.started()
             await c.train(["localhost", "a1"], 3)
             for generation in (1, 2):
@@ -844,12 +849,7 @@ def test_a_formation_broken_from_outside_is_named_and_requeued_not_the_scripts(t
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
                                max_stalled_restarts=2) as c:
-            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
-                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
-                                           [], {}, error=gloo))
-                rank.state = "ready"
-                await rank.heartbeat()
-            c.on_stop["a1"] = fails_again
+            fails_again = c.on_stop["a1"] = _fails_with(gloo)
             await c.started()
             await c.train(["localhost", "a1"], 3)
             for generation in (1, 2):

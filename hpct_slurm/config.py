@@ -269,10 +269,10 @@ SETTINGS: tuple[Setting, ...] = (
        lo=0, hi=UINT32_MAX, scope="rendezvous"),
     _s(STORE_PORT, "int", None, RENDEZVOUS, "training script", "the generation's store "
        "port, exported to the script after a formation", lo=1, hi=65535, scope="rendezvous"),
-    _s(PORT_BASE, "int", 20000, (ADMIN, USER), "rendezvous", "first port of the rendezvous "
-       "window", lo=1024, hi=65535, scope="rendezvous"),
-    _s(PORT_SPAN, "int", 8192, (ADMIN, USER), "rendezvous", "ports of the rendezvous "
-       "window", lo=8, hi=65535 - 1024 + 1, scope="rendezvous"),
+    _s(PORT_BASE, "int", 20000, (ADMIN, USER), ("rendezvous", "hooks (fence)"), "first port "
+       "of the rendezvous window", lo=1024, hi=65535, scope="rendezvous"),
+    _s(PORT_SPAN, "int", 8192, (ADMIN, USER), ("rendezvous", "hooks (fence)"), "ports of the "
+       "rendezvous window", lo=8, hi=65535 - 1024 + 1, scope="rendezvous"),
     _s(NODES_PER_HOST, "int", None, (ADMIN, USER), "rendezvous", "Slurm nodes sharing one "
        "host (multi-slurmd test clusters)", lo=1, hi=UINT32_MAX, scope="rendezvous"),
     _s(SOCKET_IFNAME, "str", None, (ADMIN, USER), "rendezvous", "network interface for "
@@ -305,8 +305,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s(HOOKS_LOG, "path", None, ADMIN, "hooks", "the hooks' event log (not in a directory "
        "other users can write)", scope="hooks"),
     _s(FENCE, "choice", "off", ADMIN, "hooks", "the Prolog's packet filter for the traffic "
-       "no secret protects (gloo, NCCL's bootstrap): `nft` admits to the node's ephemeral "
-       "ports only the allocation's nodes, loopback only from root and the job's user, "
+       "no secret protects (gloo, NCCL's bootstrap, TCPStore): `nft` admits to the node's "
+       "ephemeral ports and the rendezvous range only the allocation's nodes, loopback only "
+       "from root and the job's user, "
        "the Epilog removes it (docs/admin.md); off: none", choices=("nft", "off"),
        scope="hooks"),
     _s(FENCE_ALLOW, "str", None, ADMIN, "hooks", "comma-separated IPv4 addresses or "

@@ -28,7 +28,8 @@ needs_nft = pytest.mark.skipif(NFT is None or os.geteuid() != 0,
 
 # ---- pure: the script, the settings -----------------------------------------------------
 def test_the_script_installs_a_job_and_keeps_the_others():
-    text = F.script({7: (1000, ["10.0.0.1/32", "10.0.0.2/32"])}, (32768, 60999), keep={5})
+    text = F.script({7: (1000, ["10.0.0.1/32", "10.0.0.2/32"])},
+                    [(32768, 60999), (20000, 28191), (28000, 32767)], keep={5})
     assert "add rule inet hpct_fence job_7_in ip saddr { 10.0.0.1/32, 10.0.0.2/32 } accept" in text
     assert "add rule inet hpct_fence job_7_out meta skuid { 0, 1000 } accept" in text
     assert "job_5_in" in text and "flush chain inet hpct_fence job_5_in" not in text  # kept
@@ -36,14 +37,15 @@ def test_the_script_installs_a_job_and_keeps_the_others():
         rules = [ln for ln in text.splitlines()
                  if ln.startswith(f"add rule inet hpct_fence {chain} ")]
         assert [r.split(" ", 5)[-1] for r in rules[-4:]] == [
-            "tcp dport != 32768-60999 accept", f"jump job_5_{side}", f"jump job_7_{side}",
+            "tcp dport != { 20000-60999 } accept", f"jump job_5_{side}", f"jump job_7_{side}",
             "counter reject with tcp reset"]
 
 
 def test_the_last_jobs_removal_deletes_the_table():
-    assert F.script({7: None}, (32768, 60999), keep=()).splitlines()[-1] == \
+    assert F.script({7: None}, [(32768, 60999)], keep=()).splitlines()[-1] == \
         "delete table inet hpct_fence"
-    text = F.script({7: None}, (32768, 60999), keep={5})
+    text = F.script({7: None}, [(32768, 60999), (20000, 28191)], keep={5})
+    assert "tcp dport != { 20000-28191, 32768-60999 } accept" in text
     assert "delete chain inet hpct_fence job_7_in" in text and "delete table" not in text
     assert "jump job_7_in" not in text and "jump job_5_in" in text
 
@@ -85,7 +87,8 @@ def _ip(*argv: str) -> None:
 @pytest.fixture
 def nets():
     """Node A with two links: to a peer P (in the allocation, 10.78.2.2) and to an outsider
-    O (10.78.1.2); a listener in A on an ephemeral port and one on a fixed port."""
+    O (10.78.1.2); listeners in A on an ephemeral port, on one of the rendezvous range
+    (2000-2100 here: a TCPStore's) and on a fixed port outside both."""
     names = [f"{TAG}{n}" for n in ("a", "p", "o")]
     for n in names:
         _ip("netns", "add", n)
@@ -116,7 +119,7 @@ def serve(s):
     while True:
         c, _ = s.accept(); c.close()
 ports = {}
-for name, port in (("ephemeral", 0), ("fixed", 2222)):
+for name, port in (("ephemeral", 0), ("store", 2050), ("fixed", 2222)):
     s = socket.socket(); s.bind(("0.0.0.0", port)); s.listen(64)
     ports[name] = s.getsockname()[1]
     threading.Thread(target=serve, args=(s,), daemon=True).start()
@@ -137,7 +140,7 @@ def _fence() -> F.Fence:
     def run(argv, stdin):
         return subprocess.run([*_ns("a"), *argv], input=stdin, capture_output=True,
                               text=True, timeout=20)
-    return F.Fence(NFT, run=run, lock=Path(f"/tmp/{TAG}.lock"))
+    return F.Fence(NFT, run=run, lock=Path(f"/tmp/{TAG}.lock"), also=[(2000, 2100)])
 
 
 def _ruleset() -> str:
@@ -159,6 +162,9 @@ def test_the_fence_admits_the_allocation_and_refuses_strangers(nets, tmp_path):
                      where.__getitem__, _fence())
     assert _connect("p", "10.78.2.1", eph) == "ok"  # the allocation's peer
     assert _connect("o", "10.78.1.1", eph) == "ConnectionRefusedError"  # a stranger host
+    assert _connect("o", "10.78.1.1", nets["store"]) == "ConnectionRefusedError"
+    assert _connect("p", "10.78.2.1", nets["store"]) == "ok"
+    assert _connect("a", "127.0.0.1", nets["store"], uid=65534) == "ConnectionRefusedError"
     assert _connect("o", "10.78.1.1", fixed) == "ok"  # fixed-port services untouched
     assert _connect("a", "127.0.0.1", eph, uid=JOB_UID) == "ok"  # the job's user
     assert _connect("a", "10.78.2.1", eph, uid=JOB_UID) == "ok"  # via its own address
@@ -191,6 +197,7 @@ def test_the_fence_admits_the_allocation_and_refuses_strangers(nets, tmp_path):
     installed = [e for e in events if e["event"] == "hook_fence_installed"]
     assert installed[0]["admitted"] == ["10.78.2.1/32", "10.78.2.2/32", "10.78.9.9/32"]
     assert installed[0]["uids"] == [0, JOB_UID] and installed[1]["jobs"] == [31, 32]
+    assert installed[0]["ports"][0] == "2000-2100" and len(installed[0]["ports"]) == 2
     assert installed[2]["swept"] == [32] and installed[2]["jobs"] == [31, 33]
     removed = [e for e in events if e["event"] == "hook_fence_removed"]
     assert [(e["job_id"], e["found"], e["jobs"]) for e in removed] == [

@@ -4,7 +4,8 @@ Our own messages (controller, relay, transfer, store) carry MACs with the job's 
 TCP listener and pairs, NCCL's bootstrap and torch's TCPStore do not, and any process that
 reaches gloo's port can fill a rank's descriptor table or claim a pair at a formation (issue
 45). The Prolog installs, in the node's network namespace, rules that admit new TCP
-connections to the node's ephemeral ports only
+connections to the node's ephemeral ports and the rendezvous port range (HPCT_PORT_BASE and
+HPCT_PORT_SPAN as the hooks see them: a TCPStore listens there) only
 
 * from the allocation's node addresses (SLURM_JOB_NODELIST, resolved as the ranks resolve
   them), slurmctld's (srun's ephemeral ports take its messages) and HPCT_FENCE_ALLOW;
@@ -58,10 +59,13 @@ Run = Callable[[Sequence[str], str], subprocess.CompletedProcess]
 class FenceConfig:
     mode: str = "off"
     allow: str = ""  # HPCT_FENCE_ALLOW as given: parsed in the Prolog, where an error is logged
+    rendezvous: tuple[int, int] = (20000, 28191)  # the store's ports (rendezvous/derive.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "FenceConfig":
-        return cls(mode=C.read(environ, C.FENCE), allow=C.read(environ, C.FENCE_ALLOW) or "")
+        base = C.read(environ, C.PORT_BASE)
+        return cls(mode=C.read(environ, C.FENCE), allow=C.read(environ, C.FENCE_ALLOW) or "",
+                   rendezvous=(base, min(65535, base + C.read(environ, C.PORT_SPAN) - 1)))
 
 
 def parse_allow(text: str) -> tuple[str, ...]:
@@ -90,8 +94,24 @@ def port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None], ports: tuple[int, int],
-           keep: Iterable[int]) -> str:
+def merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Port ranges with overlapping and adjacent ones joined (nft refuses overlapping
+    intervals in one set)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(hi, out[-1][1]))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def port_text(ranges: Sequence[tuple[int, int]]) -> list[str]:
+    return [f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in ranges]
+
+
+def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None],
+           ports: Sequence[tuple[int, int]], keep: Iterable[int]) -> str:
     """The `nft -f` script that leaves the table as it must be: `jobs` maps a job to (uid,
     admitted networks) to install its chains now, or None to delete them; `keep` are the
     jobs whose chains stay as they are. No job left: the table goes."""
@@ -114,14 +134,14 @@ def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None], ports: tuple[in
     live = sorted(set(keep) | {j for j, spec in jobs.items() if spec is not None})
     if not live:
         return "\n".join(lines[:1] + [f"delete table {t}"]) + "\n"
-    lo, hi = ports
+    fenced = ", ".join(port_text(merged(ports)))
     # What the fence leaves alone, then each job's admissions, then the refusal.
     for chain, side, iface in (("input", "in", "iif"), ("output", "out", "oif")):
         lone = "lo accept" if chain == "input" else "!= lo accept"
         lines += [f"add rule {t} {chain} {iface} {lone}",
                   f"add rule {t} {chain} meta l4proto != tcp accept",
                   f"add rule {t} {chain} ct state != new accept",
-                  f"add rule {t} {chain} tcp dport != {lo}-{hi} accept"]
+                  f"add rule {t} {chain} tcp dport != {{ {fenced} }} accept"]
         lines += [f"add rule {t} {chain} jump job_{j}_{side}" for j in live]
         lines.append(f"add rule {t} {chain} counter reject with tcp reset")
     return "\n".join(lines) + "\n"
@@ -135,8 +155,13 @@ class Fence:
     """The node's fence table, through `nft` (`run` is the boundary a test may replace)."""
 
     def __init__(self, nft: str, run: Run = _nft, lock: Path = LOCK,
-                 ports_file: Path = PORT_RANGE):
+                 ports_file: Path = PORT_RANGE, also: Sequence[tuple[int, int]] = ()):
         self.nft, self.run, self.lock, self.ports_file = nft, run, lock, ports_file
+        self.also = list(also)  # fenced besides the ephemeral range: the rendezvous range
+
+    def ports(self) -> list[tuple[int, int]]:
+        """The fenced ports: the namespace's ephemeral range and `also`."""
+        return merged([port_range(self.ports_file.read_text()), *self.also])
 
     def jobs(self) -> set[int]:
         """The jobs whose chains are in the table now (none when there is no table)."""
@@ -152,7 +177,7 @@ class Fence:
         with open(self.lock, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # Prologs and Epilogs of jobs on this node
             keep = self.jobs() - set(jobs)
-            text = script(jobs, port_range(self.ports_file.read_text()), keep)
+            text = script(jobs, self.ports(), keep)
             proc = self.run([self.nft, "-f", "-"], text)
             if proc.returncode != 0:
                 raise HpctError(f"nft refused the fence: {proc.stderr.strip()[:300]}")
@@ -180,9 +205,9 @@ def install(job: JobContext, nodelist: str, cfg: FenceConfig, log: EventLog,
     try:
         from ..slurm.hostlist import expand
 
-        fence = fence or Fence(_which_nft())
+        fence = fence or Fence(_which_nft(), also=[cfg.rendezvous])
         nets = admitted(expand(nodelist), ctld(), parse_allow(cfg.allow), resolve)
-        ports = port_range(fence.ports_file.read_text())
+        ports = fence.ports()
         stale = _stale(fence.jobs() - {job.job_id}, active)
         fenced = fence.apply({job.job_id: (job.uid, nets), **{j: None for j in stale}})
     except Exception as exc:  # noqa: BLE001 - a fence it cannot make never fails the Prolog
@@ -190,7 +215,7 @@ def install(job: JobContext, nodelist: str, cfg: FenceConfig, log: EventLog,
         return False
     log.emit(Ev.HOOK_FENCE_INSTALLED, node=job.node, job_id=job.job_id, table=f"inet {TABLE}",
              chains=[f"job_{job.job_id}_in", f"job_{job.job_id}_out"], admitted=nets,
-             uids=[0, job.uid], ports=f"{ports[0]}-{ports[1]}", jobs=sorted(fenced),
+             uids=[0, job.uid], ports=port_text(ports), jobs=sorted(fenced),
              swept=sorted(stale))
     return True
 
@@ -214,7 +239,7 @@ def remove(job: JobContext, cfg: FenceConfig, log: EventLog,
     if fence is None and nft is None:
         return False  # no nft: nothing can have been installed
     try:
-        fence = fence or Fence(nft or "nft")
+        fence = fence or Fence(nft or "nft", also=[cfg.rendezvous])
         found = job.job_id in fence.jobs()
         left = fence.apply({job.job_id: None}) if found else fence.jobs()
     except Exception as exc:  # noqa: BLE001 - an Epilog never fails the node

@@ -18,6 +18,7 @@ is 127.0.0.2, where nothing listens (the connection is refused at once).
 from __future__ import annotations
 
 import asyncio
+import resource
 import itertools
 import json
 import os
@@ -867,6 +868,11 @@ def test_a_formation_broken_from_outside_is_named_and_requeued_not_the_scripts(t
             assert requeue["reason"].startswith("formation broken by something other than a "
                                                 "member: 2 restarts in place")
             assert ["scontrol", "requeue", str(JOB)] in c.runner.argvs
+            # and the controller raised its descriptor limit at start (fdlimit.py)
+            [start] = c.events("controller.start")
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            assert start["fd_limit"]["soft"] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            assert start["fd_limit"]["hard"] == hard
     run(scenario)
 
 

@@ -379,6 +379,7 @@ def test_a_formation_broken_from_outside_is_never_the_scripts_error():
 @pytest.mark.parametrize("errors", [
     ["RuntimeError: boom", GLOO_TIMEOUT],  # the script raised too
     ["RuntimeError: injected failure in step 5", STOPPED],
+    ["TimeoutError: timed out", "ConnectionRefusedError: [Errno 111] Connection refused"],
     [STOPPED],  # only survivors stopped for someone: whose error is unknown
     [],
 ])

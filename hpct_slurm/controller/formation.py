@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Iterable
 
 # What the collective transport and the rendezvous raise, as `Job._describe` reports it
-# ("<type>: <first line>"): gloo's errors name their source file under gloo/transport; torch
-# wraps backend, network and store failures in these types; the rest are gloo's and the
-# store's words for a peer that went away or never answered.
+# ("<type>: <first line>"): gloo's errors name their source file under gloo/transport (a pair
+# closed or reset by its peer, "Timed out waiting ... for recv", "Application timeout caused
+# pair closure"); torch wraps backend (NCCL), network and store failures in these types; a
+# TCPStore that does not answer says "Socket Timeout". Narrow on purpose: a script's own
+# TimeoutError or ConnectionError (its data server) stays the script's.
 TRANSPORT = ("gloo/transport", "DistBackendError", "DistNetworkError", "DistStoreError",
-             "Connection closed by peer", "Connection reset by peer", "Connection refused",
-             "Timed out waiting", "Application timeout caused pair closure", "Socket Timeout",
-             "timed out")
+             "Socket Timeout")
 # a survivor that left its step because the controller stopped the generation for another
 # rank's fault (recovery/generation.py's _Stopped)
 STOPPED = "_Stopped:"

@@ -4,7 +4,9 @@ Ranks, the controller and the relay raise the soft limit to the hard one at star
 `rank.registered` says what they ended with (and warns below the floor)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -56,3 +58,78 @@ def test_a_low_hard_limit_is_reported():
                                     capture_output=True, text=True).stdout)
     assert out["fd_limit"] == {"soft": 2048, "hard": 2048, "was": 512}
     assert "below 4096" in out["fd_limit_low"] and "docs/admin.md" in out["fd_limit_low"]
+
+
+# Two gloo ranks on loopback, started with the usual soft limit of 1,024; `raise` makes them
+# do what a rank does at start (Job._start). Each prints its listening port once formed, waits
+# for the attack, then all-reduces again.
+_RANK = """
+import os, sys, time, torch, torch.distributed as dist
+from hpct_slurm import fdlimit
+rank, path, raise_it = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "raise"
+if raise_it:
+    fdlimit.raise_nofile()
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                        timeout=__import__("datetime").timedelta(seconds=60))
+t = torch.ones(2); dist.all_reduce(t)
+print("formed", flush=True)
+sys.stdin.readline()  # the attack is over
+t = torch.ones(2); dist.all_reduce(t)
+print("alive", t.tolist(), flush=True)
+"""
+_ATTACK = """
+import socket, sys
+held = []
+for port in map(int, sys.argv[1:]):
+    for _ in range(1500):
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port), 5))
+        except OSError as exc:
+            print("refused", exc); break
+print("held", len(held), flush=True)
+"""
+
+
+def _gloo_ranks_under_attack(tmp_path, how: str) -> list[str]:
+    """1,500 idle connections from uid 65534 to rank 0's gloo listener (issue 45's attack)."""
+    def low():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, HARD))
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "store"),
+                               how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=low)
+             for r in range(2)]
+    try:
+        for p in ranks:
+            assert p.stdout.readline().strip() == "formed"
+        ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        ports = [line.split()[3].rsplit(":", 1)[1] for line in ss.splitlines()
+                 if f"pid={ranks[0].pid}," in line]
+        attack = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                 sys.executable, "-c", _ATTACK, *ports],
+                                capture_output=True, text=True, timeout=120)
+        assert f"held {1500 * len(ports)}" in attack.stdout, attack.stdout + attack.stderr
+        for p in ranks:  # both at once: the all-reduce needs both
+            with contextlib.suppress(BrokenPipeError):  # one the attack aborted
+                p.stdin.write("\n")
+                p.stdin.flush()
+        out = []
+        for p in ranks:
+            rest = p.communicate(timeout=120)[0]
+            out.append(f"{p.returncode} {rest.strip()}")
+        return out
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or HARD <= 4096,
+                    reason="needs root (setpriv to uid 65534) and a hard limit above 4,096")
+def test_idle_connections_to_gloo_abort_a_rank_only_at_the_old_limit(tmp_path):
+    old = _gloo_ranks_under_attack(tmp_path, "keep")
+    assert old[0].startswith("-6 ") and "Too many open files" in old[0]  # SIGABRT, as measured
+    (tmp_path / "store").unlink(missing_ok=True)
+    assert _gloo_ranks_under_attack(tmp_path, "raise") == [
+        "0 alive [2.0, 2.0]", "0 alive [2.0, 2.0]"]

@@ -71,8 +71,14 @@ def test_a_fence_it_cannot_make_never_fails_the_prolog(tmp_path):
                          unresolvable, fence)
     assert not F.install(job, job.nodelist, F.FenceConfig("off"), log, lambda: [],
                          unresolvable, fence)  # off: nothing tried, nothing logged
-    [skipped] = list(read_events(tmp_path / "hooks.jsonl"))
-    assert skipped["event"] == "hook_fence_skipped" and "'n1' does not resolve" in skipped["error"]
+    # names that resolve, but no nft where it was looked for
+    assert not F.install(job, job.nodelist, F.FenceConfig("nft"), log, lambda: [],
+                         lambda name: "10.0.0.1", fence)
+    assert not F.remove(job, F.FenceConfig("nft"), log, fence)  # the Epilog neither
+    skipped = list(read_events(tmp_path / "hooks.jsonl"))
+    assert [e["event"] for e in skipped] == ["hook_fence_skipped"] * 3
+    assert "'n1' does not resolve" in skipped[0]["error"]
+    assert "/nonexistent/nft" in skipped[1]["error"] and "/nonexistent/nft" in skipped[2]["error"]
 
 
 # ---- real: nftables in namespaces of this test ------------------------------------------

@@ -10,15 +10,16 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import hpct_slurm
 from hpct_slurm.hooks.install import install_hooks
-from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, VICTIM, bitwise_equal, collect,
-                                          controller_events, submit, wait_finished, wait_job,
-                                          wait_step)
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, VICTIM, bitwise_equal, cancel,
+                                          collect, controller_events, submit, wait_finished,
+                                          wait_job, wait_step)
 from hpct_slurm.localcluster.layout import SUBNET, Hooks
 
 pytestmark = pytest.mark.cluster
@@ -171,3 +172,47 @@ def test_strangers_are_kept_out_and_the_job_trains_bit_identical(cluster, fenced
     assert swept and swept[0]["swept"] == [jid]
     for node in cluster.nodes:
         assert _ruleset(cluster, node) == "", node
+
+
+def _cut_pair(cluster, a: str, b: str, on: bool) -> None:
+    """Drop new TCP connections between nodes `a` and `b` to each other's ephemeral ports
+    (gloo's listeners): the network breaking one pair, both nodes alive."""
+    for node, peer in ((a, b), (b, a)):
+        cmds = (["add table inet hpcttest_cut",
+                 "add chain inet hpcttest_cut input { type filter hook input priority 0; "
+                 "policy accept; }",
+                 f"add rule inet hpcttest_cut input ip saddr {cluster.node_addr(peer)} "
+                 "tcp dport 32768-60999 ct state new drop"] if on else
+                ["delete table inet hpcttest_cut"])
+        subprocess.run([*_net(cluster, node), NFT, "-f", "-"], input="\n".join(cmds) + "\n",
+                       text=True, check=True, capture_output=True, timeout=30)
+
+
+def test_a_formation_the_network_breaks_is_requeued_not_the_scripts_error(cluster, tmp_path):
+    """Issue 45, item 3, reproduced: after an in-place restart (an injected error in step 10
+    of rank 1, n2), every formation of the next generations fails because n2 and n3 cannot
+    connect their gloo pair, with every member alive. Before, the third restart ended the
+    job as the script's own error; now each is `formation.broken` and the job is requeued as
+    an infrastructure failure."""
+    run = tmp_path / "run"
+    jid = submit(cluster, run, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
+                                          "--steps", "40", "--step-sleep", "0.1",
+                                          "--fail-at", "10", "--fault-rank", "1"])
+    try:
+        wait_step(run, 3, timeout=180)
+        _cut_pair(cluster, "n2", "n3", on=True)
+        deadline = time.monotonic() + 420
+        while not any(e["event"] in ("escalate.requeue", "escalate.fail", "job.failed")
+                      for e in controller_events(run)):
+            assert time.monotonic() < deadline, "never escalated"
+            time.sleep(1)
+    finally:
+        _cut_pair(cluster, "n2", "n3", on=False)
+        cancel(cluster, jid)
+    evs = controller_events(run)
+    assert [e for e in evs if e["event"] == "job.failed"] == []
+    broken = [e for e in evs if e["event"] == "formation.broken"]
+    assert broken and broken[-1]["escalates"] and broken[-1]["stalled_restarts"] == 3
+    [requeue] = [e for e in evs if e["event"] == "escalate.requeue"]
+    assert requeue["cause"] == "infrastructure"
+    assert requeue["reason"].startswith("formation broken by something other than a member")

@@ -41,10 +41,11 @@ def run_dir_fd(run_dir: Path) -> Iterator[int]:
 
 
 def read_log(dir_fd: int, name: str, where: str,
-             cap: int = READ_CAP) -> tuple[str | None, list[str]]:
-    """The text of the log `name` in the directory `dir_fd` (at most `cap` bytes of it: its
-    first and last halves), and warning lines; None when it is not read (a warning says
-    why). `where` names it in warnings."""
+             cap: int | None = None) -> tuple[str | None, list[str]]:
+    """The text of the log `name` in the directory `dir_fd` (at most `cap` bytes of it, its
+    first and last halves; READ_CAP unless given), and warning lines; None when it is not
+    read (a warning says why). `where` names it in warnings."""
+    cap = READ_CAP if cap is None else cap
     try:
         fd = os.open(name, _OPEN, dir_fd=dir_fd)
     except OSError as exc:
@@ -92,7 +93,10 @@ def rank_logs(run_fd: int) -> tuple[dict[str, str], list[str]]:
     except FileNotFoundError:
         return {}, []
     except OSError as exc:
-        why = "a symbolic link: not followed" if exc.errno == errno.ELOOP else \
+        # O_DIRECTORY|O_NOFOLLOW on a link fails with ENOTDIR (Linux) or ELOOP
+        link = exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
+            os.stat("events", dir_fd=run_fd, follow_symlinks=False).st_mode)
+        why = "a symbolic link: not followed" if link else \
             "not a directory" if exc.errno == errno.ENOTDIR else exc.strerror
         return {}, [f"events/ is {why}: no rank log read"]
     texts: dict[str, str] = {}

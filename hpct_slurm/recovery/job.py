@@ -37,7 +37,6 @@ import gc
 import os
 import socket
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -51,6 +50,7 @@ from ..errors import HpctError, UsageError
 from ..events import Ev, EventLog
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
+from . import fault_trace
 from .background import Background
 from .client import ControllerAddress, CoordinationClient
 from .controller_loss import ControllerLoss, witnesses
@@ -848,7 +848,6 @@ def _describe(exc: BaseException) -> str:
 
 
 def _where(exc: BaseException, frames: int = 4) -> str:
-    """Where a fault was raised: its innermost frames, innermost first (`file:line in fn`),
-    so that an error from deep inside torch still names the call of ours that led to it."""
-    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
-    return " < ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb))
+    """Where a fault was raised, the script's own line included; its traceback goes to the
+    rank's log (fault_trace.py)."""
+    return fault_trace.record(exc, frames)

@@ -30,6 +30,7 @@ from ..errors import HpctError
 from ..events import Ev, EventLog
 from .peer_socket import Address
 from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
+from .peer_socket import peer_of
 from .peer_socket import tune as _tune
 from .persist import load_latest
 from .snapshot import ReplicaStore, Snapshot, SnapshotStore
@@ -42,6 +43,7 @@ EV_SOURCE_FAILED = Ev.TRANSFER_SOURCE_FAILED
 EV_FALLBACK_DISK = Ev.TRANSFER_FALLBACK_DISK
 EV_SERVE_CORRUPT = Ev.TRANSFER_SERVE_CORRUPT
 EV_BAD_FRAME = Ev.TRANSFER_BAD_FRAME
+EV_CONN_LOST = Ev.TRANSFER_CONNECTION_LOST
 EV_REPLICA_STORED = Ev.REPLICA_STORED
 EV_REPLICA_REJECTED = Ev.REPLICA_REJECTED
 EV_PUSH_FAILED = Ev.REPLICA_PUSH_FAILED
@@ -216,7 +218,7 @@ class TransferServer:
             self._emit(EV_CONN_REFUSED, peer=peer, error=str(exc))
 
     def _serve(self, conn: socket.socket) -> None:
-        known = False
+        known, peer = False, peer_of(conn)
         try:
             # The stall limit for everything on this connection; the nonce binds its frames.
             chan = P.server_hello(conn, self.secret, self.job_id, self.io_timeout)
@@ -232,6 +234,9 @@ class TransferServer:
                     # The frame was read whole, so the connection is still usable: say why.
                     self._reject_replica(conn, chan, exc.msg, pending, exc.message)
                     continue
+                except P.ConnectionCut as exc:
+                    self._cut(pending, peer, known, exc.message)
+                    return
                 except HpctError as exc:
                     self._refuse(conn, chan, pending, exc.message)
                     return
@@ -262,6 +267,15 @@ class TransferServer:
                 self._conns.pop(conn, None)
             conn.close()
             self._freed.set()
+
+    def _cut(self, pending: dict[str, Any], peer: str, known: bool, why: str) -> None:
+        """The connection broke under a frame: the peer's process or node died (a crash cuts
+        its pusher's connection mid-frame), which is no bad frame from a stranger."""
+        if "idx" in pending:
+            self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
+        msg = pending.get("msg")
+        self._emit(EV_CONN_LOST, peer=peer, authenticated=known,
+                   rank=getattr(msg, "rank", None), error=why)
 
     def _refuse(self, conn: socket.socket, chan: P.Channel, pending: dict[str, Any],
                 why: str) -> None:

@@ -3,6 +3,7 @@ rank's fault says where the script raised it.
 
 * `transfer.bad_frame` blames "something other than the job": a peer's connection cut
   mid-frame by a crash is `transfer.connection_lost` instead (real loopback TCP).
+* `rank.mesh_inferred` follows every `rank.registered` that said `undecided`, 1-D FSDP too.
 * `rank.fault`'s `where` names the script's own line when torch's frames fill the innermost
   ones, and the full traceback goes to the rank's log (its stdout).
 """
@@ -22,6 +23,7 @@ from hpct_slurm.examples.train import wrong_shape
 from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import TransferServer, push_replica
+from test_job_rooms import _group, nothing_formed_after  # noqa: F401  (a fixture)
 
 SECRET = b"k" * 32
 JOB = "77"
@@ -100,3 +102,24 @@ def test_where_names_the_scripts_line_under_torchs_frames(capsys):
     except RuntimeError as exc:
         where = fault_trace.where(exc)
     assert where.startswith("test_operator_events.py:") and "..." not in where
+
+
+def test_a_1d_fsdp_build_says_its_mode_as_rank_registered_promised(tmp_path,
+                                                                    nothing_formed_after):
+    """rank.registered says `undecided` for a sharded job without replicate=...; its first
+    model decides, and rank.mesh_inferred says so. 1-D FSDP (every parameter sharded on the
+    one dimension: nothing replicated) used to decide in silence."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mesh):
+        model = torch.nn.Linear(4, 4)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    group, policy, events = _group(tmp_path, build=build, mesh=(1,))
+    group.form(P.Assign(0, 0, 1, ["localhost"], 1, -1))
+    assert group.mesh_spec.replicate == ()
+    said = events.named("rank.mesh_inferred")
+    assert [(e["replicate"], e["mode"]) for e in said] == [([], policy.mode)]
+    group.release()
+    group.teardown()

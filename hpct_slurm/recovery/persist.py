@@ -6,7 +6,8 @@ One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
     | meta JSON {"kind", "rank", "step", "digest", "layout"} | 32-byte MAC | flat data
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
-either the old file or the new one. A large snapshot's data goes past the page cache
+either the old file or the new one (and its temp file, which the rank dir's next save removes:
+`sweep_stale`). A large snapshot's data goes past the page cache
 (O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
 4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex,
 the BLAKE3 tree of protocol/digest.py) and covers the data, so saving hashes nothing new;

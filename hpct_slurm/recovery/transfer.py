@@ -234,11 +234,9 @@ class TransferServer:
                     # The frame was read whole, so the connection is still usable: say why.
                     self._reject_replica(conn, chan, exc.msg, pending, exc.message)
                     continue
-                except P.ConnectionCut as exc:
-                    self._cut(pending, peer, known, exc.message)
-                    return
                 except HpctError as exc:
-                    self._refuse(conn, chan, pending, exc.message)
+                    self._refuse(conn, chan, pending, exc.message,
+                                 cut=(peer, known) if isinstance(exc, P.ConnectionCut) else None)
                     return
                 if not known:
                     known = True
@@ -268,22 +266,18 @@ class TransferServer:
             conn.close()
             self._freed.set()
 
-    def _cut(self, pending: dict[str, Any], peer: str, known: bool, why: str) -> None:
-        """The connection broke under a frame: the peer's process or node died (a crash cuts
-        its pusher's connection mid-frame), which is no bad frame from a stranger."""
-        if "idx" in pending:
-            self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
-        msg = pending.get("msg")
-        self._emit(EV_CONN_LOST, peer=peer, authenticated=known,
-                   rank=getattr(msg, "rank", None), error=why)
-
     def _refuse(self, conn: socket.socket, chan: P.Channel, pending: dict[str, Any],
-                why: str) -> None:
+                why: str, cut: tuple[str, bool] | None = None) -> None:
         """A frame that failed part-way (before the connection is dropped): an authentic push
-        is told why, anything else is only logged."""
+        is told why, anything else is only logged. `cut` (peer, authenticated): the connection
+        broke under the frame, its peer's process or node died (a crash cuts its pusher's
+        connection), which is no bad frame from a stranger."""
         if "idx" in pending:
             self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
         msg = pending.get("msg")
+        if msg is None and cut is not None:
+            self._emit(EV_CONN_LOST, peer=cut[0], authenticated=cut[1], error=why)
+            return
         if msg is None:
             self._emit(EV_BAD_FRAME, error=why)
             return

@@ -21,9 +21,9 @@ from hpct_slurm.recovery import generation as G
 from hpct_slurm.recovery.controller_loss import ControllerLoss
 from hpct_slurm.recovery.generation import Generation, _Stopped, sharded_spec
 from hpct_slurm.recovery.restore import Restorer
-from hpct_slurm.recovery.sharding import MeshSpec
+from hpct_slurm.recovery.layout_rules import MeshSpec, first_mode
 from hpct_slurm.recovery.snapshot import SnapshotStore
-from hpct_slurm.recovery.snapshot_policy import LAZY_FULL_EVERY, SnapshotPolicy, first_mode
+from hpct_slurm.recovery.snapshot_policy import LAZY_FULL_EVERY, SnapshotPolicy
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import FetchResult
 from hpct_slurm.slurm.env import SlurmEnv

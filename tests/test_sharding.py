@@ -11,7 +11,7 @@ import pytest
 
 from hpct_slurm.controller.policy import Held, plan_restore
 from hpct_slurm.errors import HpctError
-from hpct_slurm.recovery.sharding import MeshSpec
+from hpct_slurm.recovery.layout_rules import MeshSpec
 
 
 def test_hsdp_shard_keys_pair_the_replicas():

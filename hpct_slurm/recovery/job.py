@@ -59,13 +59,13 @@ from .generation import Generation, _TeardownHung, sharded_spec
 from .inject import TakerFault
 from .inline import LOOP_NAME, SHARED_NAMES, InlineForm
 from .integrity import Integrity
+from .layout_rules import MeshSpec, first_mode
 from .loop import StepLoop
 from .persist import DiskPersister
 from .rank_round import _FAULTS, LOST, RankRound, _describe, _where
 from .restore import Restorer
 from .seeds import seed_everything, step_seed  # re-exported: scripts import them from here
-from .sharding import MeshSpec
-from .snapshot_policy import SnapshotPolicy, first_mode
+from .snapshot_policy import SnapshotPolicy
 from .state import TrainState
 from .stepping import Stepping
 from .striped import Prefetch
@@ -124,7 +124,7 @@ class Job(InlineForm, RankRound, Stepping):
         dimensions the state is replicated over (HSDP's replicate dimension; none for 1-D
         FSDP); left out, they are inferred from the parameters' placements after the first
         build. Ranks that differ only on those dimensions hold the same state, and are each
-        other's source after a fault (recovery/sharding.py).
+        other's source after a fault (recovery/layout_rules.py).
 
         Configuration, collaborators and side effects are apart: `settings` (default: read
         from `environ`, i.e. what the controller put in the step's environment) and `slurm`

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import threading
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,8 +32,6 @@ from ..errors import HpctError
 from .state import (Layout, Marks, Scope, TrainState, as_memoryview, issue_copies, mark_ready,
                     order_after, wait_marks)
 from .worker import BackgroundQueue
-
-Mode = Literal["jit", "replicated"]
 
 # Every step: the recovery contract is "nothing recomputed" (the cluster tests and the demo
 # check it). What that costs is one memory copy of the state per step, measured by
@@ -902,31 +900,3 @@ def ranks_held_by(node_index: int, num_nodes: int, tasks_per_node: int) -> list[
     """Ranks whose replicas live on node `node_index` (one per local rank)."""
     src = replica_source_node(node_index, num_nodes)
     return [src * tasks_per_node + local for local in range(tasks_per_node)]
-
-
-def choose_mode(state: TrainState, force: Mode | None = None,
-                data_parallel: bool = False) -> Mode:
-    """`jit` when every rank holds the whole model+optimizer state (plain DDP); else `replicated`.
-
-    `data_parallel`: the caller (`Job`) itself keeps every rank's copy of the model identical
-    (it reduces gradients over the whole group), so a plain module counts as DDP.
-
-    In `jit` mode nothing big is copied in steady state: a replacement takes the `shared` state
-    from any survivor at fault time, and only the small `rank` scope (RNG, sampler) is replicated.
-    Sharded setups (FSDP, ZeRO, DTensor parameters) hold state no peer has, so they replicate.
-    """
-    if force is not None:
-        if force not in ("jit", "replicated"):
-            raise HpctError(f"recovery mode {force!r} is not 'jit' or 'replicated'")
-        return force
-    model, optimizer = state.get("model"), state.get("optimizer")
-    if model is None or optimizer is None:
-        return "replicated"
-    if not data_parallel and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return "replicated"
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        return "replicated"
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        return "replicated"
-    return "jit"
-

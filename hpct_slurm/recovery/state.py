@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import HpctError, UsageError
+from .layout_rules import placement, placement_code, wrong_coordinates
 from .proof import tree_digest
 
 ALIGN = 64
@@ -247,34 +248,13 @@ def _is_dtensor(obj: Any) -> bool:
     return type(obj).__name__ == "DTensor" and hasattr(obj, "device_mesh")
 
 
-def _placement_code(p: Any, path: str) -> str:
-    from torch.distributed.tensor import Replicate, Shard
-
-    if isinstance(p, Replicate):
-        return "R"
-    if type(p) is Shard:  # not a subclass (_StridedShard): its layout is not just a dim
-        return f"S{p.dim}"
-    raise HpctError(f"cannot snapshot {path}: placement {p!r} is not supported "
-                    f"(Replicate and Shard(dim) are)")
-
-
-def _placement(code: str, path: str) -> Any:
-    from torch.distributed.tensor import Replicate, Shard
-
-    if code == "R":
-        return Replicate()
-    if isinstance(code, str) and code[:1] == "S" and code[1:].isdigit() and code[1:].isascii():
-        return Shard(int(code[1:]))
-    raise HpctError(f"snapshot layout gives {path} an unknown placement {code!r}")
-
-
 def _dtensor_meta(t: Any, path: str) -> dict:
     mesh = t.device_mesh
     if mesh.mesh_dim_names is None:
         raise HpctError(f"cannot snapshot {path}: its device mesh has no dimension names "
                         f"(init_device_mesh(..., mesh_dim_names=...))")
     return {"mesh": list(mesh.mesh_dim_names),
-            "place": [_placement_code(p, path) for p in t.placements],
+            "place": [placement_code(p, path) for p in t.placements],
             "shape": list(t.shape), "stride": list(t.stride()),
             "coord": list(mesh.get_coordinate() or [])}
 
@@ -600,7 +580,7 @@ class TrainState:
                             f"no device mesh to place it on")
         try:
             names = tuple(str(n) for n in meta["mesh"])
-            place = [_placement(c, path) for c in meta["place"]]
+            place = [placement(c, path) for c in meta["place"]]
             shape, stride = torch.Size(int(x) for x in meta["shape"]), tuple(
                 int(x) for x in meta["stride"])
             coord = [int(c) for c in meta["coord"]]
@@ -617,7 +597,7 @@ class TrainState:
         if len(place) != len(names) or len(coord) != len(names):
             raise HpctError(f"snapshot layout of {path}: {len(place)} placements and "
                             f"{len(coord)} coordinates for {len(names)} mesh dimensions")
-        wrong = [n for n, a, b in zip(names, coord, here) if n not in self.replicate and a != b]
+        wrong = wrong_coordinates(names, coord, here, self.replicate)
         if wrong:
             raise HpctError(f"refused a shard from the wrong coordinate: {path} was taken at "
                             f"{describe_coord(names, coord)}, this rank is at "

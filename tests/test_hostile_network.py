@@ -26,7 +26,8 @@ from hpct_slurm import protocol as P
 from hpct_slurm.controller import controller as C
 from hpct_slurm.events import EventLog, read_events
 from hpct_slurm.recovery.client import ControllerAddress, CoordinationClient
-from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.snapshot import SnapshotStore
 from hpct_slurm.recovery.state import TrainState, as_memoryview
 from hpct_slurm.recovery.transfer import (ReplicaPusher, TransferServer, fetch_state,
                                           push_replica)

@@ -62,7 +62,9 @@ def _measure_rank(rank: int, parallel: str, cfg: dict, secret: bytes) -> dict:
 
     from .. import protocol as P
     from ..recovery.layout_rules import MeshSpec
-    from ..recovery.snapshot import ReplicaStore, SnapshotStore, replica_peer_rank
+    from ..recovery.replicas import ReplicaStore
+    from ..recovery.ring import replica_peer_rank
+    from ..recovery.snapshot import SnapshotStore
     from ..recovery.snapshot_policy import LAZY_FULL_EVERY
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher, TransferServer

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
-from .snapshot import replica_peer_rank
+from .ring import replica_peer_rank
 from .state import TrainState
 from .striped import Prefetch
 from .transfer import FetchResult, fetch_state

@@ -20,8 +20,10 @@ from ..events import Ev, EventLog
 from .carry import Carry, CarryRecord
 from .layout_rules import MeshSpec, first_mode, sharded_mode
 from .persist import DiskPersister
-from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
-                       replica_peer_rank)
+from .replicas import ReplicaStore
+from .ring import replica_peer_rank
+from .slots import Snapshot
+from .snapshot import DEFAULT_SNAPSHOT_EVERY, SnapshotStore
 from .state import TrainState, local_ptr, optimizer_state_tensors
 from .transfer import ReplicaPusher
 
@@ -390,7 +392,7 @@ class SnapshotPolicy:
 
     def ring(self, a: P.Assign) -> None:
         """Point the replica pusher at this generation's ring holder (the same local rank on
-        the node half the ring away: snapshot.replica_peer)."""
+        the node half the ring away: ring.replica_peer)."""
         rank = self.standing.rank
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
         n = len(a.member_nodes())

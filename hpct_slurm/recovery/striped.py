@@ -35,7 +35,7 @@ from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from .peer_socket import Address, connect
-from .snapshot import Snapshot
+from .slots import Snapshot
 from .state import Layout, as_flat_u8, as_memoryview
 
 # Bytes per request: a whole number of leaves (P.CHUNK). Small enough that 100 MB spreads

@@ -32,7 +32,9 @@ from .peer_socket import Address
 from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
 from .peer_socket import tune as _tune
 from .persist import load_latest
-from .snapshot import ReplicaStore, Snapshot, SnapshotStore
+from .replicas import ReplicaStore
+from .slots import Snapshot
+from .snapshot import SnapshotStore
 from .state import Layout, as_flat_u8, as_memoryview
 from .striped import serve_part
 from .worker import BackgroundQueue

@@ -28,7 +28,8 @@ from hpct_slurm.events import EventLog, read_events
 from hpct_slurm.recovery.client import ControllerAddress, CoordinationClient
 from hpct_slurm.recovery.replicas import ReplicaStore
 from hpct_slurm.recovery.snapshot import SnapshotStore
-from hpct_slurm.recovery.state import TrainState, as_memoryview
+from hpct_slurm.recovery.copies import as_memoryview
+from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import (ReplicaPusher, TransferServer, fetch_state,
                                           push_replica)
 from hpct_slurm.rendezvous import store as S
@@ -497,7 +498,8 @@ _FD_CHILD = textwrap.dedent("""
     if kind == "transfer":
         import torch
         from hpct_slurm.recovery.snapshot import SnapshotStore
-        from hpct_slurm.recovery.state import TrainState, as_memoryview
+        from hpct_slurm.recovery.copies import as_memoryview
+        from hpct_slurm.recovery.state import TrainState
         from hpct_slurm.recovery.transfer import TransferServer
         model = torch.nn.Linear(4, 4)
         own = SnapshotStore(TrainState(model=model))

@@ -21,7 +21,8 @@ from hpct_slurm.recovery.ring import (ranks_held_by, replica_peer, replica_peer_
                                       replica_source_node)
 from hpct_slurm.recovery.slots import Snapshot
 from hpct_slurm.recovery.snapshot import SnapshotStore
-from hpct_slurm.recovery.state import Layout, TrainState
+from hpct_slurm.recovery.encoding import Layout
+from hpct_slurm.recovery.state import TrainState
 
 
 class Sampler:

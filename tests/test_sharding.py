@@ -67,7 +67,8 @@ def _worker(rank: int, tmp: str, q) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hpct_slurm.recovery.state import Layout, TrainState
+    from hpct_slurm.recovery.encoding import Layout
+    from hpct_slurm.recovery.state import TrainState
 
     try:
         torch.set_num_threads(1)

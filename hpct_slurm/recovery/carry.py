@@ -41,11 +41,12 @@ import torch.distributed as dist
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .encoding import Layout
 from .replicas import ReplicaStore
 from .ring import ranks_held_by
 from .slots import Snapshot
 from .snapshot import SnapshotStore
-from .state import Layout, TrainState
+from .state import TrainState
 
 # Part of every rank's layout of the collective: the same constant on every rank (a setting
 # could let two ranks differ, and the all-reduce would mix their slots). A sampler's snapshot

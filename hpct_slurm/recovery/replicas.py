@@ -13,8 +13,9 @@ import torch
 
 from .. import protocol as P
 from ..errors import HpctError
+from .copies import as_memoryview
+from .encoding import Layout
 from .slots import DoubleBuffer, Snapshot
-from .state import Layout, as_memoryview
 
 
 # What a deferred replica needs to become one (ReplicaStore.defer): its payload decoded and

@@ -22,7 +22,8 @@ import torch
 
 from .. import protocol as P
 from ..errors import HpctError
-from .state import Layout, as_memoryview
+from .copies import as_memoryview
+from .encoding import Layout
 from .worker import BackgroundQueue
 
 

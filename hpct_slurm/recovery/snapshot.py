@@ -24,9 +24,10 @@ from typing import Callable
 import torch
 
 from ..errors import HpctError
+from .copies import Marks, as_memoryview, issue_copies, mark_ready, order_after, wait_marks
+from .encoding import Layout
 from .slots import _SEALER, DoubleBuffer, Snapshot
-from .state import (Layout, Marks, Scope, TrainState, as_memoryview, issue_copies, mark_ready,
-                    order_after, wait_marks)
+from .state import Scope, TrainState
 
 # Every step: the recovery contract is "nothing recomputed" (the cluster tests and the demo
 # check it). What that costs is one memory copy of the state per step, measured by

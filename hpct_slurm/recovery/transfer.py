@@ -28,6 +28,8 @@ import torch
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .copies import as_flat_u8, as_memoryview
+from .encoding import Layout
 from .peer_socket import Address
 from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
 from .peer_socket import tune as _tune
@@ -35,7 +37,6 @@ from .persist import load_latest
 from .replicas import ReplicaStore
 from .slots import Snapshot
 from .snapshot import SnapshotStore
-from .state import Layout, as_flat_u8, as_memoryview
 from .striped import serve_part
 from .worker import BackgroundQueue
 

@@ -13,7 +13,7 @@ import faulthandler
 import gc
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .carry import Carry
     from .inject import TakerFault
     from .snapshot_policy import SnapshotPolicy
+    from .standing import Standing
 
 TEARDOWN_TIMEOUT_S = 20.0
 TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up
@@ -48,18 +49,6 @@ class _Stopped(Exception):
 
 class _TeardownHung(Exception):
     """The broken group could not be destroyed: this process cannot form another one."""
-
-
-class Standing(Protocol):
-    """Where this process stands now, as the pieces of a `Job` read it (the Job itself): the
-    controller connection, set when it starts, and the rest, set at every adoption."""
-    client: CoordinationClient
-    rank: int
-    world_size: int
-    generation: int
-    data_ranks: list[int]
-    data_world: int
-    step: int  # the step in progress
 
 
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,

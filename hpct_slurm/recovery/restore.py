@@ -20,8 +20,9 @@ from .striped import Prefetch
 from .transfer import FetchResult, fetch_state
 
 if TYPE_CHECKING:
-    from .generation import Generation, Standing
+    from .generation import Generation
     from .snapshot_policy import SnapshotPolicy
+    from .standing import Standing
 
 
 class Restorer:

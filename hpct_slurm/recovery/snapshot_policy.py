@@ -28,7 +28,7 @@ from .state import TrainState, local_ptr, optimizer_state_tensors
 from .transfer import ReplicaPusher
 
 if TYPE_CHECKING:
-    from .generation import Standing
+    from .standing import Standing
 
 # Between lazily held steps, a full commit (a copy of the whole state) every LAZY_FULL_EVERY
 # steps: what the group rolls back to where a held step cannot be used, i.e. a fault found

@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import os
-import resource
 import socket
 
+from _descriptors import out_of_descriptors
 from test_controller_fast import FakeCluster
 
 
@@ -26,21 +25,8 @@ def _records(c: FakeCluster) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _fill_descriptors() -> list[int]:
-    """Open /dev/null until the table is full (EMFILE); the descriptors, to close later."""
-    held: list[int] = []
-    while True:
-        try:
-            held.append(os.open(os.devnull, os.O_RDONLY))
-        except OSError as exc:
-            assert exc.errno == errno.EMFILE, exc
-            return held
-
-
 def test_out_of_descriptors_the_controller_keeps_accepting_and_its_watchdog_detecting(
         tmp_path):
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-
     async def scenario():
         c = FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1"], spares=1)
         # The round a1's loss starts waits on `scontrol show node` (fencing) until the
@@ -52,10 +38,7 @@ def test_out_of_descriptors_the_controller_keeps_accepting_and_its_watchdog_dete
             await c.train(["localhost", "a1", "a2"], 2)
             stranger = socket.socket()  # its descriptor now: none will be left to make it
             stranger.setblocking(False)
-            used = len(os.listdir("/proc/self/fd"))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (used + 16, hard))
-            held = _fill_descriptors()
-            try:
+            with out_of_descriptors():
                 # the controller's accept fails with EMFILE ...
                 assert stranger.connect_ex(c.ctl.address) in (0, errno.EINPROGRESS)
                 # ... and so does the watchdog's record of a silent rank
@@ -63,10 +46,6 @@ def test_out_of_descriptors_the_controller_keeps_accepting_and_its_watchdog_dete
                 await c.until(lambda: "a1" in c.ctl.pending_faults or "a1" in c.ctl.dead_nodes,
                               "a1 found silent", timeout=6)
                 await asyncio.sleep(0.2)
-            finally:
-                for fd in held:
-                    os.close(fd)
-                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             # descriptors are back: the stranger is accepted (the controller's hello reaches it)
             loop = asyncio.get_running_loop()
             assert await asyncio.wait_for(loop.sock_recv(stranger, 64), 5)

@@ -20,7 +20,8 @@ import torch
 from hpct_slurm import protocol as P
 from hpct_slurm.events import EventLog
 from hpct_slurm.examples.train import wrong_shape
-from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.snapshot import SnapshotStore
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import TransferServer, push_replica
 from test_job_rooms import _group, nothing_formed_after  # noqa: F401  (a fixture)

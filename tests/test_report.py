@@ -13,7 +13,8 @@ import pytest
 from hpct_slurm.cli import main
 from hpct_slurm.errors import HpctError
 from hpct_slurm.report.cli import load_run, resolve_run_dir
-from hpct_slurm.report.model import RunEvents, build_report, build_status, parse_jsonl
+from hpct_slurm.report.model import RunEvents, build_report, build_status
+from hpct_slurm.report.records import parse_jsonl
 from hpct_slurm.slurm.client import SlurmClient
 
 FIXTURE = Path(__file__).parent / "data" / "report-run"

@@ -24,7 +24,7 @@ from ..controller.policy import PHASES  # recovery.done's `phases`, in the order
 from ..errors import HpctError
 from ..events import Ev, Role
 from ..fault_count import FaultCount
-from .records import parse_jsonl, readable  # noqa: F401  (parse_jsonl: the package's API)
+from .records import readable
 
 
 @dataclass(frozen=True)

@@ -6,19 +6,15 @@ has ended.
 
 Pure tests on recorded event logs (tests/data/script-error-run: a job whose step raised on
 rank 1 in every generation, recorded before this fix: its comment said "1 fault(s)" while
-`status` listed the ranks' goodbyes as 3 more faults), synthetic logs, and the controller
-with test_controller_fast's in-process fakes."""
+`status` listed the ranks' goodbyes as 3 more faults), and synthetic logs; the controller's count with its in-process fakes is in
+test_controller_fast (test_restarts_in_place_that_make_no_progress_...)."""
 from __future__ import annotations
 
-import asyncio
 import io
 from pathlib import Path
 
-from hpct_slurm import protocol as P
-from hpct_slurm.events import read_events
 from hpct_slurm.report.cli import format_status, load_run
 from hpct_slurm.report.model import RunEvents, build_status
-from test_controller_fast import FakeCluster, FakeRank
 
 SCRIPT_ERROR = Path(__file__).parent / "data" / "script-error-run"
 
@@ -170,36 +166,3 @@ def test_a_fault_whose_round_the_job_ended_before_is_never_back():
     text = format_status(st)
     assert "not back yet" not in text
     assert "never back: the job ended (requeued) first" in text
-
-
-# ---- the controller counts the same ------------------------------------------------------------
-
-def test_the_controllers_comment_counts_what_status_lists(tmp_path):
-    """A step that raises in every generation: every restart in place is a fault, in the
-    comment as in `status`; the ranks' goodbyes after job.failed are none (the old controller
-    wrote each as `connection lost`, and its comment said 1)."""
-    async def scenario():
-        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
-                               max_stalled_restarts=2) as c:
-            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
-                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
-                                           [], {}, error="RuntimeError: boom"))
-                rank.state = "ready"
-                await rank.heartbeat()
-            c.on_stop["a1"] = fails_again
-            await c.started()
-            await c.train(["localhost", "a1"], 3)
-            for generation in (1, 2):
-                await fails_again(c.rank("a1"))
-                await c.assigned("a1", generation)
-            await fails_again(c.rank("a1"))
-            assert await asyncio.wait_for(asyncio.shield(c.job), 5) == 1
-            await c.until(lambda: c.comments, "the comment")
-            return c.comments[-1]
-    comment = asyncio.run(asyncio.wait_for(scenario(), 60))
-    records = list(read_events(tmp_path / "run" / "controller.jsonl"))
-    failed = next(e["t"] for e in records if e["event"] == "job.failed")
-    assert not [e for e in records if e["event"] == "fault.detected" and e["t"] > failed]
-    st = build_status(load_run(tmp_path / "run"), now=failed + 10)
-    assert [f.reason for f in st.faults] == ["rank reported a fault"] * 3
-    assert comment.startswith("hpct: 3 fault(s), 0 move(s)"), comment

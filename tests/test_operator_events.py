@@ -9,8 +9,6 @@ rank's fault says where the script raised it.
 """
 from __future__ import annotations
 
-import io
-import json
 import socket
 import struct
 import time
@@ -18,32 +16,24 @@ import time
 import torch
 
 from hpct_slurm import protocol as P
-from hpct_slurm.events import EventLog
 from hpct_slurm.examples.train import wrong_shape
 from hpct_slurm.recovery.replicas import ReplicaStore
 from hpct_slurm.recovery.snapshot import SnapshotStore
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import TransferServer, push_replica
 from test_job_rooms import _group, nothing_formed_after  # noqa: F401  (a fixture)
+from test_transfer import Events
 
 SECRET = b"k" * 32
 JOB = "77"
 
 
-class Events:
-    def __init__(self) -> None:
-        self.stream = io.StringIO()
-        self.log = EventLog(stream=self.stream)
-
-    def named(self, name: str) -> list[dict]:
-        return [e for e in map(json.loads, self.stream.getvalue().splitlines())
-                if e["event"] == name]
-
-    def wait_for(self, name: str, within_s: float = 10.0) -> list[dict]:
-        deadline = time.monotonic() + within_s
-        while not self.named(name) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.named(name)
+def wait_for(events: Events, name: str, within_s: float = 10.0) -> list[dict]:
+    """The records named `name` once there are any (a server's thread writes them)."""
+    deadline = time.monotonic() + within_s
+    while not events.named(name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return events.named(name)
 
 
 def _store() -> SnapshotStore:
@@ -70,7 +60,7 @@ def test_a_pusher_cut_mid_frame_by_a_crash_is_a_lost_connection_not_a_bad_frame(
             push_replica(sock, chan, 0, snap, timeout=5)   # an authenticated ring neighbour
         sock.sendall(b"\x00\x00")                          # its next frame, cut by its death
         _cut(sock)
-        (lost,) = events.wait_for("transfer.connection_lost")
+        (lost,) = wait_for(events, "transfer.connection_lost")
         assert lost["authenticated"] is True and lost["peer"].startswith("127.0.0.1:")
         assert events.named("transfer.bad_frame") == []
 
@@ -79,7 +69,7 @@ def test_a_pusher_cut_mid_frame_by_a_crash_is_a_lost_connection_not_a_bad_frame(
             stranger.recv(P.NONCE_BYTES)
             stranger.sendall(struct.pack(">I", 10) + b"x" * (10 + P.MAC_LEN))
             stranger.recv(16)
-        assert events.wait_for("transfer.bad_frame")
+        assert wait_for(events, "transfer.bad_frame")
 
 
 def test_where_names_the_scripts_line_under_torchs_frames(capsys):

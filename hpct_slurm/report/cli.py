@@ -14,7 +14,7 @@ from .. import config as C
 from ..errors import HpctError
 from .files import rank_logs, read_log, run_dir_fd
 from .model import (PHASES, FaultStatus, Report, RunEvents, Status, build_report,
-                    build_status, pending_note)
+                    build_status, check_run, pending_note)
 from .records import parse_jsonl
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def load_run(run_dir: Path) -> RunEvents:
     for stem, rank_text in texts.items():
         ranks[stem], said = parse_jsonl(rank_text, str(run_dir / "events" / f"{stem}.jsonl"))
         warnings += said
-    return RunEvents(str(run_dir), controller, ranks, warnings)
+    return check_run(RunEvents(str(run_dir), controller, ranks, warnings))
 
 
 # ---- commands ----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class RunEvents:
     controller: list[dict]
     ranks: dict[str, list[dict]]
     warnings: list[str] = field(default_factory=list)
+    checked: bool = False     # every record is one this module can read (check_run)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ def check_run(run: RunEvents) -> RunEvents:
     """`run` without the records this module cannot read (each said in one warning line, a
     few per file), or a clear error when the logs are not those of an `hpct-slurm controller`
     run at all."""
+    if run.checked:
+        return run
     warnings = list(run.warnings)
     controller, said = readable(run.controller, "controller.jsonl")
     warnings += said
@@ -219,7 +222,7 @@ def check_run(run: RunEvents) -> RunEvents:
     if not any(e["event"] == Ev.CONTROLLER_START for e in controller):
         raise HpctError(f"run dir {run.run_dir!r}: controller.jsonl has no controller.start: "
                         f"not a run of `hpct-slurm controller` (or it has not started yet)")
-    return RunEvents(run.run_dir, controller, ranks, warnings)
+    return RunEvents(run.run_dir, controller, ranks, warnings, checked=True)
 
 
 # ---- the report --------------------------------------------------------------------------

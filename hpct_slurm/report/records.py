@@ -8,6 +8,7 @@ of the run (nor ends in a traceback).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -73,16 +74,21 @@ def problem(rec: Any) -> str | None:
         return "no 'event' name"
     if not _is(NUM, rec.get("t")):
         return f"a {event} without a time 't'"
-    fields = dict(FIELDS.get(event, {}))
-    if event.startswith("rank."):
-        fields.setdefault("rank", (INT, False))  # a rank's own reports carry its rank
-    for name, (kind, required) in fields.items():
+    for name, (kind, required) in _fields(event).items():
         if name not in rec:
             if required:
                 return f"a {event} without {name} (written by another version of hpct-slurm?)"
         elif not _is(kind, rec[name]):
             return f"a {event} whose {name} is {_show(rec[name])}, not {kind}"
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _fields(event: str) -> dict[str, tuple[str, bool]]:
+    fields = dict(FIELDS.get(event, {}))
+    if event.startswith("rank."):
+        fields.setdefault("rank", (INT, False))  # a rank's own reports carry its rank
+    return fields
 
 
 def _show(v: Any) -> str:

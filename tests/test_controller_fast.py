@@ -32,6 +32,8 @@ import pytest
 from hpct_slurm import protocol as P
 from hpct_slurm.controller import controller as C
 from hpct_slurm.events import read_events
+from hpct_slurm.report.cli import load_run
+from hpct_slurm.report.model import build_status
 from hpct_slurm.slurm.client import SlurmClient
 
 JOB = 4242
@@ -814,11 +816,14 @@ def _fails_with(error: str):
     return fails_again
 
 
+fails_again = _fails_with("RuntimeError: boom")  # the script's own error
+
+
 def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_error(tmp_path):
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
                                max_stalled_restarts=2) as c:
-            fails_again = c.on_stop["a1"] = _fails_with("RuntimeError: boom")
+            c.on_stop["a1"] = fails_again
             await c.started()
             await c.train(["localhost", "a1"], 3)
             for generation in (1, 2):
@@ -836,6 +841,14 @@ def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_erro
             assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
             assert [e["generation"] for e in c.events("generation.start")] == [0, 1, 2]
             assert c.events("fault.fenced") == [] and c.rank("s1").assigns == []
+            # Issue 45.4: one fault per fault, in the comment as in `status`: each restart in
+            # place is one; the ranks' goodbyes after job.failed are none (they were each a
+            # `connection lost`, and the comment said 1)
+            assert [e for e in c.events("fault.detected") if e["t"] > failed["t"]] == []
+            await c.until(lambda: c.comments, "the comment")
+            faults = build_status(load_run(tmp_path / "run"), time.time()).faults
+            assert [f.reason for f in faults] == ["rank reported a fault"] * 3
+            assert c.comments[-1].startswith("hpct: 3 fault(s), 0 move(s)"), c.comments
     run(scenario)
 
 

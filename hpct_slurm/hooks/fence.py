@@ -130,7 +130,8 @@ def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None],
             continue
         uid, nets = spec
         lines.append(f"add rule {t} job_{job}_in ip saddr {{ {', '.join(nets)} }} accept")
-        lines.append(f"add rule {t} job_{job}_out meta skuid {{ 0, {uid} }} accept")
+        uids = ", ".join(map(str, sorted({0, uid})))
+        lines.append(f"add rule {t} job_{job}_out meta skuid {{ {uids} }} accept")
     live = sorted(set(keep) | {j for j, spec in jobs.items() if spec is not None})
     if not live:
         return "\n".join(lines[:1] + [f"delete table {t}"]) + "\n"
@@ -215,7 +216,7 @@ def install(job: JobContext, nodelist: str, cfg: FenceConfig, log: EventLog,
         return False
     log.emit(Ev.HOOK_FENCE_INSTALLED, node=job.node, job_id=job.job_id, table=f"inet {TABLE}",
              chains=[f"job_{job.job_id}_in", f"job_{job.job_id}_out"], admitted=nets,
-             uids=[0, job.uid], ports=port_text(ports), jobs=sorted(fenced),
+             uids=sorted({0, job.uid}), ports=port_text(ports), jobs=sorted(fenced),
              swept=sorted(stale))
     return True
 

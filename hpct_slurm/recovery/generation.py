@@ -31,6 +31,7 @@ from .background import Background
 from .client import CoordinationClient
 from .gradients import average_gradients, parameter_gradients
 from .seeds import seed_everything
+from .layout_check import check_placements, check_replicas_agree
 from .sharding import MeshSpec, infer_replicate
 from .state import TrainState
 
@@ -66,7 +67,8 @@ class Standing(Protocol):
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
                  mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None,
                  replicate: tuple[str, ...] | None, late: bool = False,
-                 world_size: int | None = None) -> MeshSpec | None:
+                 world_size: int | None = None,
+                 stages: tuple[str, ...] = ()) -> MeshSpec | None:
     """A sharded job's mesh (`build=...`), None for plain data parallelism; the arguments of
     `Job` checked: one or the other, each complete. `late`: the inline form (Job.main),
     where a sharded job gives only the mesh, and registers its model later (job.register)."""
@@ -84,7 +86,7 @@ def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable 
         if mesh_shape is None or mesh_dim_names is None:
             raise HpctError("a sharded Job (build=...) needs mesh_shape and mesh_dim_names")
         return MeshSpec(resolve_shape(tuple(mesh_shape), world_size), tuple(mesh_dim_names),
-                        tuple(replicate or ()))
+                        tuple(replicate or ()), tuple(stages))
     if model is None or optimizer is None:
         raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
     return None
@@ -122,7 +124,7 @@ class Generation:
                  lr_scheduler: Any, build: Callable[[Any], Any] | None,
                  mesh_spec: MeshSpec | None, replicate: tuple[str, ...] | None,
                  device_type: str, seed: int, shutdown: Callable[[str], None],
-                 late: bool = False):
+                 late: bool = False, stages: tuple[str, ...] = ()):
         self.settings, self.slurm, self.secret, self.events = settings, slurm, secret, events
         self.state, self.policy, self.standing = state, policy, standing
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
@@ -133,6 +135,7 @@ class Generation:
         # a sharded model built on a mesh the script makes
         self.late = late
         self.replicate_given = replicate  # None: read from the first model's placements
+        self.stages = tuple(stages)  # pipeline-stage dimensions, never replicas
         self.device_type = device_type
         self.seed = seed
         self._shutdown = shutdown
@@ -293,18 +296,22 @@ class Generation:
                 return
             self.mesh_spec = MeshSpec(tuple(self.mesh.shape),
                                       tuple(self.mesh.mesh_dim_names or ()),
-                                      tuple(self.replicate_given or ()))
+                                      tuple(self.replicate_given or ()), self.stages)
             self.policy.set_mode(self.policy.sharded_mode(self.mesh_spec))
         spec = self.mesh_spec
         assert spec is not None
         if self.replicate_given is None:
-            inferred = infer_replicate(spec.names, self.model.parameters())
+            inferred = infer_replicate(spec.names, self.model.parameters(), spec.stages)
             if inferred != spec.replicate:
                 self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
                 self.policy.set_mode(self.policy.sharded_mode(spec))
                 self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.standing.rank,
                                  replicate=inferred, mode=self.policy.mode)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
+        # Refused now, before the first step, not at the first snapshot or fault
+        check_placements(self.model)
+        if self.standing.generation == 0:  # every rank of the first formation: one collective
+            check_replicas_agree(spec, self.model)
 
     def release(self) -> None:
         """Drop this generation's sharded model and mesh: they hold the broken group, which

@@ -117,7 +117,8 @@ class Job:
                  build: Callable[[Any], Any] | None = None,
                  mesh_shape: tuple[int, ...] | None = None,
                  mesh_dim_names: tuple[str, ...] | None = None,
-                 replicate: tuple[str, ...] | None = None, device_type: str = "cpu",
+                 replicate: tuple[str, ...] | None = None,
+                 stages: tuple[str, ...] = (), device_type: str = "cpu",
                  settings: JobSettings | None = None, slurm: SlurmEnv | None = None,
                  transfer: Callable[..., TransferServer] = TransferServer,
                  client: Callable[..., CoordinationClient] = CoordinationClient,
@@ -137,7 +138,9 @@ class Job:
         dimensions the state is replicated over (HSDP's replicate dimension; none for 1-D
         FSDP); left out, they are inferred from the parameters' placements after the first
         build. Ranks that differ only on those dimensions hold the same state, and are each
-        other's source after a fault (recovery/sharding.py).
+        other's source after a fault (recovery/sharding.py). `stages`: the mesh dimensions
+        that are pipeline stages (`("pp",)`): each coordinate holds other layers. A layout
+        that cannot be recovered is refused before the first step (layout_check.py).
 
         Configuration, collaborators and side effects are apart: `settings` (default: read
         from `environ`, i.e. what the controller put in the step's environment) and `slurm`
@@ -167,7 +170,7 @@ class Job:
         self.init_timeout_s = s.init_timeout_s
         mesh_spec = sharded_spec(model, optimizer, lr_scheduler, build, mesh_shape,
                                  mesh_dim_names, replicate, late=Job._in_main,
-                                 world_size=C.read(env, C.WORLD_SIZE))
+                                 world_size=C.read(env, C.WORLD_SIZE), stages=tuple(stages))
         self.state = TrainState(**extra_state)
         if model is not None:
             self.state.register(model=model, optimizer=optimizer)
@@ -204,6 +207,7 @@ class Job:
             s, self.slurm, self.secret, self.events, self.state, self._policy, self,
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, build=build,
             mesh_spec=mesh_spec, replicate=replicate, device_type=device_type, seed=seed,
+            stages=tuple(stages),
             shutdown=self._shutdown,
             late=Job._in_main and model is None and build is None)
         if optimizer is not None:
@@ -673,8 +677,13 @@ class Job:
                          step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
         self._integrity.after_step(step)
 
-    def _shard(self) -> tuple[int, int]:
-        """This rank's data shard and the number of shards, for scripts that train one."""
+    def _shard(self, given: tuple[int, int] | None = None) -> tuple[int, int]:
+        """This rank's data shard and the number of shards, for scripts that train one.
+        `given`: the script's own for its sampler, which a job on a device mesh keeps: its
+        data-parallel rank is a coordinate of the mesh (TP and pipeline peers read the same
+        batch), and a mesh job never shrinks."""
+        if given is not None and self.mesh_spec is not None:
+            return given
         if len(self.data_ranks) != 1:
             raise HpctError("the group shrank but this script trains one data shard per rank: "
                             "pass micro_step to Job.run to allow shrinking")

@@ -28,6 +28,12 @@ class MeshSpec:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     replicate: tuple[str, ...] = ()
+    # Pipeline-stage dimensions: each coordinate holds other layers, never a replica. Said by
+    # the script (Job(stages=...)): a stage module's parameters live on a sub-mesh without
+    # them, which would read as "replicated" to the inference below. A name the mesh lacks
+    # is no error: torchtitan-style scripts make a dimension only where its degree is > 1
+    # (a mistyped name is caught by the structure check before the first step).
+    stages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.shape) <= MAX_MESH_DIMS:
@@ -43,6 +49,12 @@ class MeshSpec:
         if unknown:
             raise HpctError(f"replicate dimension(s) {unknown} are not mesh dimensions "
                             f"{list(self.names)}")
+        if any(not isinstance(s, str) or not s for s in self.stages):
+            raise HpctError(f"stage dimension names {self.stages} must be non-empty strings")
+        both = [s for s in self.stages if s in self.replicate]
+        if both:
+            raise HpctError(f"mesh dimension(s) {both} are given both as pipeline stages and "
+                            f"as replicated: a stage holds its own layers")
 
     @property
     def world_size(self) -> int:
@@ -83,11 +95,14 @@ class MeshSpec:
         return n
 
 
-def infer_replicate(names: tuple[str, ...], params: Iterable[Any]) -> tuple[str, ...]:
+def infer_replicate(names: tuple[str, ...], params: Iterable[Any],
+                    stages: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The mesh dimensions over which every DTensor parameter is replicated: a dimension is
     replicated for the rank's whole state only if no parameter is sharded (or partial) on it.
     A dimension a parameter's mesh does not include is replicated for that parameter (e.g.
-    data parallelism over a 2-D mesh whose parameters live on the `tp` sub-mesh only)."""
+    data parallelism over a 2-D mesh whose parameters live on the `tp` sub-mesh only), except
+    a pipeline-stage dimension (`stages`), whose coordinates hold different layers. A stage
+    dimension nobody declared is caught before the first step (`disagreeing`)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     sharded: set[str] = set()
@@ -101,5 +116,27 @@ def infer_replicate(names: tuple[str, ...], params: Iterable[Any]) -> tuple[str,
         for name, placement in zip(dims, p.placements):
             if not isinstance(placement, Replicate):
                 sharded.add(name)
-    return tuple(n for n in names if n not in sharded)
+    return tuple(n for n in names if n not in sharded and n not in stages)
+
+
+def disagreeing(spec: MeshSpec, digests: list[tuple[str, str]]) -> str | None:
+    """What is wrong when ranks of one shard key (which must hold the same state) hold state
+    of different structures: `digests[rank]` is (digest of the rank's state's names, shapes,
+    dtypes and placements; the first such entry, for the message). None when all agree.
+
+    The usual cause is a pipeline-stage dimension read as a replica: a stage's parameters
+    live on a sub-mesh without it. Said before the first step, never found at a fault."""
+    first: dict[int, int] = {}
+    for rank, (digest, _) in enumerate(digests):
+        key = spec.shard_key(rank)
+        other = first.setdefault(key, rank)
+        if digests[other][0] == digest:
+            continue
+        a, b = spec.coordinate(other), spec.coordinate(rank)
+        dims = [n for n, x, y in zip(spec.names, a, b) if x != y]
+        return (f"ranks {other} and {rank} differ only on mesh dimension(s) {dims}, which "
+                f"were taken as replicas ({list(spec.replicate)}), but hold different state "
+                f"(rank {other}: {digests[other][1]}; rank {rank}: {digests[rank][1]}). "
+                f"A pipeline-stage dimension must be said: Job(..., stages=({dims[0]!r},))")
+    return None
 

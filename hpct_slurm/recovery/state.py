@@ -248,14 +248,22 @@ def _is_dtensor(obj: Any) -> bool:
 
 
 def _placement_code(p: Any, path: str) -> str:
+    """A placement as the snapshot layout writes it: "R", "S<dim>", or "S<dim>/<split>" for
+    the strided shard FSDP2 leaves on a tensor-parallel parameter (`fully_shard` over a
+    `parallelize_module`d model: each rank holds `split` interleaved row blocks). A restore
+    places the local shard back at the same coordinate, so the code needs only to name the
+    placement again, not to describe which global rows it holds."""
     from torch.distributed.tensor import Replicate, Shard
 
     if isinstance(p, Replicate):
         return "R"
-    if type(p) is Shard:  # not a subclass (_StridedShard): its layout is not just a dim
+    if type(p) is Shard:
         return f"S{p.dim}"
+    if type(p).__name__ == "_StridedShard":
+        return f"S{p.dim}/{p.split_factor}"
     raise HpctError(f"cannot snapshot {path}: placement {p!r} is not supported "
-                    f"(Replicate and Shard(dim) are)")
+                    f"(Replicate, Shard(dim) and FSDP2's strided Shard over tensor "
+                    f"parallelism are)")
 
 
 def _placement(code: str, path: str) -> Any:
@@ -263,9 +271,19 @@ def _placement(code: str, path: str) -> Any:
 
     if code == "R":
         return Replicate()
-    if isinstance(code, str) and code[:1] == "S" and code[1:].isdigit() and code[1:].isascii():
-        return Shard(int(code[1:]))
+    if isinstance(code, str) and code[:1] == "S":
+        dim, _, split = code[1:].partition("/")
+        if _small_int(dim) and not split:
+            return Shard(int(dim))
+        if _small_int(dim) and _small_int(split) and int(split) >= 1:
+            from torch.distributed.tensor.placement_types import _StridedShard
+            return _StridedShard(int(dim), split_factor=int(split))
     raise HpctError(f"snapshot layout gives {path} an unknown placement {code!r}")
+
+
+def _small_int(text: str) -> bool:
+    """A placement's number as the layout may give it: ASCII digits, at most 4."""
+    return text.isascii() and text.isdigit() and len(text) <= 4
 
 
 def _dtensor_meta(t: Any, path: str) -> dict:

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from hpct_slurm.errors import HpctError
-from hpct_slurm.recovery.sharding import MeshSpec, disagreeing
+from hpct_slurm.recovery.layout_rules import MeshSpec, disagreeing
 
 
 def _worker(rank: int, tmp: str, q) -> None:
@@ -27,7 +27,7 @@ def _worker(rank: int, tmp: str, q) -> None:
     from hpct_slurm.errors import UsageError
     from hpct_slurm.examples.torchrun_3d import TokenMLP
     from hpct_slurm.recovery.layout_check import check_placements, check_replicas_agree
-    from hpct_slurm.recovery.sharding import infer_replicate
+    from hpct_slurm.recovery.layout_rules import infer_replicate
     from hpct_slurm.recovery.state import TrainState
 
     out: dict = {}

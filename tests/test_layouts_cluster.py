@@ -71,7 +71,10 @@ def test_a_node_of_a_tp_group_lost_recovers_bit_identical(cluster, reference, tm
     # one round; n3 held ranks 4 and 5 (a whole TP group), the spare n5 took both
     assert len(done) == 1 and done[0]["taken"] == {"n3": "n5"}, done
     [assign] = [e for e in evs if e["event"] == "recovery.assign"]
-    assert {assign["sources"][r] for r in ("4", "5")} == {source}, assign["sources"]
+    # a crash right at step 0 may come before step 0's copy left for the ring holder: then
+    # the lost ranks start over from their state at creation (step 0 recomputed, counted)
+    took = {assign["sources"][r] for r in ("4", "5")}
+    assert took == {source} or (kill_at == 0 and took == {"creation"}), assign["sources"]
     assert not [e for e in evs if e["event"] == "recovery.disk_fallback"]
     # every survivor stayed resident: one process per surviving rank ran main() again
     again = sorted(e["rank"] for e in rank_events(tmp_path) if e["event"] == "rank.main_again")

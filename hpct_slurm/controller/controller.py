@@ -37,6 +37,7 @@ from ..errors import HpctError
 from ..events import Ev, EventLog, Role
 from ..rundir import private_dir
 from ..slurm.client import SlurmClient
+from .accepting import Listener
 from .connections import Conn, Connections, Link
 from .detection import IN_PROCESS, IN_PROCESS_GRACE_S, Detection
 from .ending import (EXIT_FAILED, EXIT_OK, EXIT_RETRY, EXIT_TERMINATED, Ending,
@@ -136,12 +137,12 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
 
     async def run(self) -> int:
         host = _resolve(self.o.batch_host)
-        server = await asyncio.start_server(self._serve, host, 0, backlog=1024)
+        server = Listener(host, self._serve, self.events)  # accepting.py: not start_server
         # `--signal=B:TERM@N` (or scancel -b -s TERM) reaches the batch shell, which execs us:
         # say goodbye to every rank (each closes its persister) and end with 143.
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: asyncio.ensure_future(self._terminate("SIGTERM")))
-        self.address = server.sockets[0].getsockname()[:2]
+        self.address = server.address
         self.events.emit(Ev.CONTROLLER_START, job_id=self.o.job_id, active=self.world.members,
                          spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
                          store=self.o.store,

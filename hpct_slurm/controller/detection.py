@@ -60,6 +60,8 @@ class Detection:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(self.pacing.sweep_s)
+            # records held while out of descriptors (events.py) are written once they are back
+            self.events.flush()
             now = time.monotonic()
             reported = []
             for c in list(self.conns.values()):

@@ -160,7 +160,7 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     hold state of their own (survivors; a newcomer holds nothing until its restore succeeded).
     `disk_shared` / `disk_rank`: steps persisted for the shared state (shard key -> steps; a
     plain set is shard key 0's) and for each rank's own. `shard_keys`: rank -> shard key of a
-    sharded job (sharding.MeshSpec; empty or None: plain data parallelism, one key). The
+    sharded job (layout_rules.MeshSpec; empty or None: plain data parallelism, one key). The
     "shared" state is then shared only among the ranks of one shard key: a lost rank takes it
     from a survivor with its key, else from that key's file on disk. `leaving`: rank -> what
     the live process leaving that position in a planned move holds; it serves its own copies

@@ -11,10 +11,9 @@ import dataclasses
 import datetime
 import faulthandler
 import gc
-import math
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,15 +29,16 @@ from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import CoordinationClient
 from .gradients import average_gradients, parameter_gradients
-from .seeds import seed_everything
 from .layout_check import check_placements, check_replicas_agree
-from .sharding import MeshSpec, infer_replicate
+from .layout_rules import MeshSpec, infer_replicate, model_mesh, resolve_shape
+from .seeds import seed_everything
 from .state import TrainState
 
 if TYPE_CHECKING:
     from .carry import Carry
     from .inject import TakerFault
     from .snapshot_policy import SnapshotPolicy
+    from .standing import Standing
 
 TEARDOWN_TIMEOUT_S = 20.0
 TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up
@@ -50,18 +50,6 @@ class _Stopped(Exception):
 
 class _TeardownHung(Exception):
     """The broken group could not be destroyed: this process cannot form another one."""
-
-
-class Standing(Protocol):
-    """Where this process stands now, as the pieces of a `Job` read it (the Job itself): the
-    controller connection, set when it starts, and the rest, set at every adoption."""
-    client: CoordinationClient
-    rank: int
-    world_size: int
-    generation: int
-    data_ranks: list[int]
-    data_world: int
-    step: int  # the step in progress
 
 
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
@@ -90,24 +78,6 @@ def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable 
     if model is None or optimizer is None:
         raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
     return None
-
-
-def resolve_shape(shape: tuple[int, ...], world_size: int | None) -> tuple[int, ...]:
-    """A mesh shape with one -1 ("the rest"): the job's world size (the controller exports it
-    to every process, warm spares included) divided by the other dimensions. A script then
-    needs no group, and no hard-coded world, to say its mesh: (2, -1) is HSDP's 2 replicas."""
-    if -1 not in shape:
-        return shape
-    if shape.count(-1) > 1:
-        raise HpctError(f"mesh_shape {shape}: -1 (the rest of the world) may stand once")
-    if world_size is None:
-        raise HpctError(f"mesh_shape {shape} needs the job's world size for its -1, and "
-                        f"$HPCT_WORLD_SIZE is not set (`hpct-slurm controller` sets it)")
-    rest = math.prod(s for s in shape if s != -1)
-    if rest < 1 or world_size % rest:
-        raise HpctError(f"mesh_shape {shape}: the world size {world_size} is not a multiple "
-                        f"of {rest}")
-    return tuple(world_size // rest if s == -1 else s for s in shape)
 
 
 class Generation:
@@ -481,16 +451,6 @@ class Generation:
         self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.standing.rank, error=str(error))
         self._shutdown(f"process group teardown failed: {error}")
         os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
-
-
-def model_mesh(model: Any) -> Any:
-    """The DeviceMesh a model's DTensor parameters live on (its root mesh), None if none."""
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            root = getattr(mesh, "_get_root_mesh", None)
-            return root() if root is not None else mesh
-    return None
 
 
 class _collective:

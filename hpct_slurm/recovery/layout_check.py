@@ -2,7 +2,7 @@
 
 Two things can make a layout unrecoverable, and both are visible as soon as the model is
 built: a parameter whose placement a snapshot cannot hold (`placement_code` names what is
-supported), and ranks of one shard key (which must hold the same state, sharding.py) that
+supported), and ranks of one shard key (which must hold the same state, layout_rules.py) that
 hold state of different structures — in practice a pipeline-stage dimension taken for a
 replica. The first is checked on every rank from its own parameters; the second needs every
 rank's view, so it is one all-gather of a short digest over the world group, run at the job's
@@ -16,18 +16,18 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from .sharding import MeshSpec, disagreeing
-from .state import _is_dtensor, _placement_code
+from .encoding import is_dtensor
+from .layout_rules import MeshSpec, disagreeing, placement_code
 
 
 def check_placements(model: torch.nn.Module) -> None:
     """Every DTensor parameter's placements are ones a snapshot holds: a UsageError naming
     the first that is not (before the first step; a snapshot would refuse it at the fault)."""
     for name, p in model.named_parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             try:
                 for placement in p.placements:
-                    _placement_code(placement, f"model.{name}")
+                    placement_code(placement, f"model.{name}")
             except Exception as exc:  # noqa: BLE001 - the placement's own error, re-said
                 raise UsageError(f"this job's layout cannot be recovered: {exc}") from None
 
@@ -38,8 +38,8 @@ def structure(model: torch.nn.Module) -> tuple[str, str]:
     h = hashlib.blake2b(digest_size=16)
     first = ""
     for name, p in model.named_parameters():
-        place = ",".join(_placement_code(x, name) for x in p.placements) \
-            if _is_dtensor(p) else "local"
+        place = ",".join(placement_code(x, name) for x in p.placements) \
+            if is_dtensor(p) else "local"
         line = f"{name}:{tuple(p.shape)}:{p.dtype}:{place}"
         first = first or line
         h.update(line.encode() + b"\n")

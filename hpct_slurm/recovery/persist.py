@@ -44,8 +44,8 @@ from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog
 from ..rundir import replacing
+from .encoding import Layout
 from .snapshot import SnapshotStore
-from .state import Layout
 from .worker import BackgroundQueue
 
 KEEP = 2

@@ -16,7 +16,6 @@ then stops offering a rotten copy) at the price of hashing every byte twice per 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
 import threading
@@ -26,14 +25,18 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as P
+from ..accept_pause import AcceptPause
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .copies import as_flat_u8, as_memoryview
+from .encoding import Layout
 from .peer_socket import Address
 from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
 from .peer_socket import tune as _tune
 from .persist import load_latest
-from .snapshot import ReplicaStore, Snapshot, SnapshotStore
-from .state import Layout, as_flat_u8, as_memoryview
+from .replicas import ReplicaStore
+from .slots import Snapshot
+from .snapshot import SnapshotStore
 from .striped import serve_part
 from .worker import BackgroundQueue
 
@@ -167,24 +170,20 @@ class TransferServer:
             self.events.emit(event, server_rank=self.rank, **fields)
 
     def _accept_loop(self) -> None:
-        backoff = 0.0
+        # Out of descriptors or memory: pause and accept again (accept_pause.py), or this rank
+        # would serve its state and take replicas no more for the rest of its life.
+        pause = AcceptPause(lambda **f: self._emit(EV_ACCEPT_FAILED, **f), self.events,
+                            max_s=ACCEPT_BACKOFF_MAX)
         while not self._closed.is_set():
             try:
                 conn, peer = self._listener.accept()
             except OSError as exc:
                 if self._closed.is_set():
                     return
-                # Out of descriptors (EMFILE/ENFILE) or memory, or a connection that died in
-                # the backlog: the listener itself is fine. Returning would leave this rank
-                # unable to serve its state for good; wait a little and accept again.
-                if backoff == 0.0 and exc.errno != errno.ECONNABORTED:
-                    self._emit(EV_ACCEPT_FAILED, error=f"{exc.strerror or exc} "
-                                                       f"(errno {exc.errno}); retrying")
-                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2 or 0.01)
-                self._freed.wait(backoff)
+                self._freed.wait(pause.failed(exc))
                 self._freed.clear()
                 continue
-            backoff = 0.0
+            pause.accepted()
             self._admit(conn, f"{peer[0]}:{peer[1]}")
 
     def _admit(self, conn: socket.socket, peer: str) -> None:

@@ -94,6 +94,15 @@ def parallelize(model: TokenMLP, mesh, names: tuple[str, ...]) -> TokenMLP:
     return model
 
 
+def schedule_for(stage, pp) -> Schedule1F1B:
+    """This rank's pipeline stage on the `pp` sub-mesh, run by a 1F1B schedule over 2
+    micro-batches, the loss the model's cross-entropy."""
+    return Schedule1F1B(PipelineStage(stage, pp.get_local_rank(), pp.size(), torch.device("cpu"),
+                                      group=pp.get_group()),
+                        n_microbatches=2,
+                        loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+
+
 def flat_rank(mesh) -> int:
     """This rank's index on a (sub-)mesh, its dimensions taken row-major: the data-parallel
     rank on (dp_replicate, dp_shard), whose two TP (and pipeline) peers read the same batch."""
@@ -144,10 +153,7 @@ def main() -> None:
         model = model.stage(pp.get_local_rank(), pp.size())
     model = parallelize(model, mesh, names)
     if "pp" in names:
-        schedule = Schedule1F1B(PipelineStage(model, pp.get_local_rank(), pp.size(),
-                                              torch.device("cpu"), group=pp.get_group()),
-                                n_microbatches=2, loss_fn=lambda out, y: F.cross_entropy(
-                                    out.flatten(0, 1), y.flatten()))
+        schedule = schedule_for(model, pp)
     data = token_data()
     sampler = DistributedSampler(data, num_replicas=dp.size(), rank=flat_rank(dp),
                                  shuffle=True, seed=0)

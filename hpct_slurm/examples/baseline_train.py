@@ -168,6 +168,8 @@ def three_d(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
                                                       stride=p.stride()) if v.dim() else v
                                 for k, v in saved["optimizer"][name].items()}
         sched.load_state_dict(saved["sched"])
+        for group, lr in zip(opt.param_groups, saved["lr"]):  # the schedule's position
+            group["lr"] = lr
     events.emit(Ev.BASELINE_START, rank=rank, start_step=start)
     step = 0
     for epoch in range(args.epochs):
@@ -184,7 +186,8 @@ def three_d(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
                     local = {n: {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
                                  for k, v in opt.state[p].items()} for n, p in params.items()}
                     torch.save({"model": {n: p.to_local().clone() for n, p in params.items()},
-                                "optimizer": local, "sched": sched.state_dict()},
+                                "optimizer": local, "sched": sched.state_dict(),
+                                "lr": [g["lr"] for g in opt.param_groups]},
                                ckpt / f"rank{rank}-step{step}.pt")
                     dist.barrier()
                     if rank == 0:

@@ -143,6 +143,7 @@ class Ev(_Name):
     TRANSFER_FALLBACK_DISK = "transfer.fallback_disk"
     TRANSFER_SERVE_CORRUPT = "transfer.serve_corrupt"
     TRANSFER_BAD_FRAME = "transfer.bad_frame"
+    TRANSFER_CONNECTION_LOST = "transfer.connection_lost"
     TRANSFER_CONNECTION_EVICTED = "transfer.connection_evicted"
     TRANSFER_CONNECTION_REFUSED = "transfer.connection_refused"
     TRANSFER_ACCEPT_FAILED = "transfer.accept_failed"

@@ -31,6 +31,8 @@ import pytest
 from hpct_slurm import protocol as P
 from hpct_slurm.controller import controller as C
 from hpct_slurm.events import read_events
+from hpct_slurm.report.cli import load_run
+from hpct_slurm.report.model import build_status
 from hpct_slurm.slurm.client import SlurmClient
 
 JOB = 4242
@@ -803,15 +805,18 @@ def test_a_rank_whose_state_and_ring_copy_are_both_lost_escalates_to_requeue(tmp
     run(scenario)
 
 
+async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
+    """The rank's step raised (the script's own error): it reports it and is ready."""
+    await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
+                               [], {}, error="RuntimeError: boom"))
+    rank.state = "ready"
+    await rank.heartbeat()
+
+
 def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_error(tmp_path):
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
                                max_stalled_restarts=2) as c:
-            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
-                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
-                                           [], {}, error="RuntimeError: boom"))
-                rank.state = "ready"
-                await rank.heartbeat()
             c.on_stop["a1"] = fails_again
             await c.started()
             await c.train(["localhost", "a1"], 3)
@@ -830,6 +835,14 @@ def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_erro
             assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
             assert [e["generation"] for e in c.events("generation.start")] == [0, 1, 2]
             assert c.events("fault.fenced") == [] and c.rank("s1").assigns == []
+            # Issue 45.4: one fault per fault, in the comment as in `status`: each restart in
+            # place is one; the ranks' goodbyes after job.failed are none (they were each a
+            # `connection lost`, and the comment said 1)
+            assert [e for e in c.events("fault.detected") if e["t"] > failed["t"]] == []
+            await c.until(lambda: c.comments, "the comment")
+            faults = build_status(load_run(tmp_path / "run"), time.time()).faults
+            assert [f.reason for f in faults] == ["rank reported a fault"] * 3
+            assert c.comments[-1].startswith("hpct: 3 fault(s), 0 move(s)"), c.comments
     run(scenario)
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError
-from ..events import Ev, EventLog, Role
+from ..events import Ev, Role
+from ..fault_count import CountingLog
 from ..rundir import private_dir
 from ..slurm.client import SlurmClient
 from .accepting import Listener
@@ -75,7 +76,8 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         # hand the job a training state (persisted snapshots): 0700, or refused (rundir.py).
         for d in (self.run_dir, self.run_dir / "logs", self.run_dir / "events"):
             private_dir(d)
-        self.events = EventLog(self.run_dir / "controller.jsonl", source="controller")
+        # counting its faults as it writes them: the rule `status` applies to the same records
+        self.events = CountingLog(self.run_dir / "controller.jsonl", source="controller")
         secret_path = self.run_dir / "secret"
         self.secret = (P.load_secret(secret_path) if secret_path.exists()
                        else P.new_secret_file(secret_path))

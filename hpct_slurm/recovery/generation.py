@@ -106,6 +106,7 @@ class Generation:
         self.late = late
         self.replicate_given = replicate  # None: read from the first model's placements
         self.stages = tuple(stages)  # pipeline-stage dimensions, never replicas
+        self._said: tuple | None = None  # what rank.mesh_inferred said last
         self.device_type = device_type
         self.seed = seed
         self._shutdown = shutdown
@@ -263,6 +264,7 @@ class Generation:
             if self.mesh is None:  # plain data parallelism, registered late
                 self.policy.set_mode(self.policy.data_parallel_mode())
                 self.hook_model(force=True)
+                self._say_mode(None)
                 return
             self.mesh_spec = MeshSpec(tuple(self.mesh.shape),
                                       tuple(self.mesh.mesh_dim_names or ()),
@@ -275,13 +277,24 @@ class Generation:
             if inferred != spec.replicate:
                 self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
                 self.policy.set_mode(self.policy.sharded_mode(spec))
-                self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.standing.rank,
-                                 replicate=inferred, mode=self.policy.mode)
+        if self.late or self.replicate_given is None:
+            self._say_mode(spec.replicate)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
         # Refused now, before the first step, not at the first snapshot or fault
         check_placements(self.model)
         if self.standing.generation == 0:  # every rank of the first formation: one collective
             check_replicas_agree(spec, self.model)
+
+    def _say_mode(self, replicate: tuple[str, ...] | None) -> None:
+        """rank.registered said `undecided` (job.py): the first model decides, said once, and
+        again only if a later build decides otherwise. Also when nothing is replicated (1-D
+        FSDP: `replicate` empty, which once went unsaid) and for plain data parallelism
+        registered late (`replicate` None: no mesh)."""
+        said = (replicate, self.policy.mode)
+        if said != self._said:
+            self._said = said
+            self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.standing.rank,
+                             replicate=replicate, mode=self.policy.mode)
 
     def release(self) -> None:
         """Drop this generation's sharded model and mesh: they hold the broken group, which

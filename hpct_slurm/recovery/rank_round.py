@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
-from pathlib import Path
 
 import torch.distributed as dist
 
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev
+from . import fault_trace
 from .controller_loss import witnesses
 from .generation import _Stopped
 from .health import health_check
@@ -149,7 +148,6 @@ def _describe(exc: BaseException) -> str:
 
 
 def _where(exc: BaseException, frames: int = 4) -> str:
-    """Where a fault was raised: its innermost frames, innermost first (`file:line in fn`),
-    so that an error from deep inside torch still names the call of ours that led to it."""
-    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
-    return " < ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb))
+    """Where a fault was raised, the script's own line included; its traceback goes to the
+    rank's log (fault_trace.py)."""
+    return fault_trace.record(exc, frames)

@@ -32,6 +32,7 @@ from .copies import as_flat_u8, as_memoryview
 from .encoding import Layout
 from .peer_socket import Address
 from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
+from .peer_socket import peer_of
 from .peer_socket import tune as _tune
 from .persist import load_latest
 from .replicas import ReplicaStore
@@ -45,6 +46,7 @@ EV_SOURCE_FAILED = Ev.TRANSFER_SOURCE_FAILED
 EV_FALLBACK_DISK = Ev.TRANSFER_FALLBACK_DISK
 EV_SERVE_CORRUPT = Ev.TRANSFER_SERVE_CORRUPT
 EV_BAD_FRAME = Ev.TRANSFER_BAD_FRAME
+EV_CONN_LOST = Ev.TRANSFER_CONNECTION_LOST
 EV_REPLICA_STORED = Ev.REPLICA_STORED
 EV_REPLICA_REJECTED = Ev.REPLICA_REJECTED
 EV_PUSH_FAILED = Ev.REPLICA_PUSH_FAILED
@@ -215,7 +217,7 @@ class TransferServer:
             self._emit(EV_CONN_REFUSED, peer=peer, error=str(exc))
 
     def _serve(self, conn: socket.socket) -> None:
-        known = False
+        known, peer = False, peer_of(conn)
         try:
             # The stall limit for everything on this connection; the nonce binds its frames.
             chan = P.server_hello(conn, self.secret, self.job_id, self.io_timeout)
@@ -232,7 +234,8 @@ class TransferServer:
                     self._reject_replica(conn, chan, exc.msg, pending, exc.message)
                     continue
                 except HpctError as exc:
-                    self._refuse(conn, chan, pending, exc.message)
+                    self._refuse(conn, chan, pending, exc.message,
+                                 cut=(peer, known) if isinstance(exc, P.ConnectionCut) else None)
                     return
                 if not known:
                     known = True
@@ -263,12 +266,17 @@ class TransferServer:
             self._freed.set()
 
     def _refuse(self, conn: socket.socket, chan: P.Channel, pending: dict[str, Any],
-                why: str) -> None:
+                why: str, cut: tuple[str, bool] | None = None) -> None:
         """A frame that failed part-way (before the connection is dropped): an authentic push
-        is told why, anything else is only logged."""
+        is told why, anything else is only logged. `cut` (peer, authenticated): the connection
+        broke under the frame, its peer's process or node died (a crash cuts its pusher's
+        connection), which is no bad frame from a stranger."""
         if "idx" in pending:
             self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
         msg = pending.get("msg")
+        if msg is None and cut is not None:
+            self._emit(EV_CONN_LOST, peer=cut[0], authenticated=cut[1], error=why)
+            return
         if msg is None:
             self._emit(EV_BAD_FRAME, error=why)
             return

@@ -25,7 +25,7 @@ def _worker(rank: int, tmp: str, q) -> None:
                                                    parallelize_module)
 
     from hpct_slurm.errors import UsageError
-    from hpct_slurm.examples.torchrun_3d import TokenMLP
+    from hpct_slurm.examples.model_3d import TokenMLP
     from hpct_slurm.recovery.layout_check import check_placements, check_replicas_agree
     from hpct_slurm.recovery.layout_rules import infer_replicate
     from hpct_slurm.recovery.state import TrainState

@@ -135,7 +135,7 @@ def three_d(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from hpct_slurm.examples import torchrun_3d as t3
+    from hpct_slurm.examples import model_3d as t3
     from hpct_slurm.examples.torchrun_ddp import token_data
     from hpct_slurm.examples.torchrun_fsdp import save_full_result
 

@@ -29,6 +29,7 @@ from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import CoordinationClient
 from .gradients import average_gradients, parameter_gradients
+from .layout_check import check_placements, check_replicas_agree
 from .layout_rules import MeshSpec, infer_replicate, model_mesh, resolve_shape
 from .seeds import seed_everything
 from .state import TrainState
@@ -54,7 +55,8 @@ class _TeardownHung(Exception):
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
                  mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None,
                  replicate: tuple[str, ...] | None, late: bool = False,
-                 world_size: int | None = None) -> MeshSpec | None:
+                 world_size: int | None = None,
+                 stages: tuple[str, ...] = ()) -> MeshSpec | None:
     """A sharded job's mesh (`build=...`), None for plain data parallelism; the arguments of
     `Job` checked: one or the other, each complete. `late`: the inline form (Job.main),
     where a sharded job gives only the mesh, and registers its model later (job.register)."""
@@ -72,7 +74,7 @@ def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable 
         if mesh_shape is None or mesh_dim_names is None:
             raise HpctError("a sharded Job (build=...) needs mesh_shape and mesh_dim_names")
         return MeshSpec(resolve_shape(tuple(mesh_shape), world_size), tuple(mesh_dim_names),
-                        tuple(replicate or ()))
+                        tuple(replicate or ()), tuple(stages))
     if model is None or optimizer is None:
         raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
     return None
@@ -92,7 +94,7 @@ class Generation:
                  lr_scheduler: Any, build: Callable[[Any], Any] | None,
                  mesh_spec: MeshSpec | None, replicate: tuple[str, ...] | None,
                  device_type: str, seed: int, shutdown: Callable[[str], None],
-                 late: bool = False):
+                 late: bool = False, stages: tuple[str, ...] = ()):
         self.settings, self.slurm, self.secret, self.events = settings, slurm, secret, events
         self.state, self.policy, self.standing = state, policy, standing
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
@@ -103,6 +105,7 @@ class Generation:
         # a sharded model built on a mesh the script makes
         self.late = late
         self.replicate_given = replicate  # None: read from the first model's placements
+        self.stages = tuple(stages)  # pipeline-stage dimensions, never replicas
         self._said: tuple | None = None  # what rank.mesh_inferred said last
         self.device_type = device_type
         self.seed = seed
@@ -265,18 +268,22 @@ class Generation:
                 return
             self.mesh_spec = MeshSpec(tuple(self.mesh.shape),
                                       tuple(self.mesh.mesh_dim_names or ()),
-                                      tuple(self.replicate_given or ()))
+                                      tuple(self.replicate_given or ()), self.stages)
             self.policy.set_mode(self.policy.sharded_mode(self.mesh_spec))
         spec = self.mesh_spec
         assert spec is not None
         if self.replicate_given is None:
-            inferred = infer_replicate(spec.names, self.model.parameters())
+            inferred = infer_replicate(spec.names, self.model.parameters(), spec.stages)
             if inferred != spec.replicate:
                 self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
                 self.policy.set_mode(self.policy.sharded_mode(spec))
         if self.late or self.replicate_given is None:
             self._say_mode(spec.replicate)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
+        # Refused now, before the first step, not at the first snapshot or fault
+        check_placements(self.model)
+        if self.standing.generation == 0:  # every rank of the first formation: one collective
+            check_replicas_agree(spec, self.model)
 
     def _say_mode(self, replicate: tuple[str, ...] | None) -> None:
         """rank.registered said `undecided` (job.py): the first model decides, said once, and

@@ -105,7 +105,8 @@ class Job(InlineForm, RankRound, Stepping):
                  build: Callable[[Any], Any] | None = None,
                  mesh_shape: tuple[int, ...] | None = None,
                  mesh_dim_names: tuple[str, ...] | None = None,
-                 replicate: tuple[str, ...] | None = None, device_type: str = "cpu",
+                 replicate: tuple[str, ...] | None = None,
+                 stages: tuple[str, ...] = (), device_type: str = "cpu",
                  settings: JobSettings | None = None, slurm: SlurmEnv | None = None,
                  transfer: Callable[..., TransferServer] = TransferServer,
                  client: Callable[..., CoordinationClient] = CoordinationClient,
@@ -125,7 +126,9 @@ class Job(InlineForm, RankRound, Stepping):
         dimensions the state is replicated over (HSDP's replicate dimension; none for 1-D
         FSDP); left out, they are inferred from the parameters' placements after the first
         build. Ranks that differ only on those dimensions hold the same state, and are each
-        other's source after a fault (recovery/layout_rules.py).
+        other's source after a fault (recovery/layout_rules.py). `stages`: the mesh dimensions
+        that are pipeline stages (`("pp",)`): each coordinate holds other layers. A layout
+        that cannot be recovered is refused before the first step (layout_check.py).
 
         Configuration, collaborators and side effects are apart: `settings` (default: read
         from `environ`, i.e. what the controller put in the step's environment) and `slurm`
@@ -155,7 +158,7 @@ class Job(InlineForm, RankRound, Stepping):
         self.init_timeout_s = s.init_timeout_s
         mesh_spec = sharded_spec(model, optimizer, lr_scheduler, build, mesh_shape,
                                  mesh_dim_names, replicate, late=Job._in_main,
-                                 world_size=C.read(env, C.WORLD_SIZE))
+                                 world_size=C.read(env, C.WORLD_SIZE), stages=tuple(stages))
         self.state = TrainState(**extra_state)
         if model is not None:
             self.state.register(model=model, optimizer=optimizer)
@@ -192,6 +195,7 @@ class Job(InlineForm, RankRound, Stepping):
             s, self.slurm, self.secret, self.events, self.state, self._policy, self,
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, build=build,
             mesh_spec=mesh_spec, replicate=replicate, device_type=device_type, seed=seed,
+            stages=tuple(stages),
             shutdown=self._shutdown,
             late=Job._in_main and model is None and build is None)
         if optimizer is not None:

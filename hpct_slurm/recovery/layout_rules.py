@@ -1,7 +1,8 @@
 """The layouts' rules (pure): in a job's DeviceMesh, which dimension is a replica and which a
 shard, what that makes of each rank's state, and the recovery mode a layout gets. Every rule
 about how a data-, tensor- or fully-sharded-parallel layout maps to who holds what is here;
-the rest of the code asks this module (a new layout, pipeline stages say, adds its rules here).
+the rest of the code asks this module (pipeline stages, FSDP2's strided shards over tensor
+parallelism: their rules are here too).
 
 A job trained on a DeviceMesh (FSDP2 `fully_shard`, HSDP, tensor parallelism) splits its model
 and optimizer state over some mesh dimensions and replicates it over others. A rank's *shard
@@ -14,8 +15,10 @@ peer in steady state (the ring replica) or come from disk.
 `init_device_mesh(device, shape)` lays ranks out row-major (`arange(world).view(shape)`), so a
 rank's coordinate is `unravel(rank, shape)` on every rank and on the controller alike.
 
-The rules, in order below: the mesh (`MeshSpec`, `resolve_shape`); which dimensions are
-replicated, read from the parameters' placements (`infer_replicate`, `model_mesh`); which
+The rules, in order below: the mesh (`MeshSpec`, `resolve_shape`), its pipeline-stage
+dimensions said by the script (`stages`); which dimensions are replicated, read from the
+parameters' placements (`infer_replicate`, `model_mesh`), and what is wrong where ranks that
+should be replicas hold state of different structures (`disagreeing`); which
 placements a snapshot records, and from which coordinates a shard may be restored
 (`placement_code`, `placement`, `wrong_coordinates`); the recovery mode (`choose_mode`,
 `first_mode`, `sharded_mode`): jit where every rank's state is held by another rank too,
@@ -41,6 +44,12 @@ class MeshSpec:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     replicate: tuple[str, ...] = ()
+    # Pipeline-stage dimensions: each coordinate holds other layers, never a replica. Said by
+    # the script (Job(stages=...)): a stage module's parameters live on a sub-mesh without
+    # them, which would read as "replicated" to infer_replicate. A name the mesh lacks is no
+    # error: torchtitan-style scripts make a dimension only where its degree is above 1 (a
+    # mistyped name is caught by the structure check before the first step).
+    stages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.shape) <= MAX_MESH_DIMS:
@@ -56,6 +65,12 @@ class MeshSpec:
         if unknown:
             raise HpctError(f"replicate dimension(s) {unknown} are not mesh dimensions "
                             f"{list(self.names)}")
+        if any(not isinstance(s, str) or not s for s in self.stages):
+            raise HpctError(f"stage dimension names {self.stages} must be non-empty strings")
+        both = [s for s in self.stages if s in self.replicate]
+        if both:
+            raise HpctError(f"mesh dimension(s) {both} are given both as pipeline stages and "
+                            f"as replicated: a stage holds its own layers")
 
     @property
     def world_size(self) -> int:
@@ -96,11 +111,14 @@ class MeshSpec:
         return n
 
 
-def infer_replicate(names: tuple[str, ...], params: Iterable[Any]) -> tuple[str, ...]:
+def infer_replicate(names: tuple[str, ...], params: Iterable[Any],
+                    stages: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The mesh dimensions over which every DTensor parameter is replicated: a dimension is
     replicated for the rank's whole state only if no parameter is sharded (or partial) on it.
     A dimension a parameter's mesh does not include is replicated for that parameter (e.g.
-    data parallelism over a 2-D mesh whose parameters live on the `tp` sub-mesh only)."""
+    data parallelism over a 2-D mesh whose parameters live on the `tp` sub-mesh only), except
+    a pipeline-stage dimension (`stages`), whose coordinates hold different layers. A stage
+    dimension nobody said is caught before the first step (`disagreeing`)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     sharded: set[str] = set()
@@ -114,7 +132,28 @@ def infer_replicate(names: tuple[str, ...], params: Iterable[Any]) -> tuple[str,
         for name, placement in zip(dims, p.placements):
             if not isinstance(placement, Replicate):
                 sharded.add(name)
-    return tuple(n for n in names if n not in sharded)
+    return tuple(n for n in names if n not in sharded and n not in stages)
+
+
+def disagreeing(spec: MeshSpec, digests: list[tuple[str, str]]) -> str | None:
+    """What is wrong when ranks of one shard key (which must hold the same state) hold state
+    of different structures: `digests[rank]` is (a digest of the rank's parameters' names,
+    shapes, dtypes and placements; its first parameter, for the message). None when all agree.
+
+    The usual cause is a pipeline-stage dimension read as a replica: a stage's parameters
+    live on a sub-mesh without it. Said before the first step, never found at a fault."""
+    first: dict[int, int] = {}
+    for rank, (digest, _) in enumerate(digests):
+        other = first.setdefault(spec.shard_key(rank), rank)
+        if digests[other][0] == digest:
+            continue
+        a, b = spec.coordinate(other), spec.coordinate(rank)
+        dims = [n for n, x, y in zip(spec.names, a, b) if x != y]
+        return (f"ranks {other} and {rank} differ only on mesh dimension(s) {dims}, which "
+                f"were taken as replicas ({list(spec.replicate)}), but hold different state "
+                f"(rank {other}: {digests[other][1]}; rank {rank}: {digests[rank][1]}). "
+                f"A pipeline-stage dimension must be said: Job(..., stages=({dims[0]!r},))")
+    return None
 
 
 def resolve_shape(shape: tuple[int, ...], world_size: int | None) -> tuple[int, ...]:
@@ -149,26 +188,43 @@ def model_mesh(model: Any) -> Any:
 
 def placement_code(p: Any, path: str) -> str:
     """How a snapshot records a DTensor's placement on one mesh dimension: "R" replicated,
-    "S<dim>" sharded on a tensor dimension; any other placement is refused, naming `path`."""
+    "S<dim>" sharded on a tensor dimension, "S<dim>/<split>" the strided shard FSDP2 leaves on
+    a tensor-parallel parameter (`fully_shard` over a `parallelize_module`d model: each rank
+    holds `split` interleaved row blocks). A restore puts the local shard back at the same
+    coordinate, so the code only names the placement again; it need not say which global rows
+    the shard holds. Any other placement is refused, naming `path`."""
     from torch.distributed.tensor import Replicate, Shard
 
     if isinstance(p, Replicate):
         return "R"
-    if type(p) is Shard:  # not a subclass (_StridedShard): its layout is not just a dim
+    if type(p) is Shard:
         return f"S{p.dim}"
+    if type(p).__name__ == "_StridedShard":  # not a Shard subclass in torch 2.13
+        return f"S{p.dim}/{p.split_factor}"
     raise HpctError(f"cannot snapshot {path}: placement {p!r} is not supported "
-                    f"(Replicate and Shard(dim) are)")
+                    f"(Replicate, Shard(dim) and FSDP2's strided Shard over tensor "
+                    f"parallelism are)")
 
 
 def placement(code: str, path: str) -> Any:
     """The placement a snapshot's code stands for (placement_code's inverse)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if code == "R":
+    if isinstance(code, str) and code == "R":
         return Replicate()
-    if isinstance(code, str) and code[:1] == "S" and code[1:].isdigit() and code[1:].isascii():
-        return Shard(int(code[1:]))
+    if isinstance(code, str) and code[:1] == "S":
+        dim, _, split = code[1:].partition("/")
+        if _small_int(dim) and not split:
+            return Shard(int(dim))
+        if _small_int(dim) and _small_int(split) and int(split) >= 1:
+            from torch.distributed.tensor.placement_types import _StridedShard
+            return _StridedShard(int(dim), split_factor=int(split))
     raise HpctError(f"snapshot layout gives {path} an unknown placement {code!r}")
+
+
+def _small_int(text: str) -> bool:
+    """A placement's number as a layout may give it: ASCII digits, at most 4."""
+    return text.isascii() and text.isdigit() and len(text) <= 4
 
 
 def wrong_coordinates(names: Iterable[str], taken: Iterable[int], here: Iterable[int],

@@ -129,9 +129,12 @@ class RankRound:
         # left for recovery: a sharded job's sub-groups, and a job that carries its ranks'
         # state in an all-reduce of its own beside the gradients' (carry.py: two collectives
         # in flight; a survivor waited out the collective timeout on such a peer, 10 s).
+        whole = self.mesh_spec is not None or self._policy.carry is not None
         self.client.group_addrs = (
-            {str(h) for h, _ in a.peers.values()} - {self.host_addr}
-            if self.mesh_spec is not None or self._policy.carry is not None else set())
+            {str(h) for h, _ in a.peers.values()} - {self.host_addr} if whole else set())
+        # ... and on this node too where it runs more of the group's ranks (a TP pair, which
+        # a lost remote peer leaves waiting on each other: measured, 10 s on a 3-D job)
+        self.client.sever_own_node = whole and a.tasks_per_node > 1
         self._controller_loss.peers = witnesses(a, {self.host_addr, self._controller_addr.host})
         self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
                          restore_step=a.restore_step, source=source,

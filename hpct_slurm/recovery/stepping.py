@@ -83,8 +83,13 @@ class Stepping:
                          step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
         self._integrity.after_step(step)
 
-    def _shard(self) -> tuple[int, int]:
-        """This rank's data shard and the number of shards, for scripts that train one."""
+    def _shard(self, given: tuple[int, int] | None = None) -> tuple[int, int]:
+        """This rank's data shard and the number of shards, for scripts that train one.
+        `given`: the script's own for its sampler, which a job on a device mesh keeps: its
+        data-parallel rank is a coordinate of the mesh (TP and pipeline peers read the same
+        batch), and a mesh job never shrinks."""
+        if given is not None and self.mesh_spec is not None:
+            return given
         if len(self.data_ranks) != 1:
             raise HpctError("the group shrank but this script trains one data shard per rank: "
                             "pass micro_step to Job.run to allow shrinking")

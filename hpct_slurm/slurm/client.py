@@ -591,15 +591,18 @@ def srun_argv(node: str, argv: Sequence[str], extra_opts: Sequence[str] = (),
 
 
 def srun_nodes_argv(nodes: Sequence[str], argv: Sequence[str],
-                    extra_opts: Sequence[str] = ()) -> list[str]:
-    """`srun -N<n> -n<n> --ntasks-per-node=1 -w <nodes> <extra_opts> <argv>`: one step with
-    one task on each of `nodes`."""
+                    extra_opts: Sequence[str] = (), tasks_per_node: int = 1) -> list[str]:
+    """`srun -N<n> -n<n*t> --ntasks-per-node=<t> -w <nodes> <extra_opts> <argv>`: one step
+    with `tasks_per_node` tasks on each of `nodes`."""
     if not nodes or any(expand(n) != [n] for n in nodes):
         raise HpctError(f"srun nodes {list(nodes)!r} are not one or more single node names")
     if not argv:
         raise HpctError("srun needs a command to run")
-    return ["srun", f"-N{len(nodes)}", f"-n{len(nodes)}", "--ntasks-per-node=1",
-            "-w", ",".join(nodes), *extra_opts, *argv]
+    if isinstance(tasks_per_node, bool) or not isinstance(tasks_per_node, int) or \
+            not 1 <= tasks_per_node <= 1024:
+        raise HpctError(f"srun tasks per node {tasks_per_node!r} is not 1 to 1024")
+    return ["srun", f"-N{len(nodes)}", f"-n{len(nodes) * tasks_per_node}",
+            f"--ntasks-per-node={tasks_per_node}", "-w", ",".join(nodes), *extra_opts, *argv]
 
 
 def _one_line(value: str, what: str) -> str:
@@ -974,10 +977,11 @@ class SlurmClient:
         return self.run(srun_argv(node, argv, extra_opts=options), timeout=timeout)
 
     def run_step(self, nodes: Sequence[str], argv: Sequence[str],
-                 options: Sequence[str] = ()) -> int:
-        """Run `argv` as one step with one task on each of `nodes` (see srun_nodes_argv), its
-        output going where this process's goes, no time limit; return srun's exit code."""
-        cmd = srun_nodes_argv(nodes, argv, options)
+                 options: Sequence[str] = (), tasks_per_node: int = 1) -> int:
+        """Run `argv` as one step with `tasks_per_node` tasks on each of `nodes` (see
+        srun_nodes_argv), its output going where this process's goes, no time limit; return
+        srun's exit code."""
+        cmd = srun_nodes_argv(nodes, argv, options, tasks_per_node)
         try:
             return self.runner(self.command(cmd), stdin=subprocess.DEVNULL,
                                env=self.environ()).returncode

@@ -124,7 +124,11 @@ def test_a_drained_member_without_a_ready_spare_trains_on(tmp_path):
     run(scenario)
 
 
-def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path):
+def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path, monkeypatch):
+    # no wait for a spare on its way: the round shrinks at once, a2 returns and grows it back
+    # (with the wait, a2 takes its own place back without a shrink: test_controller_fast)
+    monkeypatch.setenv("HPCT_SPARE_WAIT_S", "0")
+
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "a2"], spares=0,
                                on_no_spare="shrink") as c:

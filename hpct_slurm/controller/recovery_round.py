@@ -225,8 +225,10 @@ class RecoveryRound:
         said = False
         while True:
             ready = [s for s in self.world.spares if self._node_ready(s)]
+            # a fault pending on a node rules it out, unless it is the same loss seen again
+            faulty = {n for n in self.pending_faults if n not in lost_active}
             coming = arrivals(self.world.spares, ready,
-                              self.dead_nodes | set(lost_spares) | set(self.pending_faults),
+                              self.dead_nodes | set(lost_spares) | faulty,
                               list(self.fencing), len(self.borrowed), len(self.pool_nodes))
             waited = time.monotonic() - t0
             if not should_wait(len(lost_active), len(ready), coming, waited,

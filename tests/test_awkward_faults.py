@@ -233,6 +233,13 @@ def test_requeued_after_losing_its_spares_it_starts_on_the_nodes_left(cluster, r
     assert len(starts) == 2 and victim not in starts[1]["active"] + starts[1]["spares"]
     short = [e for e in evs if e["event"] == "controller.spares_short"]
     assert short and short[-1]["action"] == "warn" and short[-1]["restart_count"] >= 1
+    # issue 45: the requeue's record is written before the StartTime update that Slurm's
+    # KillWait may cut short, and the requeued run appends to the first attempt's output
+    # (`--open-mode=append` in the template) instead of truncating it
+    [requeued] = [e for e in evs if e["event"] == "escalate.requeued"]
+    assert requeued["restart_count"] == 1
+    out = (tmp_path / f"slurm-{jid}.out").read_text(errors="replace")
+    assert "DUE TO JOB REQUEUE" in out, out[-2000:]
 
 
 def test_a_second_fault_while_a_pool_spare_is_borrowed_waits_for_it(cluster, reference,

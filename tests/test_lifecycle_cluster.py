@@ -112,3 +112,71 @@ def test_shrink_then_grow_back_to_the_full_world(cluster, tmp_path):
     said = [e.get("comment") or e.get("error") for e in controller_events(tmp_path)
             if e["event"] in ("slurm.comment", "slurm.error")]
     assert any("2 fault(s), 0 move(s), 1 grow(s), replaced n3>n5" in (t or "") for t in said)
+
+
+def _at_once(run_dir, name: str, timeout: float = 120) -> dict:
+    """The first `name` event, polled every 5 ms: a kill that follows lands within moments."""
+    deadline = time.monotonic() + timeout
+    while not (found := events(run_dir, name)):
+        assert time.monotonic() < deadline, f"no {name} within {timeout:.0f} s"
+        time.sleep(0.005)
+    return found[0]
+
+
+def _step_exit(run_dir, node: str) -> dict:
+    return [e for e in events(run_dir, "step.exit") if e["node"] == node][0]
+
+
+def test_a_leaving_node_killed_right_after_the_moves_assignment_is_fenced(cluster, tmp_path):
+    """Issue 45: n3 drained, its ranks move to n5, and n3 crashes right after the move's
+    assignment. It was never noticed (no longer a member, not a spare): its srun ran on and
+    the job's end waited out the 15 s step grace for it. Now its loss is seen and fenced."""
+    args = train(150, "--position")
+    ref = tmp_path / "reference"
+    wait_job(cluster, submit(cluster, ref, TEMPLATE, [*args, *UNPACED]), ref, 240,
+             label="reference")
+    run = tmp_path / "leaving"
+    jid = submit(cluster, run, TEMPLATE, args)
+    wait_step(run, 8)
+    cluster.client().update_node("n3", "DRAIN", "test: planned maintenance")
+    _at_once(run, "move.assign")
+    cluster.kill_node("n3")
+    lost = wait_event(run, "move.leaving_lost")[0]
+    wait_job(cluster, jid, run, 240, label="leaving-lost")
+
+    assert bitwise_equal(collect(ref, 4), collect(run, 4), run)
+    assert lost["node"] == "n3"
+    fenced = [e for e in events(run, "fault.fenced") if e["node"] == "n3"]
+    assert fenced and fenced[0]["how"] == "node down"
+    assert events(run, "fault.detected") == []  # n5 had n3's place already: no round
+    assert not [e for e in controller_events(run) if e["event"].startswith("escalate.")]
+    # its srun ended when Slurm had the node down, not at the job's end
+    assert _step_exit(run, "n3")["t"] < events(run, "job.done")[0]["t"]
+
+
+def test_a_fault_during_a_planned_move_releases_the_leaving_ranks(cluster, tmp_path):
+    """Issue 45: 3 active nodes and 2 spares; n3 drained, its ranks move to n4, and n2 dies
+    before the move's first step. The move is folded into n2's round; n3's ranks sat idle until
+    the job ended. They now leave once that round is done."""
+    args = train(150, "--position")
+    env = {"HPCT_ACTIVE_NODES": "3", "HPCT_SPARE_NODES": "2"}
+    ref = tmp_path / "reference"
+    wait_job(cluster, submit(cluster, ref, TEMPLATE, [*args, *UNPACED], nodes=3,
+                             env={**env, "HPCT_SPARE_NODES": "0"}), ref, 240,
+             label="reference")
+    run = tmp_path / "fold"
+    jid = submit(cluster, run, TEMPLATE, args, nodes=5, env=env)
+    wait_step(run, 8)
+    cluster.client().update_node("n3", "DRAIN", "test: planned maintenance")
+    assign = _at_once(run, "move.assign")
+    cluster.kill_node("n2")
+    wait_job(cluster, jid, run, 240, label="move-fold")
+
+    assert bitwise_equal(collect(ref, 3), collect(run, 3), run)
+    assert assign["taken"] == {"n3": "n4"}
+    [done] = events(run, "recovery.done")
+    assert set(done["lost"]) == {"n2", "n3"} and done["taken"] == {"n3": "n4", "n2": "n5"}
+    left = [e for e in rank_events(run, "n3") if e["event"] == "rank.exit"]
+    assert left and "moved to n4" in left[0]["reason"], left
+    # released when the round was done, not by the job's end
+    assert _step_exit(run, "n3")["t"] < events(run, "job.done")[0]["t"]

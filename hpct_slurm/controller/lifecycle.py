@@ -431,7 +431,6 @@ class Lifecycle:
         c = self.ctl
         c.dead_nodes.add(node)  # never a spare again, whatever the fence finds
         c.events.emit(Ev.MOVE_LEAVING_LOST, node=node, reason=reason)
-
         spare = c.recovery.taken.get(node, "") if c.recovery is not None else ""
 
         async def fence_then_release() -> None:

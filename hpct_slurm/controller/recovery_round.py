@@ -32,8 +32,8 @@ from pathlib import Path
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog, RankState, Role
-from .connections import Conn
 from .arrivals import arrivals, should_wait
+from .connections import Conn
 from .detection import IN_PROCESS
 from .ending import ScriptError
 from .lifecycle import Lifecycle, fold

@@ -57,6 +57,9 @@ def test_a_rank_dying_on_a_healthy_node_without_a_spare_waits_for_the_node_to_re
             await c.train(["localhost", "a1"], 2)
             await c.crash("a1", rc=1, dead=False)  # the process, not the node
 
+            # (fence, the step's end asked about, relaunch, registration: slack for a loaded
+            # machine)
+            await c.until(lambda: c.events("recovery.assign"), "recovery.assign", timeout=10)
             a = await c.assigned("a1", 1)
             assert (a.rank, a.restore_step, a.members) == (1, 2, ["localhost", "a1"])
             [wait] = c.events("recovery.spare_wait")

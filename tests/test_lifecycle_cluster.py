@@ -97,8 +97,10 @@ def test_a_fault_then_a_drain_moves_the_ranks_bit_identical_and_slurm_records_bo
 
 
 def test_shrink_then_grow_back_to_the_full_world(cluster, tmp_path):
+    # HPCT_SPARE_WAIT_S=0: no wait for n4 to come back (it would take its own place back,
+    # test_spare_arrivals.py): the round shrinks at once, and n4's return grows the job back
     jid = submit(cluster, tmp_path, TEMPLATE, train(200, "--micro"),
-                 env={"HPCT_ON_NO_SPARE": "shrink"})
+                 env={"HPCT_ON_NO_SPARE": "shrink", "HPCT_SPARE_WAIT_S": "0"})
     crash_at(cluster, tmp_path, 8, 120, node="n3")  # the spare n5 takes its place
     deadline = time.monotonic() + 60
     while not events(tmp_path, "recovery.done"):

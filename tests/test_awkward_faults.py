@@ -6,6 +6,8 @@ Each kill waits for the event that opens its window (read from the controller's 
 event logs as it is written), not for a guessed sleep."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -297,3 +299,35 @@ def test_a_second_fault_while_a_pool_spare_is_borrowed_waits_for_it(cluster, ref
     # the companion job ended with the training job
     state = cluster.run(["squeue", "-h", "-j", str(borrow["companion_job"])]).stdout
     assert state.strip() == ""
+
+
+def test_a_rank_killed_on_a_healthy_node_without_a_spare_takes_its_place_back(cluster,
+                                                                              reference,
+                                                                              tmp_path):
+    """Issue 45: no spare ready, and n3's training process dies while its node lives. The
+    controller requeued 2 ms after the fence (a restart from step 0 at the default persistence
+    of 500), though n3 came back as a spare moments later. Now the round waits for it and n3
+    takes its own position back: no requeue, bit-identical."""
+    ref = reference(4)
+    jid = submit(cluster, tmp_path, TEMPLATE, TRAIN, nodes=4,
+                 env={"HPCT_ACTIVE_NODES": "4", "HPCT_SPARE_NODES": "0"})
+    _when("step 6", lambda: rank_events(tmp_path),
+          lambda e: e["event"] == "rank.step" and e["step"] >= 6)
+    [reg] = [e for e in controller_events(tmp_path)
+             if e["event"] == "rank.register" and e["node"] == "n3"]
+    os.kill(reg["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while not cluster.client().job_finished(jid):
+        escalated = [e for e in controller_events(tmp_path) if e["event"].startswith("escalate.")]
+        if escalated:
+            cancel(cluster, jid)
+            raise AssertionError(f"the job escalated instead of waiting for n3: {escalated}")
+        assert time.monotonic() < deadline, "the job never finished"
+        time.sleep(0.2)
+    assert bitwise_equal(ref, collect(tmp_path, 4), tmp_path)
+    evs = controller_events(tmp_path)
+    [wait] = [e for e in evs if e["event"] == "recovery.spare_wait"]
+    # on its way: its cancelled step still ending, or already relaunched and registering
+    assert wait["lost"] == ["n3"] and wait["returning"] + wait["registering"] == ["n3"]
+    assert [e["taken"] for e in evs if e["event"] == "recovery.assign"] == [{"n3": "n3"}]
+    _assert_clean_end(cluster, jid, tmp_path)

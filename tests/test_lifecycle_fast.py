@@ -3,6 +3,8 @@
 shrink, the job's Slurm comment; and the pure rules behind them."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from hpct_slurm.controller.lifecycle import Tally, drained, moved_reason, summary
@@ -134,9 +136,13 @@ def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path, monkeypatc
                                on_no_spare="shrink") as c:
             await c.started()
             await c.train(["localhost", "a1", "a2"], 3)
+            # a2's next ranks register only once the shrink is decided: a spare already back
+            # when the round decides would take its place instead (policy.decide_recovery)
+            c.register_gate = asyncio.Event()
             await c.crash("a2", dead=False)  # its process: the node comes back as a spare
             await c.assigned("localhost", 1)
             assert c.ctl.world.members == ["localhost", "a1"]
+            c.register_gate.set()
             await c.train(["localhost", "a1"], 4)
             await c.until(lambda: c.events("recovery.done"), "the shrink's recovery.done")
 

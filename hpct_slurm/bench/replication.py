@@ -101,7 +101,7 @@ class _Position:
 
 
 def _peer(conn: Any, secret: bytes) -> None:
-    from ..recovery.snapshot import ReplicaStore
+    from ..recovery.replicas import ReplicaStore
     from ..recovery.transfer import TransferServer
     with TransferServer(secret, JOB, 1, replicas=ReplicaStore()) as srv:
         conn.send(srv.address)
@@ -121,7 +121,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     from ..recovery.crosscheck import compare, exchange, shared_digest
     from ..recovery.gradients import average_gradients, parameter_gradients
     from ..recovery.persist import DiskPersister
-    from ..recovery.snapshot import ReplicaStore, Snapshot, SnapshotStore
+    from ..recovery.replicas import ReplicaStore
+    from ..recovery.slots import Snapshot
+    from ..recovery.snapshot import SnapshotStore
     from ..recovery.snapshot_policy import LAZY_FULL_EVERY
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher

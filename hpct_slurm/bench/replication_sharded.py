@@ -61,8 +61,10 @@ def _measure_rank(rank: int, parallel: str, cfg: dict, secret: bytes) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from .. import protocol as P
-    from ..recovery.sharding import MeshSpec
-    from ..recovery.snapshot import ReplicaStore, SnapshotStore, replica_peer_rank
+    from ..recovery.layout_rules import MeshSpec
+    from ..recovery.replicas import ReplicaStore
+    from ..recovery.ring import replica_peer_rank
+    from ..recovery.snapshot import SnapshotStore
     from ..recovery.snapshot_policy import LAZY_FULL_EVERY
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher, TransferServer

@@ -29,7 +29,8 @@ from typing import Any, Awaitable, Coroutine, Protocol, Sequence
 from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import Ev, EventLog, RankState
+from ..events import Ev, RankState
+from ..fault_count import CountingLog
 from ..move_requests import CORRUPTION, read_requests
 from ..slurm.client import (NodeInfo, ReservationInfo, SlurmClient, SlurmCommandError,
                             printable_line, refused_for_now)
@@ -132,7 +133,7 @@ class Host(Protocol):
 
     o: Options
     slurm: SlurmClient
-    events: EventLog
+    events: CountingLog  # counts the faults as it writes them (fault_count.py)
     run_dir: Path
     world: World
     shards: dict[str, list[int]]
@@ -413,10 +414,9 @@ class Lifecycle:
         elif rec.kind == "grow":
             t.grows += 1
         else:
-            # a move cut short by this round's fault is in its record too (fold)
-            moved = sum(1 for n in rec.lost if rec.reasons.get(n) == MOVED)
-            t.faults += max(1, len(rec.lost) - moved)
-            t.moves += moved
+            # a move cut short by this round's fault is in its record too (fold); its faults
+            # are counted as they are written (record)
+            t.moves += sum(1 for n in rec.lost if rec.reasons.get(n) == MOVED)
         t.replaced += [f"{a}>{b}" for a, b in rec.taken.items()]
         t.pause_s += fields["recovery_s"]
         t.lost_steps += fields["lost_steps"]
@@ -487,6 +487,8 @@ class Lifecycle:
         """Write the summary into the job's Slurm Comment, in the background (best effort: a
         refused update is an event, never a failure of the job, and nothing waits for it but
         an escalation's end: `settle`). One writer at a time, always the newest text."""
+        # one fault per fault: the rule `status` applies to the same records (fault_count.py)
+        self.tally.faults = self.ctl.events.faults.count
         self.comment_wanted = summary(self.tally, outcome)
         if self.comment_task is None or self.comment_task.done():
             self.comment_task = asyncio.create_task(self._write_comment())

@@ -254,6 +254,10 @@ class RecoveryRound:
                              lost=lost_active, members=d.replacement.members, shards=self.shards)
         if d.plan is not None:
             self.stalled_restarts = d.stalled_restarts
+        if d.outside:
+            self.events.emit(Ev.FORMATION_BROKEN, generation=self.world.generation,
+                             errors=list(d.outside), stalled_restarts=d.stalled_restarts,
+                             escalates=d.escalates)
         if d.escalates:
             # _faults reports it (recovery.failed) and escalates: requeue or fail
             raise (ScriptError if d.script else HpctError)(d.reason)

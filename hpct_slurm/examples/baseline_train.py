@@ -85,7 +85,7 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpct_slurm.examples import sharded_train as st
-    from hpct_slurm.recovery.generation import resolve_shape
+    from hpct_slurm.recovery.layout_rules import resolve_shape
 
     shape, names = st.MESHES[args.parallel]
     shape = resolve_shape(shape, dist.get_world_size())  # the -1: the rest of the world

@@ -156,6 +156,7 @@ GLOO_LAZY_INIT = "HPCT_GLOO_LAZY_INIT"
 SPARES = "HPCT_SPARES"
 PROGRESS_TIMEOUT_S = "HPCT_PROGRESS_TIMEOUT_S"
 ON_FENCED = "HPCT_ON_FENCED"
+SPARE_WAIT_S = "HPCT_SPARE_WAIT_S"
 # hooks and the node cache
 SHM_ROOT = "HPCT_SHM_ROOT"
 SHM_FRACTION = "HPCT_SHM_FRACTION"
@@ -293,6 +294,12 @@ SETTINGS: tuple[Setting, ...] = (
        "nextstate=RESUME reason=\"hpct: ...\"`; the Prolog's health check then guards its "
        "next job, `spares check --to-pool` re-admits it as a pool spare)",
        choices=("leave", "reboot"), scope="controller"),
+    _s(SPARE_WAIT_S, "seconds", 60.0, (ADMIN, USER), "controller", "a round short of ready "
+       "spares waits this long for one on its way (a spare step registering, a healthy node "
+       "whose cancelled step is ending, a pool companion) before it requeues or shrinks: "
+       "covers a spare's Python and torch start on a cold filesystem, a pool companion's "
+       "scheduling and a stopped slurmstepd's 10 s cancel; a requeue costs far more (a "
+       "restart from the last persisted snapshot). 0: never wait", lo=0, scope="controller"),
     # ---- the hooks (admin settings baked into the hook scripts) and the node cache -------
     _s(SHM_ROOT, "path", "/dev/shm/hpct", ADMIN, ("hooks", "cache"), "root of the jobs' shm "
        "dirs (absolute, root-owned)", scope="hooks"),

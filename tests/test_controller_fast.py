@@ -242,13 +242,17 @@ class FakeSlurmRunner:
                 return "\n".join([f"{JOB}.batch {c.nodes[0]}", *running]) + "\n"
             case ["scancel", "--signal=KILL", target]:
                 for s in list(c.steps):
-                    if target == f"{JOB}.{s.number}":
+                    # a node in `stuck` has its slurmstepd stopped: the cancel does not land
+                    if target == f"{JOB}.{s.number}" and s.node not in c.stuck:
                         c.loop.call_soon_threadsafe(s.exit, -9)
                 return ""
             case ["scontrol", "update", node_arg, "State=DOWN", *_]:
                 c.state[node_arg.removeprefix("NodeName=")] = "DOWN"
                 return ""
             case ["scontrol", "requeue", job] if job == str(JOB):
+                return ""
+            case ["scancel", job] if job in {str(j) for j in c.companions}:
+                c.companions.remove(int(job))  # a pool companion job, cancelled
                 return ""
             case ["scontrol", "update", job_arg, start] if job_arg == f"JobId={JOB}" \
                     and start.startswith("StartTime="):
@@ -297,6 +301,8 @@ class FakeCluster:
         self.steps: list[FakeStep] = []
         self.step_numbers = itertools.count(0)
         self.show_node_delay_s = 0.0
+        self.stuck: set[str] = set()  # nodes whose step a scancel does not end (stopped stepd)
+        self.companions: list[int] = []  # pool companion jobs in the queue (ids)
         # set: every rank connects, then holds its Register until the test sets it
         self.register_gate: asyncio.Event | None = None
         self.runner = FakeSlurmRunner(self)

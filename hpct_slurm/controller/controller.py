@@ -107,6 +107,8 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         self.fencing: dict[str, asyncio.Future[None]] = {}  # live nodes: step cancel under way
         self.borrowed: list[int] = []  # companion jobs submitted into the spare pool
         self.pool_nodes: set[str] = set()
+        # how long a round short of ready spares waits for one on its way (arrivals.py)
+        self.spare_wait_s: float = C.read(os.environ, C.SPARE_WAIT_S)
         self.pending_faults: dict[str, str] = {}
         self.stalled_restarts = 0
         self.trained = False  # some rank completed a step: failures since are not start-up's

@@ -53,6 +53,8 @@ class Detection:
                 or node in self.dead_nodes:
             return
         if node not in self.world.members and node not in self.world.spares:
+            # a node leaving in a planned move is no member any more, but its loss is seen
+            self.lifecycle.leaving_lost(node, reason)
             return
         self.pending_faults[node] = reason
         self.events.emit(Ev.FAULT_DETECTED, node=node, reason=reason,

@@ -169,6 +169,8 @@ class Host(Protocol):
 
     async def _escalate(self, why: str, script: bool = False) -> None: ...
 
+    async def _fence(self, node: str, reason: str) -> None: ...
+
 
 class Lifecycle:
     def __init__(self, ctl: Host):
@@ -393,10 +395,13 @@ class Lifecycle:
         fields = rec.done_fields(now)
         if rec.kind == "move":
             c.events.emit(Ev.MOVE_DONE, **fields)
-            for node in rec.lost:
-                asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
         else:
             c.events.emit(Ev.GROW_DONE if rec.kind == "grow" else Ev.RECOVERY_DONE, **fields)
+        # Every leaving rank goes now, a move's own and one whose round a fault cut short and
+        # folded into this one (which sources nothing from it): it sat idle until the job
+        # ended before (issue 45).
+        for node in list(self.leaving):
+            asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
         self.count(rec, fields)
         self.record()
 
@@ -415,6 +420,23 @@ class Lifecycle:
         t.replaced += [f"{a}>{b}" for a, b in rec.taken.items()]
         t.pause_s += fields["recovery_s"]
         t.lost_steps += fields["lost_steps"]
+
+    def leaving_lost(self, node: str, reason: str) -> None:
+        """A leaving node's ranks were lost before their goodbye (the node crashed right
+        after the move's assignment): its successor already has its place, so there is no
+        round; it is fenced like a lost node (DOWN when its slurmd is gone, so that its srun
+        ends instead of holding the job's end for the step grace) and released."""
+        if self.leaving.pop(node, None) is None:
+            return
+        c = self.ctl
+        c.dead_nodes.add(node)  # never a spare again, whatever the fence finds
+        c.events.emit(Ev.MOVE_LEAVING_LOST, node=node, reason=reason)
+        spare = c.recovery.taken.get(node, "") if c.recovery is not None else ""
+
+        async def fence_then_release() -> None:
+            await c._fence(node, f"left in a planned move, then {reason}")
+            await self._release(node, spare)
+        asyncio.ensure_future(fence_then_release())
 
     async def _release(self, node: str, spare: str) -> None:
         """The moved node's ranks leave (their state is no longer needed); the node stays

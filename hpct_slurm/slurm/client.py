@@ -916,7 +916,8 @@ class SlurmClient:
                   f"reason={_one_line(reason, 'reboot reason')}", hostlist])
 
     def requeue(self, job_id: int, begin_in_s: float | None = REQUEUE_BEGIN_S,
-                on_refused: Callable[[SlurmCommandError], None] | None = None) -> str | None:
+                on_refused: Callable[[SlurmCommandError], None] | None = None,
+                on_requeued: Callable[[], None] | None = None) -> str | None:
         """`scontrol requeue J`, then the job eligible again `begin_in_s` seconds from now
         instead of after Slurm's hold (REQUEUE_BEGIN_S says why): `scontrol update JobId=J
         StartTime=now+N`, the same moment on every try. A refusal for now is tried again, at
@@ -924,8 +925,12 @@ class SlurmClient:
         that is tried again goes to `on_refused` (the caller's event). Returns None when the
         BeginTime is set, else why not (Slurm's message: the job is requeued all the same, it
         then waits out Slurm's hold). Raises SlurmCommandError when the requeue itself fails.
-        Run it inside `sigterm_ignored()`: the requeue signals the caller's job."""
+        Run it inside `sigterm_ignored()`: the requeue signals the caller's job.
+        `on_requeued` is called once the requeue is done, before the update (which Slurm's
+        KillWait may cut short): the caller's record of it."""
         self.run(["scontrol", "requeue", str(int(job_id))])
+        if on_requeued is not None:
+            on_requeued()
         if begin_in_s is None:
             return None
         at = time.monotonic() + begin_in_s

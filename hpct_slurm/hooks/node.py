@@ -36,4 +36,4 @@ class SlurmNode:
     def controller_hosts(self) -> list[str]:
         from .fence import controller_hosts
 
-        return controller_hosts(self.client.run(["scontrol", "show", "config"]).stdout)
+        return controller_hosts(self.client.config_text())

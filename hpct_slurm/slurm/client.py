@@ -833,6 +833,10 @@ class SlurmClient:
         return proc.stdout.strip()
 
     # -- acting --
+    def config_text(self) -> str:
+        """`scontrol show config`'s text (the fence reads the controller hosts from it)."""
+        return self.run(["scontrol", "show", "config"]).stdout
+
     def update_node(self, names: str | Sequence[str], state: str,
                     reason: str | None = None) -> None:
         """`scontrol update NodeName=<hostlist> State=<state> [Reason=<reason>]`."""

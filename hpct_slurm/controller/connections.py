@@ -194,6 +194,7 @@ class Connections:
     finished: asyncio.Event
     fault_event: asyncio.Event
     recovering: bool
+    goodbye_reason: str | None  # set by ending.py once every rank was told goodbye
     # What it passes on to the other pieces: _join_node (spares.py: a pool spare joins),
     # _fault (detection.py), _maybe_start and _track_first_step (recovery_round.py),
     # _maybe_finish (ending.py).
@@ -267,6 +268,10 @@ class Connections:
         self.events.emit(Ev.RANK_REGISTER, node=r.node, local_rank=r.local_rank,
                          role=r.role, pid=r.pid,
                          transfer=f"{r.host_addr}:{r.transfer_port}")
+        if self.goodbye_reason is not None:  # the job ended: a late spare leaves at once
+            asyncio.get_running_loop().create_task(
+                self._send(conn, P.Goodbye(self.goodbye_reason)))
+            return conn
         self._maybe_start()
         return conn
 

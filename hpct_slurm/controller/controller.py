@@ -120,6 +120,9 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         self.first_step_reports: dict[int, int] = {}  # generation -> its first step's reports
         self.finished = asyncio.Event()
         self.done_sent = False
+        # Once every connection was told goodbye (why), a rank registering later is told the
+        # same at once: a spare relaunched just before the end would wait out the grace
+        self.goodbye_reason: str | None = None
         # this generation's connections that said done (ids): _maybe_finish looks at every
         # rank only once they are as many as the world (each done heartbeat checking every
         # rank is O(world^2) at a job's end)

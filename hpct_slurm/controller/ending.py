@@ -150,5 +150,6 @@ class Ending:
         self.finished.set()
 
     async def _goodbye_all(self, reason: str) -> None:
+        self.goodbye_reason = reason
         for c in list(self.conns.values()):
             await self._send(c, P.Goodbye(reason))

@@ -29,9 +29,10 @@ all-reduce). One fault-free run per system is its reference. Per crash:
                         that took at most 10 % more than the fault-free run's median step;
   lost_steps            steps a rank completed more than once (recomputed);
   skipped_batches       batches left out by steps committed at less than full world size;
-  seconds_lost          the headline: the run's wall time from step 0 to the last step minus
-                        the fault-free run's, plus the skipped batches at the fault-free time
-                        to train one (its step time / 4);
+  seconds_lost          the headline: the run's wall time from the last step before the crash
+                        to the last step minus the fault-free run's for the same steps, plus
+                        the skipped batches at the fault-free time to train one (its median
+                        step / 4);
   bitwise_equal         every rank's final parameters equal to the fault-free run's.
 Per system: the median and the [min, max] of each, `runs` (the records), `given`, `version`,
 `changed_lines` (the script against torchrun_inline.py, `# bench` lines left out). A peer that
@@ -250,8 +251,13 @@ def analyse(system: str, steps: Sequence[dict], ref_steps: Sequence[dict], t_kil
     full = back_at(steps, k_last, range(ACTIVE), lambda e: e.get("committed", True) and new(e),
                    event=Ev.BENCH_STEP) - t_kill
     short, skipped = reduced([e for e in steps if e["t"] > t_kill], ACTIVE)
-    span = finished_at(steps, last) - finished_at(steps, 0)
-    ref_span = finished_at(ref_steps, last) - finished_at(ref_steps, 0)
+    # both timed from the group's completion of the last step before the crash (in this run,
+    # its completion before the crash: a recomputed one is not that point): what came before
+    # is the same work in both, and leaving it out leaves out its noise
+    t_from = max((e["t"] for e in _committed(steps) if e["step"] == k_last and e["t"] < t_kill),
+                 default=t_kill)
+    span = finished_at(steps, last) - t_from
+    ref_span = finished_at(ref_steps, last) - finished_at(ref_steps, k_last)
     return {"seconds_lost": round(seconds_lost(span, ref_span, skipped, ref_step_s), 3),
             "back_to_full_world_s": round(full, 3),
             "back_to_speed_s": round(back_to_speed(steps, new, t_kill, ref_step_s), 3),

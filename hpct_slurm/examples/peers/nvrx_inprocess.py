@@ -12,13 +12,13 @@ holds no state of its own). Lines ending in `# bench` are the benchmark's.
     srun --ntasks=5 env RANK=... WORLD_SIZE=5 MASTER_ADDR=host MASTER_PORT=29800 \
         python -m hpct_slurm.examples.peers.nvrx_inprocess --epochs 2 --ckpt-dir ckpt
 """
-from __future__ import annotations
-
 import argparse
+import logging
 import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # the store's waits time out by design
 import nvidia_resiliency_ext.inprocess as inprocess  # noqa: E402
@@ -35,9 +35,13 @@ from hpct_slurm.examples.torchrun_ddp import TinyLM, save_result, token_data  # 
 
 ACTIVE = 4  # the ranks that train; the rest wait as reserves
 S = timedelta(seconds=1)
+trained = False  # set once this rank's training function ran to its end
 
 
-def train(args, store, model, opt, sched, call_wrapper=None) -> None:
+# the Wrapper passes itself to the argument annotated with CallWrapper (no postponed
+# annotations in this file: it reads the annotation object)
+def train(args, store, model, opt, sched,
+          call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # the active ones
     dist.init_process_group("gloo", store=dist.PrefixStore(str(call_wrapper.iteration), store),
                             rank=rank, world_size=world, timeout=args.gloo_timeout * S)
@@ -81,6 +85,8 @@ def train(args, store, model, opt, sched, call_wrapper=None) -> None:
             print(f"epoch {epoch}: loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e}")
     save_result(args.out, rank, model)
     dist.destroy_process_group()
+    global trained
+    trained = True
 
 
 def main() -> None:
@@ -94,6 +100,7 @@ def main() -> None:
     ap.add_argument("--gloo-timeout", type=float, default=3.0, help="seconds")
     ap.add_argument("--heartbeat", type=float, default=0.5, help="Wrapper intervals (s)")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)  # the Wrapper logs through it (its examples')
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(1234)  # every rank starts from the same weights
@@ -115,7 +122,15 @@ def main() -> None:
         progress_watchdog_interval=beat, heartbeat_timeout=4 * beat, soft_timeout=30 * S,
         hard_timeout=45 * S, barrier_timeout=120 * S, completion_timeout=120 * S,
     )(train)
-    wrapped(args, store, model, opt, sched)
+    try:
+        wrapped(args, store, model, opt, sched)
+    except ValueError as exc:
+        # NVRx 0.4.1 with torch 2.13, after a restart: the Wrapper's shutdown barrier
+        # (store.reentrant_barrier) reads the store's packed ranks as "b'2'" and raises
+        # ValueError. Training has ended by then; only that error, after it, is let pass.
+        if not trained or "invalid literal for int()" not in str(exc):
+            raise
+        logging.warning("NVRx's end-of-run barrier failed after training ended: %s", exc)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ transformer LM, AdamW, cosine schedule, DistributedSampler), 4 active nodes of o
 plus 1 spare node, and the same fault: node n3 hard-crashed (`kill_node`: slurmd, slurmstepd and
 every task SIGKILLed) at a random moment. Each peer runs in its best documented mode for "4
 active + 1 spare node, one node lost", and in the mode the earlier bench ran, labelled:
-  hpct-slurm        examples/peers/hpct_inline.py (adopted_inline.py plus the step record)
+  hpct-slurm        examples/adopted_inline.py with the step record inserted (`script_text`)
                     under the shipped sbatch template;
   torchft           examples/peers/torchft_ddp.py --spares 1: a fifth replica group live and
                     in sync, contributing zero gradients (WorldSizeMode.FIXED_WITH_SPARES);
@@ -72,7 +72,7 @@ SYSTEMS = ("hpct-slurm", "torchft", "torchft-relaunch", "nvrx", "nvrx-injob")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PLAIN = EXAMPLES / "torchrun_inline.py"
 PEERS = EXAMPLES / "peers"
-SCRIPTS = {"hpct-slurm": PEERS / "hpct_inline.py", "torchft": PEERS / "torchft_ddp.py",
+SCRIPTS = {"hpct-slurm": EXAMPLES / "adopted_inline.py", "torchft": PEERS / "torchft_ddp.py",
            "torchft-relaunch": PEERS / "torchft_ddp.py", "nvrx": PEERS / "nvrx_inprocess.py",
            "nvrx-injob": PEERS / "nvrx_ddp.py"}
 NVRX = "nvidia-resiliency-ext"
@@ -106,10 +106,11 @@ class Config:
 
 
 STEPS_PER_EPOCH = 8  # 512 samples / (4 ranks x batch 16)
-# The run after the last crash must outlast the slowest recovery (NVRx in-job's, ~20 s here),
-# or torchft's survivors end training before a relaunched group joins them. About 0.37 s a
-# step on the 2-core VM.
-FULL = Config(epochs=20, kill_at=40, step_sleep=0.25)
+# After the crash the run must outlast torchft-relaunch's recovery (~5 s), or its survivors
+# end training before the relaunched group joins them, and leave steps to see the pace come
+# back. About 0.32 s a step on the 2-core VM: a run takes ~40-60 s (NVRx in-job's ~30 s more),
+# the full bench 5 systems x 6 runs, about 35 minutes; --quick 5 x 3, about 15.
+FULL = Config(epochs=15, kill_at=30, step_sleep=0.25)
 QUICK = Config(epochs=10, kill_at=16, step_sleep=0.25, crashes=2)
 
 
@@ -147,6 +148,29 @@ def changed_lines(old: list[str], new: list[str], whitespace: bool = True) -> in
 
 def script_changes(system: str) -> int:
     return changed_lines(_code(PLAIN), _code(SCRIPTS[system]))
+
+
+HPCT_IMPORT = "from hpct_slurm.bench.steplog import log_step  # bench"
+HPCT_LOG = "log_step(rank, job.step, loss.item(), world, generation=job.generation)  # bench"
+
+
+def script_text(system: str) -> str:
+    """The script the bench runs for `system`. For hpct-slurm: adopted_inline.py with the
+    step record inserted right after its optimizer step (and its import), so that the adopted
+    script docs/adoption.md shows stays the one source; the peers' scripts carry theirs."""
+    text = SCRIPTS[system].read_text()
+    if system != "hpct-slurm":
+        return text
+    lines = text.splitlines()
+    at = [i for i, ln in enumerate(lines) if ln.strip() == "opt.step()"]
+    imp = [i for i, ln in enumerate(lines) if ln.startswith("from hpct_slurm.")]
+    if len(at) != 1 or not imp:
+        raise HpctError(f"{SCRIPTS[system]}: expected one `opt.step()` line and an import from "
+                        f"hpct_slurm to place the bench's step record")
+    indent = lines[at[0]][:len(lines[at[0]]) - len(lines[at[0]].lstrip())]
+    lines.insert(at[0] + 1, indent + HPCT_LOG)
+    lines.insert(imp[0], HPCT_IMPORT)
+    return "\n".join(lines) + "\n"
 
 
 def version(system: str) -> str:
@@ -306,8 +330,10 @@ def ratios(systems: dict[str, dict], base: str = "hpct-slurm") -> dict[str, floa
 
 def _submit(cluster: LocalCluster, system: str, run_dir: Path, cfg: Config) -> int:
     if system == "hpct-slurm":
-        return submit(cluster, run_dir, TEMPLATE, [sys.executable, "-m",
-                                                   "hpct_slurm.examples.peers.hpct_inline",
+        run_dir.mkdir(parents=True, exist_ok=True)
+        script = run_dir / "hpct_inline.py"
+        script.write_text(script_text(system))
+        return submit(cluster, run_dir, TEMPLATE, [sys.executable, str(script),
                                                    *cfg.script_args()])
     script_args = cfg.script_args()
     if system.startswith("torchft"):

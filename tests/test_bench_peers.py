@@ -164,7 +164,13 @@ def test_torchft_spare_is_back_at_the_retried_step_and_back_to_speed_a_step_late
     assert rec["back_to_speed_s"] == pytest.approx(102.53 - T_KILL)
     assert rec["lost_steps"] == 0 and rec["skipped_batches"] == 0  # the spare's -1 not a rank
     assert rec["k_last"] == 5
-    assert rec["seconds_lost"] == pytest.approx((106.53 - 90.0) - (101.03 - 90.0))
+    assert rec["seconds_lost"] == pytest.approx((106.53 - 95.03) - 6 * 1.0)
+    # the pace is the run's own before the crash: a reference run that ran slower (another
+    # moment of a loaded machine) does not make the loss negative; it is kept beside
+    slow_ref = reference(dt=1.5)
+    again = P.analyse("torchft", torchft_spare_shape(), slow_ref, T_KILL, 11)
+    assert again["seconds_lost"] == rec["seconds_lost"] and again["pace_s"] == 1.0
+    assert again["seconds_lost_vs_reference"] == pytest.approx(11.5 - 6 * 1.5)
 
 
 def test_torchft_relaunch_counts_the_reduced_world_steps_as_skipped_batches():

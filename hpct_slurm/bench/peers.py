@@ -26,13 +26,14 @@ all-reduce). One fault-free run per system is its reference. Per crash:
                         after the last one reached before the crash, at full world size, in
                         the group that trains after it (localcluster.jobs.back_at);
   back_to_speed_s       from the crash until the end of the first full-world step after it
-                        that took at most 10 % more than the fault-free run's median step;
+                        that took at most 10 % more than the fault-free pace;
   lost_steps            steps a rank completed more than once (recomputed);
   skipped_batches       batches left out by steps committed at less than full world size;
   seconds_lost          the headline: the run's wall time from the last step before the crash
-                        to the last step minus the fault-free run's for the same steps, plus
-                        the skipped batches at the fault-free time to train one (its median
-                        step / 4);
+                        to the last step minus those steps at the fault-free pace, plus the
+                        skipped batches at the fault-free time to train one (a step / 4);
+The fault-free pace: the run's own median step before the crash (`analyse` says why; against
+the fault-free run's time for the same steps: `seconds_lost_vs_reference`, beside it).
   bitwise_equal         every rank's final parameters equal to the fault-free run's.
 Per system: the median and the [min, max] of each, `runs` (the records), `given`, `version`,
 `changed_lines` (the script against torchrun_inline.py, `# bench` lines left out). A peer that
@@ -253,7 +254,7 @@ def back_to_speed(steps: Sequence[dict], new: Callable[[dict], bool], t_kill: fl
                   ref_step_s: float) -> float:
     """Seconds from the crash to the end of the first full-world step after it (both its end
     and the previous step's by all 4 shards of the new group) that took at most SPEED_SLACK
-    times the fault-free median step."""
+    times the fault-free step `ref_step_s`."""
     by_step: dict[int, dict[int, float]] = {}
     for e in _committed(steps):
         if new(e):
@@ -268,25 +269,34 @@ def back_to_speed(steps: Sequence[dict], new: Callable[[dict], bool], t_kill: fl
 
 def analyse(system: str, steps: Sequence[dict], ref_steps: Sequence[dict], t_kill: float,
             last: int, controller: Sequence[dict] = ()) -> dict:
-    """One crash run's numbers against the system's fault-free run (pure: from the records)."""
-    ref_step_s = step_time(ref_steps, last)
+    """One crash run's numbers (pure: from the records). The fault-free pace is this run's own
+    median step before the crash: the reference run ran at another moment of a shared
+    machine's load, and on 2 loaded cores its pace differed from the crash runs' by more than
+    hpct-slurm's whole loss (a negative loss, 2026-11-29); it is kept as
+    `seconds_lost_vs_reference` beside."""
     k_last = max((e["step"] for e in _committed(steps) if e["t"] < t_kill), default=-1)
+    if k_last < 2:
+        raise HpctError(f"the crash came at step {k_last}: too early to know the run's pace")
+    pace = step_time([e for e in steps if e["t"] < t_kill], k_last)
+    ref_step_s = step_time(ref_steps, last)
     new = full_world(system, steps, t_kill, controller)
     full = back_at(steps, k_last, range(ACTIVE), lambda e: e.get("committed", True) and new(e),
                    event=Ev.BENCH_STEP) - t_kill
     short, skipped = reduced([e for e in steps if e["t"] > t_kill], ACTIVE)
-    # both timed from the group's completion of the last step before the crash (in this run,
-    # its completion before the crash: a recomputed one is not that point): what came before
-    # is the same work in both, and leaving it out leaves out its noise
+    # timed from the group's completion of the last step before the crash (its completion
+    # before the crash: a recomputed one is not that point); what came before is the same
+    # work with or without the fault
     t_from = max((e["t"] for e in _committed(steps) if e["step"] == k_last and e["t"] < t_kill),
                  default=t_kill)
     span = finished_at(steps, last) - t_from
     ref_span = finished_at(ref_steps, last) - finished_at(ref_steps, k_last)
-    return {"seconds_lost": round(seconds_lost(span, ref_span, skipped, ref_step_s), 3),
+    return {"seconds_lost": round(seconds_lost(span, (last - k_last) * pace, skipped, pace), 3),
             "back_to_full_world_s": round(full, 3),
-            "back_to_speed_s": round(back_to_speed(steps, new, t_kill, ref_step_s), 3),
+            "back_to_speed_s": round(back_to_speed(steps, new, t_kill, pace), 3),
             "lost_steps": recomputed(steps), "skipped_batches": skipped,
-            "reduced_world_steps": short, "k_last": k_last,
+            "reduced_world_steps": short, "k_last": k_last, "pace_s": round(pace, 4),
+            "seconds_lost_vs_reference": round(seconds_lost(span, ref_span, skipped,
+                                                            ref_step_s), 3),
             "span_s": round(span, 3), "reference_span_s": round(ref_span, 3),
             "reference_step_s": round(ref_step_s, 4)}
 
@@ -405,7 +415,7 @@ def measure(cluster: LocalCluster, system: str, work: Path, cfg: Config) -> dict
             rec = analyse(system, bench_steps(run_dir), ref_steps, t_kill, last,
                           controller_events(run_dir))
             rec.update(bitwise_equal=len(set(got.values())) == 1 and
-                       set(got.values()) == set(ref.values()), moment=moment)
+                       set(got.values()) == set(ref.values()), moment=moment, t_kill=t_kill)
         except Exception as exc:  # noqa: BLE001 - one failed run is recorded, not fatal
             rec = {"error": _error(exc)}
         rec.update(after_step=crash.after_step, fraction=crash.fraction, run_dir=str(run_dir))

@@ -138,9 +138,11 @@ def test_the_crash_schedule_comes_from_the_seed_alone_and_spans_a_step():
     first, again = P.schedule(cfg), P.schedule(cfg)
     assert first == again and len(first) == 40
     assert all(40 <= c.after_step < 40 + cfg.spread and 0 <= c.fraction < 1 for c in first)
-    # uniform over the step: moments early and late in it, not one point
-    fractions = [c.fraction for c in first]
-    assert min(fractions) < 0.2 and max(fractions) > 0.8
+    # uniform over the step, one crash in each 40th of it: early and late moments both
+    assert sorted(int(c.fraction * 40) for c in first) == list(range(40))
+    five = P.schedule(P.FULL)
+    assert sorted(int(c.fraction * 5) for c in five) == [0, 1, 2, 3, 4]
+    assert max(c.fraction for c in five) >= 0.8  # the forward, backward and all-reduce
     other = P.schedule(P.Config(epochs=20, kill_at=40, step_sleep=0.25, crashes=40, seed=45))
     assert other != first
     assert len(P.schedule(P.FULL)) >= 5

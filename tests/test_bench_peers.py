@@ -198,6 +198,21 @@ def test_nvrx_inprocess_is_back_in_the_next_restart_iteration():
     assert rec["lost_steps"] == 0 and rec["skipped_batches"] == 0
 
 
+def test_the_loss_is_counted_up_to_the_step_back_at_speed_not_the_load_after_it():
+    rec = P.analyse("nvrx", nvrx_inprocess_shape(), reference(), T_KILL, 11)
+    # from step 5's end (95.03) to step 8's (106.83), 3 steps at 1 s
+    assert rec["at_speed_step"] == 8
+    assert rec["seconds_lost"] == pytest.approx(106.83 - 95.03 - 3)
+    # other engineers' load slows the steps after it by 8 % (within the 10 %): no loss
+    drift = nvrx_inprocess_shape()
+    for e in drift:
+        if e["step"] > 8:
+            e["t"] += (e["step"] - 8) * 0.08
+    again = P.analyse("nvrx", drift, reference(), T_KILL, 11)
+    assert again["seconds_lost"] == rec["seconds_lost"]
+    assert again["seconds_lost_vs_reference"] > rec["seconds_lost_vs_reference"]
+
+
 def test_nvrx_injob_counts_recomputed_steps_and_a_missing_rank_is_an_error():
     rec = P.analyse("nvrx-injob", nvrx_injob_shape(), reference(), T_KILL, 11)
     assert rec["back_to_full_world_s"] == pytest.approx(121.03 - T_KILL)  # step 6

@@ -283,3 +283,29 @@ def test_a_missing_peer_carries_its_exact_error_and_the_others_still_run(monkeyp
     assert record["schedule"] == [{"after_step": c.after_step, "fraction": c.fraction}
                                   for c in P.schedule(P.QUICK)]
     assert (tmp_path / "out" / "peers.png").exists()
+
+
+def test_reanalyse_derives_the_numbers_again_from_the_runs_records(tmp_path):
+    def run_dir(name, events):
+        d = tmp_path / name
+        (d / "events").mkdir(parents=True)
+        (d / "events" / "n1-bench1.jsonl").write_text(
+            "".join(json.dumps(e) + "\n" for e in events))
+        (d / "results").mkdir()
+        for r in range(4):
+            (d / "results" / f"rank{r}.json").write_text(json.dumps({"params_sha256": "a"}))
+        return d
+    ref, crash = run_dir("ref", reference()), run_dir("crash", nvrx_inprocess_shape())
+    cfg = P.Config(epochs=1, kill_at=5, step_sleep=0.0, crashes=1)
+    stale = {"seconds_lost": 99.0, "back_to_full_world_s": 1.0, "back_to_speed_s": 1.0,
+             "lost_steps": 0, "skipped_batches": 0, "bitwise_equal": True, "t_kill": T_KILL,
+             "run_dir": str(crash), "after_step": 5, "fraction": 0.5, "moment": 0.5}
+    system = dict(P.summarise([stale]), reference_dir=str(ref), given={"mode": "x"})
+    P.write(tmp_path, {"nvrx": system}, cfg, True, tmp_path, 1.0)
+    # STEPS_PER_EPOCH 8 x 1 epoch: the last step is 7 here
+    out = P.reanalyse(tmp_path / "peers.json")
+    run, = out["systems"]["nvrx"]["runs"]
+    assert run["seconds_lost"] == pytest.approx(106.83 - 95.03 - 3)
+    assert run["bitwise_equal"] is True and run["t_kill"] == T_KILL
+    assert out["systems"]["nvrx"]["seconds_lost_median"] == run["seconds_lost"]
+    assert out["systems"]["nvrx"]["given"] == {"mode": "x"}

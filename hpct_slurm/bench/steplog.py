@@ -1,6 +1,7 @@
-"""The one step record of `hpct-slurm bench peers` (issue 44): every system's script (ours in
-examples/peers/hpct_inline.py, torchft's and NVRx's beside it) calls `log_step` on the line
-right after its optimizer step, on lines marked `# bench`. One function at one point of every
+"""The one step record of `hpct-slurm bench peers` (issue 44): every system's script (ours:
+adopted_inline.py with the call inserted by bench/peers.py's `script_text`; torchft's and
+NVRx's in examples/peers/) calls `log_step` on the line right after its optimizer step, on
+lines marked `# bench`. One function at one point of every
 loop: no system's step is stamped earlier or later than another's (tests/test_bench_peers.py
 checks the point). Also the start barrier the peers' first launch waits at.
 

@@ -156,12 +156,15 @@ GLOO_LAZY_INIT = "HPCT_GLOO_LAZY_INIT"
 SPARES = "HPCT_SPARES"
 PROGRESS_TIMEOUT_S = "HPCT_PROGRESS_TIMEOUT_S"
 ON_FENCED = "HPCT_ON_FENCED"
+SPARE_WAIT_S = "HPCT_SPARE_WAIT_S"
 # hooks and the node cache
 SHM_ROOT = "HPCT_SHM_ROOT"
 SHM_FRACTION = "HPCT_SHM_FRACTION"
 DEFAULT_CACHE_MB = "HPCT_DEFAULT_CACHE_MB"
 HEALTH_MIN_SHM_MB = "HPCT_HEALTH_MIN_SHM_MB"
 HOOKS_LOG = "HPCT_HOOKS_LOG"
+FENCE = "HPCT_FENCE"
+FENCE_ALLOW = "HPCT_FENCE_ALLOW"
 SPANK_CACHE_MB = "SPANK_HPCT_CACHE_MB"
 SHM_DIR = "HPCT_SHM_DIR"
 CACHE_MB = "HPCT_CACHE_MB"
@@ -267,10 +270,10 @@ SETTINGS: tuple[Setting, ...] = (
        lo=0, hi=UINT32_MAX, scope="rendezvous"),
     _s(STORE_PORT, "int", None, RENDEZVOUS, "training script", "the generation's store "
        "port, exported to the script after a formation", lo=1, hi=65535, scope="rendezvous"),
-    _s(PORT_BASE, "int", 20000, (ADMIN, USER), "rendezvous", "first port of the rendezvous "
-       "window", lo=1024, hi=65535, scope="rendezvous"),
-    _s(PORT_SPAN, "int", 8192, (ADMIN, USER), "rendezvous", "ports of the rendezvous "
-       "window", lo=8, hi=65535 - 1024 + 1, scope="rendezvous"),
+    _s(PORT_BASE, "int", 20000, (ADMIN, USER), ("rendezvous", "hooks (fence)"), "first port "
+       "of the rendezvous window", lo=1024, hi=65535, scope="rendezvous"),
+    _s(PORT_SPAN, "int", 8192, (ADMIN, USER), ("rendezvous", "hooks (fence)"), "ports of the "
+       "rendezvous window", lo=8, hi=65535 - 1024 + 1, scope="rendezvous"),
     _s(NODES_PER_HOST, "int", None, (ADMIN, USER), "rendezvous", "Slurm nodes sharing one "
        "host (multi-slurmd test clusters)", lo=1, hi=UINT32_MAX, scope="rendezvous"),
     _s(SOCKET_IFNAME, "str", None, (ADMIN, USER), "rendezvous", "network interface for "
@@ -291,6 +294,12 @@ SETTINGS: tuple[Setting, ...] = (
        "nextstate=RESUME reason=\"hpct: ...\"`; the Prolog's health check then guards its "
        "next job, `spares check --to-pool` re-admits it as a pool spare)",
        choices=("leave", "reboot"), scope="controller"),
+    _s(SPARE_WAIT_S, "seconds", 60.0, (ADMIN, USER), "controller", "a round short of ready "
+       "spares waits this long for one on its way (a spare step registering, a healthy node "
+       "whose cancelled step is ending, a pool companion) before it requeues or shrinks: "
+       "covers a spare's Python and torch start on a cold filesystem, a pool companion's "
+       "scheduling and a stopped slurmstepd's 10 s cancel; a requeue costs far more (a "
+       "restart from the last persisted snapshot). 0: never wait", lo=0, scope="controller"),
     # ---- the hooks (admin settings baked into the hook scripts) and the node cache -------
     _s(SHM_ROOT, "path", "/dev/shm/hpct", ADMIN, ("hooks", "cache"), "root of the jobs' shm "
        "dirs (absolute, root-owned)", scope="hooks"),
@@ -302,6 +311,15 @@ SETTINGS: tuple[Setting, ...] = (
        lo=0, hi=UINT32_MAX, scope="hooks"),
     _s(HOOKS_LOG, "path", None, ADMIN, "hooks", "the hooks' event log (not in a directory "
        "other users can write)", scope="hooks"),
+    _s(FENCE, "choice", "off", ADMIN, "hooks", "the Prolog's packet filter for the traffic "
+       "no secret protects (gloo, NCCL's bootstrap, TCPStore): `nft` admits to the node's "
+       "ephemeral ports and the rendezvous range only the allocation's nodes, loopback only "
+       "from root and the job's user, "
+       "the Epilog removes it (docs/admin.md); off: none", choices=("nft", "off"),
+       scope="hooks"),
+    _s(FENCE_ALLOW, "str", None, ADMIN, "hooks", "comma-separated IPv4 addresses or "
+       "networks the fence admits besides the allocation and slurmctld (pool spares' nodes, "
+       "NFS servers' callbacks)", scope="hooks"),
     _s(SPANK_CACHE_MB, "int", None, USER, "hooks (prolog)", "`sbatch --hpct-cache-mb=` as "
        "the prolog sees it (plugstack.conf default_cache_mb)", lo=0, hi=UINT32_MAX,
        scope="hooks"),
@@ -355,31 +373,69 @@ def _out_of_range(text: str, allowed: str) -> _Refused:
                     hint=" (unset it for the default)")
 
 
+# The rules below are the same for a setting's text and for a value given from Python
+# (`check_value`: the controller's Options): a number is refused by `_int_refused` and
+# `_decimal_refused`, whatever it came as.
+def _int_refused(s: Setting, number: int, raw: str, text: str) -> _Refused | None:
+    lo = 0 if s.lo is None else s.lo
+    if number < lo or (s.hi is not None and number > s.hi):
+        return _out_of_range(text, f"at least {lo}" if s.hi is None or s.hi == UINT32_MAX
+                             else f"in {lo}-{s.hi}")
+    return None
+
+
+def _decimal_refused(s: Setting, value: float | None, raw: str, text: str) -> _Refused | None:
+    if s.kind == "fraction":
+        return _fail(raw, "a number in (0, 1]") if value is None or not 0.0 < value <= 1.0 \
+            else None
+    # (NaN compares false both ways: `not value > 0` refuses it)
+    if value is None or (not value >= s.lo if s.lo is not None else not value > 0):
+        return _fail(raw, "a positive number of seconds" if s.lo is None
+                     else f"a number of seconds >= {s.lo}")
+    if value > s.seconds_max():
+        return _out_of_range(text, f"at most {s.seconds_max()} seconds")
+    return None
+
+
 def _parse_int(s: Setting, raw: str) -> int:
     text = raw.strip(_SPACE)
     if not _INT_RE.fullmatch(text):
         raise _fail(raw, "a positive integer" if s.lo == 1 else "a non-negative integer")
     number = int(text)
-    lo = 0 if s.lo is None else s.lo
-    if number < lo or (s.hi is not None and number > s.hi):
-        raise _out_of_range(text, f"at least {lo}" if s.hi is None or s.hi == UINT32_MAX
-                            else f"in {lo}-{s.hi}")
+    if refused := _int_refused(s, number, raw, text):
+        raise refused
     return number
 
 
 def _parse_decimal(s: Setting, raw: str) -> float:
     text = raw.strip(_SPACE)
     value = float(text) if _DECIMAL_RE.fullmatch(text) else None
-    if s.kind == "fraction":
-        if value is None or not 0.0 < value <= 1.0:
-            raise _fail(raw, "a number in (0, 1]")
-        return value
-    if value is None or (value < s.lo if s.lo is not None else not value > 0):
-        raise _fail(raw, "a positive number of seconds" if s.lo is None
-                    else f"a number of seconds >= {s.lo}")
-    if value > s.seconds_max():
-        raise _out_of_range(text, f"at most {s.seconds_max()} seconds")
-    return value
+    if refused := _decimal_refused(s, value, raw, text):
+        raise refused
+    return value  # type: ignore[return-value]  # (None is refused above)
+
+
+def check_value(s: Setting, value: Any, name: str) -> None:
+    """`value`, given from Python rather than as text (the controller's Options), by the rules
+    its text would meet (NaN, -1, 0 where the table says at least 1 are refused alike): a
+    SettingError naming `name` and what is allowed otherwise. None is not checked (unset)."""
+    if value is None:
+        return
+    refused: _Refused | None = None
+    if s.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            refused = _fail(str(value), "an integer")
+        else:
+            refused = _int_refused(s, value, str(value), str(value))
+    elif s.kind in ("seconds", "fraction"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            refused = _fail(str(value), "a number")
+        else:
+            refused = _decimal_refused(s, float(value), str(value), str(value))
+    elif s.kind in ("choice", "flag") and value not in s.choices:
+        refused = _fail(str(value), f"one of {', '.join(s.choices)}")
+    if refused is not None:
+        raise SettingError(f"{name}{refused.sep}{refused}")
 
 
 def _parse_choice(s: Setting, raw: str) -> Any:
@@ -461,7 +517,18 @@ def arg_type(name: str) -> Callable[[str], Any]:
 def number_type(kind: str, lo: int | None = None, hi: int | None = None) -> Callable[[str], Any]:
     """argparse `type=` for a number flag that mirrors no setting (`--heartbeat-timeout`):
     the same parser and rules (`kind` "int", "seconds" or "fraction")."""
-    return _arg_type(Setting("", kind, None, (), (), "", lo=lo, hi=hi))
+    return setting_type(number_rule(kind, lo, hi))
+
+
+def number_rule(kind: str, lo: int | None = None, hi: int | None = None) -> Setting:
+    """The rule for a number that is no setting of the table (`kind` "int", "seconds" or
+    "fraction"): for `check_value`, or a flag's `setting_type`."""
+    return Setting("", kind, None, (), (), "", lo=lo, hi=hi)
+
+
+def setting_type(setting: Setting) -> Callable[[str], Any]:
+    """argparse `type=` that parses and checks by `setting`'s rules."""
+    return _arg_type(setting)
 
 
 def _arg_type(setting: Setting) -> Callable[[str], Any]:

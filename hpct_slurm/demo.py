@@ -45,34 +45,45 @@ def run_demo(root: Path = DEFAULT_ROOT, steps: int = 60, kill_at: int = 20,
     cluster = ready_cluster(root, NODES, who="the demo")
     work = fresh_work_dir(root, "demo")
     # ddp: the demo MLP, data parallel; fsdp / hsdp: the sharded job (FSDP2 fully_shard on a
-    # 1-D mesh, or HSDP on a 2 x 2 replicate x shard mesh), the same faults and yardsticks
+    # 1-D mesh, or HSDP on a 2 x 2 replicate x shard mesh); 3d: pipeline 2 x FSDP2 2 x TP 2 on
+    # 4 nodes of 2 ranks (adopted_3d.py, TP inside the node). The same faults and yardsticks.
     sharded = [] if parallel == "ddp" else ["--parallel", parallel]
-    example = "train" if parallel == "ddp" else "sharded_train"
-    train = [sys.executable, "-m", f"hpct_slurm.examples.{example}", *sharded,
-             "--steps", str(steps), "--step-sleep", str(step_sleep)]
+    tpn, env = (2, {"HPCT_TASKS_PER_NODE": "2"}) if parallel == "3d" else (1, {})
+    if parallel == "3d":  # 16 steps an epoch (512 sequences, batches of 16, 2 data shards)
+        epochs = max(1, -(-steps // 16))
+        train = [sys.executable, "-m", "hpct_slurm.examples.adopted_3d", "--layout", "3d",
+                 "--epochs", str(epochs), "--batch", "16", "--step-sleep", str(step_sleep)]
+        baseline_args = [*sharded, "--epochs", str(epochs), "--batch", "16"]
+        kill_at = min(kill_at, epochs * 16 - 4)
+    else:
+        example = "train" if parallel == "ddp" else "sharded_train"
+        train = [sys.executable, "-m", f"hpct_slurm.examples.{example}", *sharded,
+                 "--steps", str(steps), "--step-sleep", str(step_sleep)]
+        baseline_args = [*sharded, "--steps", str(steps)]
+    world = 4 * tpn
     runs: dict[str, RunResult] = {}
 
     _say(f"[2/4] reference run ({parallel}), no fault")
     d = work / "reference"
-    jid = submit(cluster, d, TEMPLATE, train)
+    jid = submit(cluster, d, TEMPLATE, train, env=env)
     runs["reference"] = RunResult("reference", d, jid, wait_job(cluster, jid, d, timeout,
                                                                 label="reference"),
-                                  collect(d, 4))
+                                  collect(d, world))
 
     _say(f"[3/4] hpct-slurm run: crash {VICTIM} at step {kill_at}; a warm spare takes over")
     d = work / "hpct"
-    jid = submit(cluster, d, TEMPLATE, train)
+    jid = submit(cluster, d, TEMPLATE, train, env=env)
     t_kill = wait_job(cluster, jid, d, timeout, kill_at=kill_at, label="hpct")
-    runs["hpct"] = RunResult("hpct", d, jid, t_kill, collect(d, 4))
+    runs["hpct"] = RunResult("hpct", d, jid, t_kill, collect(d, world))
     done = print_timeline(runs["hpct"])
     cluster.heal()
 
     _say("[4/4] baseline run: the same crash, restart-all from the last disk checkpoint")
     d = work / "baseline"
-    jid = submit_baseline(cluster, d, [*sharded, "--steps", str(steps), "--step-sleep",
-                                       str(step_sleep)], ckpt_every=10)
+    jid = submit_baseline(cluster, d, [*baseline_args, "--step-sleep", str(step_sleep)],
+                          ckpt_every=10, tasks_per_node=tpn)
     t_kill_b = wait_job(cluster, jid, d, timeout, kill_at=kill_at, label="baseline")
-    runs["baseline"] = RunResult("baseline", d, jid, t_kill_b, collect(d, 4))
+    runs["baseline"] = RunResult("baseline", d, jid, t_kill_b, collect(d, world))
     cluster.heal()
 
     hpct_s, hpct_last = back_to_speed(runs["hpct"].run_dir, runs["hpct"].t_kill)

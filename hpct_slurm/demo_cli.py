@@ -14,9 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=20, help="crash the node at this step")
     p.add_argument("--step-sleep", type=float, default=0.1)
-    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "3d"], default="ddp",
                    help="the job's parallelism: plain data parallel (default), FSDP2 "
-                        "fully_shard on a 1-D mesh of 4, or HSDP on a 2 x 2 mesh")
+                        "fully_shard on a 1-D mesh of 4, HSDP on a 2 x 2 mesh, or 3d: "
+                        "pipeline 2 x FSDP2 2 x tensor parallel 2 on 4 nodes of 2 ranks")
     p.add_argument("--down", action="store_true", help="take the cluster down afterwards")
     p.set_defaults(func=run)
 

@@ -9,6 +9,7 @@ JSON lines hold the plain strings, and a member compares equal to its string.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -45,6 +46,7 @@ class Ev(_Name):
     CONTROLLER_STORE_UNAUTHENTICATED = "controller.store_unauthenticated"
     CONTROLLER_PERSISTED_STEP_INCOMPLETE = "controller.persisted_step_incomplete"
     CONTROLLER_RESUME_FROM_DISK = "controller.resume_from_disk"
+    CONTROLLER_ACCEPT_FAILED = "controller.accept_failed"
     STEP_LAUNCH = "step.launch"
     STEP_EXIT = "step.exit"
     RANK_REGISTER = "rank.register"
@@ -55,13 +57,18 @@ class Ev(_Name):
     FAULT_BEFORE_START = "fault.before_start"
     FAULT_STOP_SENT = "fault.stop_sent"
     FAULT_FENCED = "fault.fenced"
+    FAULT_STEP_LINGERS = "fault.step_lingers"
     FAULT_SECOND = "fault.second"
     RECOVERY_SHRINK = "recovery.shrink"
     RECOVERY_ASSIGN = "recovery.assign"
     RECOVERY_DISK_FALLBACK = "recovery.disk_fallback"
     RECOVERY_DONE = "recovery.done"
     RECOVERY_FAILED = "recovery.failed"
+    RECOVERY_SPARE_WAIT = "recovery.spare_wait"
+    RECOVERY_SPARE_WAIT_OVER = "recovery.spare_wait_over"
+    FORMATION_BROKEN = "formation.broken"
     ESCALATE_REQUEUE = "escalate.requeue"
+    ESCALATE_REQUEUED = "escalate.requeued"
     ESCALATE_FAIL = "escalate.fail"
     ESCALATE_ELIGIBLE = "escalate.eligible"
     JOB_DONE = "job.done"
@@ -80,6 +87,7 @@ class Ev(_Name):
     MOVE_ASSIGN = "move.assign"
     MOVE_DONE = "move.done"
     MOVE_FAILED = "move.failed"
+    MOVE_LEAVING_LOST = "move.leaving_lost"
     GROW_ASSIGN = "grow.assign"
     GROW_DONE = "grow.done"
     SLURM_COMMENT = "slurm.comment"
@@ -142,6 +150,7 @@ class Ev(_Name):
     TRANSFER_FALLBACK_DISK = "transfer.fallback_disk"
     TRANSFER_SERVE_CORRUPT = "transfer.serve_corrupt"
     TRANSFER_BAD_FRAME = "transfer.bad_frame"
+    TRANSFER_CONNECTION_LOST = "transfer.connection_lost"
     TRANSFER_CONNECTION_EVICTED = "transfer.connection_evicted"
     TRANSFER_CONNECTION_REFUSED = "transfer.connection_refused"
     TRANSFER_ACCEPT_FAILED = "transfer.accept_failed"
@@ -158,6 +167,9 @@ class Ev(_Name):
     STORE_SHARD_STOPPED = "store.shard_stopped"
     STORE_ACCEPT_FAILED = "store.accept_failed"
 
+    # any process's own event log (EventLog, below)
+    EVENT_LOG_DELAYED = "event_log.delayed"
+
     # the node hooks (Prolog, Epilog)
     HOOK_JOB_DIR = "hook_job_dir"
     HOOK_STALE_REMOVED = "hook_stale_removed"
@@ -168,6 +180,9 @@ class Ev(_Name):
     HOOK_JOB_DIR_REMOVED = "hook_job_dir_removed"
     HOOK_JOB_DIR_REMOVE_FAILED = "hook_job_dir_remove_failed"
     HOOK_FAILED = "hook_failed"
+    HOOK_FENCE_INSTALLED = "hook_fence_installed"
+    HOOK_FENCE_REMOVED = "hook_fence_removed"
+    HOOK_FENCE_SKIPPED = "hook_fence_skipped"
 
     # the baselines (examples/baseline_train.py, bench/restart_all.py)
     BASELINE_IMPORTED = "baseline.imported"
@@ -218,6 +233,19 @@ def check_name(event: str) -> str:
     return name
 
 
+# A record the log file cannot take for want of a resource (the process or the system out of
+# descriptors, memory, disk space): the server, accept loop or watchdog that wrote it must go on
+# (an exception here ended them), so it is held, at most HOLD_MAX of them, and written before
+# the next record that can be, after a summary (`event_log.delayed`); past HOLD_MAX records
+# are only counted. Anything else (a link planted where the log goes, a directory that refuses
+# us) is a broken set-up and still raises.
+HOLD_MAX = 256
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.ENOSPC,
+                        errno.EDQUOT, errno.EIO})
+# The stderr line that says records are held: at most once per this long per log.
+NOTE_EVERY_S = 30.0
+
+
 class EventLog:
     """Append-only JSON-lines writer; safe to share between threads."""
 
@@ -227,11 +255,17 @@ class EventLog:
         self._stream = stream
         self._source = source
         self._lock = threading.Lock()
+        self._held: list[str] = []       # lines not written yet, oldest first
+        self._dropped: dict[str, int] = {}  # event -> records beyond HOLD_MAX, lost
+        self._failing: tuple[float, str] | None = None  # (since, why) the file takes nothing
+        self._noted = -NOTE_EVERY_S      # monotonic time of the last stderr line
+        self._torn = False               # a write stopped part-way: the file ends mid-line
         if self._path:
             self._path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: Ev | str, **fields: Any) -> dict:
-        """Append one record; `event` must be a registered name (an `Ev`)."""
+        """Append one record; `event` must be a registered name (an `Ev`). Never raises for
+        want of a descriptor or disk space: the record is held (see HOLD_MAX)."""
         record = {"t": time.time(), "event": check_name(event)}
         if self._source:
             record["source"] = self._source
@@ -239,11 +273,77 @@ class EventLog:
         line = json.dumps(record, sort_keys=False, default=str)
         with self._lock:
             if self._path:
-                _append(self._path, (line + "\n").encode())
+                self._write(line)
             if self._stream:
                 self._stream.write(line + "\n")
                 self._stream.flush()
         return record
+
+    @property
+    def held(self) -> int:
+        """Records waiting for the file to take them again."""
+        return len(self._held) + sum(self._dropped.values())
+
+    def flush(self) -> bool:
+        """Write the held records if the file takes them now (an accept loop calls this once
+        it accepts again, the controller's watchdog every sweep); True when none are left."""
+        with self._lock:
+            return not (self._held or self._dropped) or self._write(None)
+
+    def _write(self, line: str | None) -> bool:
+        assert self._path is not None
+        lines = list(self._held)
+        if self._failing is not None and (self._held or self._dropped):
+            lines.append(json.dumps(self._summary()))
+        if line is not None:
+            lines.append(line)
+        data = ("\n" if self._torn else "") + "".join(x + "\n" for x in lines)
+        try:
+            _append(self._path, data.encode())
+        except _Unwritten as exc:
+            self._torn = self._torn or exc.torn
+            self._hold(line, exc.cause)
+            return False
+        self._held, self._dropped, self._failing, self._torn = [], {}, None, False
+        return True
+
+    def _summary(self) -> dict:
+        assert self._failing is not None
+        since, why = self._failing
+        record: dict[str, Any] = {"t": time.time(), "event": Ev.EVENT_LOG_DELAYED.value}
+        if self._source:
+            record["source"] = self._source
+        record.update(written_late=len(self._held), dropped=sum(self._dropped.values()),
+                      dropped_events=dict(self._dropped), error=why,
+                      for_s=round(time.monotonic() - since, 3))
+        return record
+
+    def _hold(self, line: str | None, cause: OSError) -> None:
+        why = f"{cause.strerror or cause} (errno {cause.errno})"
+        if self._failing is None:
+            self._failing = (time.monotonic(), why)
+        if line is not None:
+            if len(self._held) < HOLD_MAX:
+                self._held.append(line)
+            else:
+                name = json.loads(line)["event"]
+                self._dropped[name] = self._dropped.get(name, 0) + 1
+        now = time.monotonic()
+        if now - self._noted >= NOTE_EVERY_S:  # stderr is open already: no descriptor needed
+            self._noted = now
+            with contextlib.suppress(OSError, ValueError):
+                print(f"hpct-slurm: event log {self._path} cannot be written: {why}; "
+                      f"{len(self._held)} record(s) held, {sum(self._dropped.values())} "
+                      f"dropped, written when it can be", file=sys.stderr, flush=True)
+
+
+class _Unwritten(Exception):
+    """The log file could not take a record for want of a resource (`cause`); `torn`: some of
+    it was written, so the file now ends mid-line."""
+
+    def __init__(self, cause: OSError, torn: bool):
+        super().__init__(str(cause))
+        self.cause, self.torn = cause, torn
 
 
 # Never through a symlink, never into a fifo or a device: the hooks log as root and the
@@ -264,13 +364,20 @@ def _append(path: Path, data: bytes) -> None:
         if exc.errno == errno.ELOOP:
             raise HpctError(f"event log {path} is a symlink; logs are never written through "
                             f"a link: remove it") from None
+        if exc.errno in _TRANSIENT:
+            raise _Unwritten(exc, torn=False) from None
         raise HpctError(f"event log {path} cannot be opened ({exc.strerror})") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise HpctError(f"event log {path} is not a regular file: remove it")
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            try:
+                view = view[os.write(fd, view):]
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT:
+                    raise
+                raise _Unwritten(exc, torn=len(view) < len(data)) from None
     finally:
         os.close(fd)
 

@@ -12,9 +12,10 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # libc6-dev: gcc only recommends it, and --no-install-recommends leaves it out on a minimal image
-# (the SPANK plugin then fails on errno.h); python3-venv: ensurepip lives there on Debian.
+# (the SPANK plugin then fails on errno.h); python3-venv: ensurepip lives there on Debian;
+# nftables: the Prolog's fence (HPCT_FENCE=nft) and its tests.
 PKGS=(slurmctld slurmd slurm-client munge libslurm-dev gcc libc6-dev make python3-venv iproute2
-      util-linux procps)
+      util-linux procps nftables)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

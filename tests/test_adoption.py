@@ -32,7 +32,9 @@ ADOPTED = EXAMPLES / "adopted_ddp.py"
 DOC = REPO / "docs" / "adoption.md"
 # (plain script, adopted script): the loop-function form, and the loop inline in main() (31)
 PAIRS = {"loop function": (PLAIN, ADOPTED),
-         "inline": (EXAMPLES / "torchrun_inline.py", EXAMPLES / "adopted_inline.py")}
+         "inline": (EXAMPLES / "torchrun_inline.py", EXAMPLES / "adopted_inline.py"),
+         # torchtitan's layout: TP plan, fully_shard, a pipeline stage and schedule (46)
+         "3d": (EXAMPLES / "torchrun_3d.py", EXAMPLES / "adopted_3d.py")}
 
 
 # ---- the diff ----------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def test_the_adopted_ddp_script_changes_at_most_10_lines(form):
     # and it is the loop that is kept: every line of the loop body is unchanged
     body = [ln.strip() for ln in _code(plain) if ln.startswith(" " * 12) and ln.strip()]
     assert body and all(any(ln.strip() == b for ln in _code(adopted)) for b in body)
-    if form == "inline":  # not even re-indented: the loop stays where it was
+    if form != "loop function":  # not even re-indented: the loop stays where it was
         assert all(ln in _code(adopted) for ln in _code(plain) if ln.startswith(" " * 12))
 
 
@@ -141,7 +143,7 @@ class LoopHarness:
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
                  shard: tuple[int, int] = (1, 2)):
         self.shard = shard
-        self.loop = StepLoop(self._seed, lambda: None, self._end, lambda: shard)
+        self.loop = StepLoop(self._seed, lambda: None, self._end, lambda given=None: shard)
         self.state = TrainState(model=model, optimizer=opt, lr_scheduler=sched)
         self.state.register(scope="shared", hpct_loop=self.loop.position)
         self.saved: dict[int, tuple] = {-1: self.state.capture_into(None, ("shared",))}
@@ -283,7 +285,7 @@ def test_an_epochs_last_step_ends_with_the_code_after_its_batches():
     counter = {"after_epoch": 0}
     loop = StepLoop(lambda s: None, lambda: None,
                     lambda s: ended.append((s, {**loop.position.state_dict(), **counter})),
-                    lambda: (0, 1))
+                    lambda given=None: (0, 1))
     loop.enter(-1)
     for _ in loop.epochs(2):
         for _ in loop.steps([1, 2]):
@@ -298,7 +300,7 @@ def test_an_epochs_last_step_ends_with_the_code_after_its_batches():
 
 def test_any_other_loader_is_fast_forwarded_by_dropping_batches_done():
     seen: list[tuple[int, str]] = []
-    loop = StepLoop(lambda s: None, lambda: None, lambda s: None, lambda: (0, 1))
+    loop = StepLoop(lambda s: None, lambda: None, lambda s: None, lambda given=None: (0, 1))
     loop.position.load_state_dict({"epoch": 1, "batch": 2})
     loop.enter(5)
     for epoch in loop.epochs(2):
@@ -308,7 +310,7 @@ def test_any_other_loader_is_fast_forwarded_by_dropping_batches_done():
 
 
 def test_steps_twice_in_one_epoch_is_an_error():
-    loop = StepLoop(lambda s: None, lambda: None, lambda s: None, lambda: (0, 1))
+    loop = StepLoop(lambda s: None, lambda: None, lambda s: None, lambda given=None: (0, 1))
     loop.enter(-1)
     for _ in loop.epochs(1):
         list(loop.steps([1]))

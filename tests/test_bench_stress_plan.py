@@ -15,7 +15,7 @@ import pytest
 from hpct_slurm.bench import stress as S
 from hpct_slurm.errors import HpctError
 from hpct_slurm.events import read_events
-from hpct_slurm.recovery.snapshot import replica_peer
+from hpct_slurm.recovery.ring import replica_peer
 
 
 @pytest.mark.parametrize("cfg", [S.FULL, S.QUICK], ids=["full", "quick"])

@@ -14,7 +14,8 @@ import torch
 from hpct_slurm.errors import HpctError
 from hpct_slurm.events import EventLog
 from hpct_slurm.recovery import carry as C
-from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.snapshot import SnapshotStore
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import TransferServer, fetch_state
 

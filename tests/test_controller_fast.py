@@ -18,6 +18,7 @@ is 127.0.0.2, where nothing listens (the connection is refused at once).
 from __future__ import annotations
 
 import asyncio
+import resource
 import itertools
 import json
 import os
@@ -31,6 +32,8 @@ import pytest
 from hpct_slurm import protocol as P
 from hpct_slurm.controller import controller as C
 from hpct_slurm.events import read_events
+from hpct_slurm.report.cli import load_run
+from hpct_slurm.report.model import build_status
 from hpct_slurm.slurm.client import SlurmClient
 
 JOB = 4242
@@ -239,13 +242,17 @@ class FakeSlurmRunner:
                 return "\n".join([f"{JOB}.batch {c.nodes[0]}", *running]) + "\n"
             case ["scancel", "--signal=KILL", target]:
                 for s in list(c.steps):
-                    if target == f"{JOB}.{s.number}":
+                    # a node in `stuck` has its slurmstepd stopped: the cancel does not land
+                    if target == f"{JOB}.{s.number}" and s.node not in c.stuck:
                         c.loop.call_soon_threadsafe(s.exit, -9)
                 return ""
             case ["scontrol", "update", node_arg, "State=DOWN", *_]:
                 c.state[node_arg.removeprefix("NodeName=")] = "DOWN"
                 return ""
             case ["scontrol", "requeue", job] if job == str(JOB):
+                return ""
+            case ["scancel", job] if job in {str(j) for j in c.companions}:
+                c.companions.remove(int(job))  # a pool companion job, cancelled
                 return ""
             case ["scontrol", "update", job_arg, start] if job_arg == f"JobId={JOB}" \
                     and start.startswith("StartTime="):
@@ -294,6 +301,8 @@ class FakeCluster:
         self.steps: list[FakeStep] = []
         self.step_numbers = itertools.count(0)
         self.show_node_delay_s = 0.0
+        self.stuck: set[str] = set()  # nodes whose step a scancel does not end (stopped stepd)
+        self.companions: list[int] = []  # pool companion jobs in the queue (ids)
         # set: every rank connects, then holds its Register until the test sets it
         self.register_gate: asyncio.Event | None = None
         self.runner = FakeSlurmRunner(self)
@@ -803,15 +812,23 @@ def test_a_rank_whose_state_and_ring_copy_are_both_lost_escalates_to_requeue(tmp
     run(scenario)
 
 
+def _fails_with(error: str):
+    """A rank whose step raises `error` (or that a STOP finds so): Holdings, then ready."""
+    async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
+        await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
+                                   [], {}, error=error))
+        rank.state = "ready"
+        await rank.heartbeat()
+    return fails_again
+
+
+fails_again = _fails_with("RuntimeError: boom")  # the script's own error
+
+
 def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_error(tmp_path):
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
                                max_stalled_restarts=2) as c:
-            async def fails_again(rank: FakeRank, stop: P.Stop | None = None) -> None:
-                await rank.send(P.Holdings(rank.rank, rank.generation, "jit", False, rank.own,
-                                           [], {}, error="RuntimeError: boom"))
-                rank.state = "ready"
-                await rank.heartbeat()
             c.on_stop["a1"] = fails_again
             await c.started()
             await c.train(["localhost", "a1"], 3)
@@ -830,6 +847,51 @@ def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_erro
             assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
             assert [e["generation"] for e in c.events("generation.start")] == [0, 1, 2]
             assert c.events("fault.fenced") == [] and c.rank("s1").assigns == []
+            # Issue 45.4: one fault per fault, in the comment as in `status`: each restart in
+            # place is one; the ranks' goodbyes after job.failed are none (they were each a
+            # `connection lost`, and the comment said 1)
+            assert [e for e in c.events("fault.detected") if e["t"] > failed["t"]] == []
+            await c.until(lambda: c.comments, "the comment")
+            faults = build_status(load_run(tmp_path / "run"), time.time()).faults
+            assert [f.reason for f in faults] == ["rank reported a fault"] * 3
+            assert c.comments[-1].startswith("hpct: 3 fault(s), 0 move(s)"), c.comments
+    run(scenario)
+
+
+def test_a_formation_broken_from_outside_is_named_and_requeued_not_the_scripts(tmp_path):
+    """Issue 45: a stranger claiming a rank's gloo pairs breaks every formation with all
+    members alive; the ranks report only gloo's errors. Each round says so
+    (`formation.broken`), and at the limit the job is requeued as an infrastructure failure,
+    never failed as the script's own error."""
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+            "Timed out waiting 10000ms for recv operation to complete")
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,
+                               max_stalled_restarts=2) as c:
+            fails_again = c.on_stop["a1"] = _fails_with(gloo)
+            await c.started()
+            await c.train(["localhost", "a1"], 3)
+            for generation in (1, 2):
+                await fails_again(c.rank("a1"))
+                await c.assigned("a1", generation)
+            await fails_again(c.rank("a1"))
+            await asyncio.wait_for(asyncio.shield(c.job), 10)
+            broken = c.events("formation.broken")
+            assert [(e["stalled_restarts"], e["escalates"]) for e in broken] == [
+                (0, False), (1, False), (2, True)]
+            assert all(e["errors"] == [gloo] for e in broken)
+            assert c.events("job.failed") == []
+            [requeue] = c.events("escalate.requeue")
+            assert requeue["cause"] == "infrastructure"
+            assert requeue["reason"].startswith("formation broken by something other than a "
+                                                "member: 2 restarts in place")
+            assert ["scontrol", "requeue", str(JOB)] in c.runner.argvs
+            # and the controller raised its descriptor limit at start (fdlimit.py)
+            [start] = c.events("controller.start")
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            assert start["fd_limit"]["soft"] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            assert start["fd_limit"]["hard"] == hard
     run(scenario)
 
 

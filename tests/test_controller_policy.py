@@ -347,6 +347,58 @@ def test_restarts_in_place_that_make_no_progress_are_the_scripts_error():
         assert d.action == Action.REPLACE and d.stalled_restarts == 0
 
 
+# What the ranks reported when a stranger claimed a rank's gloo pairs at a formation (issue 45):
+# the first all-reduce timed out there, the others' pairs closed, the rest were stopped.
+GLOO_TIMEOUT = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+                "Timed out waiting 10000ms for recv operation to complete")
+GLOO_CLOSED = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+               "closed by peer [10.77.0.12]:40123")
+STOPPED = "_Stopped: rank 1 fault: " + GLOO_TIMEOUT
+
+
+def test_a_formation_broken_from_outside_is_never_the_scripts_error():
+    """Restarts in place whose every error is the transport's (gloo's, the store's) with all
+    members alive: each round says so (`outside`), and at the limit the job escalates as an
+    infrastructure failure (requeue), never as the script's own error."""
+    w = _world()
+    errors = {"n1": GLOO_CLOSED, "n2": GLOO_TIMEOUT, "n3": STOPPED}
+    reports = [_report(n, i, error=errors.get(n, "")) for i, n in enumerate(w.members)]
+    kw = dict(previous_restore=5, max_stalled_restarts=3)
+    d = decide_recovery(w, [], [], initial_shards(w.members), reports, stalled_restarts=1, **kw)
+    assert d.action == Action.REPLACE and d.outside == (GLOO_CLOSED, GLOO_TIMEOUT)
+    d = decide_recovery(w, [], [], initial_shards(w.members), reports, stalled_restarts=2, **kw)
+    assert (d.action, d.script, d.stalled_restarts) == (Action.REQUEUE, False, 3)
+    assert d.reason.startswith("formation broken by something other than a member: 3 restarts "
+                               "in place made no progress past step 5: ")
+    assert d.outside == (GLOO_CLOSED, GLOO_TIMEOUT) and d.plan is not None
+    d = decide_recovery(w, [], [], initial_shards(w.members), reports, stalled_restarts=2,
+                        on_no_spare="fail", **kw)  # the user's choice not to retry: still not
+    assert (d.action, d.script) == (Action.FAIL, False)  # the script's
+
+
+@pytest.mark.parametrize("errors", [
+    ["RuntimeError: boom", GLOO_TIMEOUT],  # the script raised too
+    ["RuntimeError: injected failure in step 5", STOPPED],
+    ["TimeoutError: timed out", "ConnectionRefusedError: [Errno 111] Connection refused"],
+    [STOPPED],  # only survivors stopped for someone: whose error is unknown
+    [],
+])
+def test_a_restart_with_an_error_of_the_script_stays_its_own(errors):
+    w = _world()
+    reports = [_report(n, i, error=errors[i] if i < len(errors) else "")
+               for i, n in enumerate(w.members)]
+    d = decide_recovery(w, [], [], initial_shards(w.members), reports, stalled_restarts=2,
+                        previous_restore=5, max_stalled_restarts=3)
+    assert (d.action, d.script, d.outside) == (Action.FAIL, True, ())
+
+
+def test_a_lost_member_is_not_a_formation_broken_from_outside():
+    w = _world()
+    reports = [_report(n, i, error=GLOO_CLOSED) for i, n in enumerate(w.members) if n != "n2"]
+    d = decide_recovery(w, ["n2"], ["s1"], initial_shards(w.members), reports)
+    assert d.action == Action.REPLACE and d.outside == ()
+
+
 def test_a_member_fenced_alive_and_back_as_a_spare_stays_a_spare():
     # n2 was fenced alive in this round and its fresh spare step registered already
     w = _world(spares=("s1", "n2"))

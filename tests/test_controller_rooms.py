@@ -137,6 +137,11 @@ class RoundHost(RecoveryRound, Connections):
         self.said_done: set[int] = set()
         self.answers = answers
         self.log: list[tuple] = []
+        # nothing on its way but what a test puts there (arrivals.py)
+        self.fencing: dict = {}
+        self.borrowed: list[int] = []
+        self.pool_nodes: set[str] = set()
+        self.spare_wait_s = 1.0
         for i, node in enumerate(members + spares):
             c = Conn(node, 0, "active" if node in members else "spare", 100 + i,
                      f"10.0.0.{i + 1}", 4000, None, None)  # type: ignore[arg-type]
@@ -304,6 +309,8 @@ class FenceHost:
         self.dead_nodes: set[str] = set()
         self.expected_exits: set[int] = set()
         self.fencing: dict = {}
+        self.pool_nodes: set[str] = set()
+        self.finished = asyncio.Event()
         self.cancel_s, self.cancelled, self.replenished = cancel_s, [], []
         self.slurm = None
 
@@ -320,6 +327,9 @@ class FenceHost:
         import time
         time.sleep(self.cancel_s)
         self.cancelled.append(node)
+
+    def _steps_left_on(self, node):
+        return [] if node in self.cancelled else ["7"]
 
     def _replenish(self, node):
         self.replenished.append((node, list(self.cancelled)))

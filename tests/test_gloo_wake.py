@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -92,3 +93,31 @@ def test_a_closed_listener_wakes_nobody():
     s.close()
     own = gloo_wake.parse(_published("127.0.0.1", port, [0, 1]), 2)
     assert gloo_wake.wake(own, rank=0, peers=[1], timeout_s=0.5) == 0
+
+
+def test_the_whole_wake_is_bounded_when_the_listener_takes_nobody():
+    """Issue 45, item 5: one connect at a time with a 1 s timeout each, on the thread that
+    reads the controller's connection: 5.0 s for 6 peers whose listener's backlog was full.
+    Now every connect is on its way at once and the wake as a whole ends at its deadline
+    (12 peers at 0.5 s: 6 s one after another; the bound checked is half of that)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepts: its queue holds one connection, then SYNs are dropped
+    port = listener.getsockname()[1]
+    queued = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        queued.append(s)
+    own = gloo_wake.parse(_published("127.0.0.1", port, list(range(13))), 13)
+    try:
+        t0 = time.monotonic()
+        woken = gloo_wake.wake(own, rank=0, peers=range(13), timeout_s=0.5)
+        took = time.monotonic() - t0
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+    assert woken == 0, "a connection got through a full backlog"
+    assert took < 3.0, f"the wake took {took:.1f} s"

@@ -26,8 +26,10 @@ from hpct_slurm import protocol as P
 from hpct_slurm.controller import controller as C
 from hpct_slurm.events import EventLog, read_events
 from hpct_slurm.recovery.client import ControllerAddress, CoordinationClient
-from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
-from hpct_slurm.recovery.state import TrainState, as_memoryview
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.snapshot import SnapshotStore
+from hpct_slurm.recovery.copies import as_memoryview
+from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import (ReplicaPusher, TransferServer, fetch_state,
                                           push_replica)
 from hpct_slurm.rendezvous import store as S
@@ -491,20 +493,23 @@ def test_replica_store_releases_the_slot_when_allocation_fails():
 _FD_CHILD = textwrap.dedent("""
     import os, resource, sys, time
     sys.path.insert(0, {root!r})
-    kind = sys.argv[1]
+    from hpct_slurm.events import EventLog
+    kind, log = sys.argv[1], sys.argv[2]
+    events = EventLog(log) if log else None  # a file, as in a real job: each record opens it
     secret = b"k" * 32
     if kind == "transfer":
         import torch
         from hpct_slurm.recovery.snapshot import SnapshotStore
-        from hpct_slurm.recovery.state import TrainState, as_memoryview
+        from hpct_slurm.recovery.copies import as_memoryview
+        from hpct_slurm.recovery.state import TrainState
         from hpct_slurm.recovery.transfer import TransferServer
         model = torch.nn.Linear(4, 4)
         own = SnapshotStore(TrainState(model=model))
         own.commit(1)
-        srv = TransferServer(secret, "77", 0, own=own, auth_timeout=0.5)
+        srv = TransferServer(secret, "77", 0, own=own, auth_timeout=0.5, events=events)
     else:
         from hpct_slurm.rendezvous.store import ShardServer
-        srv = ShardServer("127.0.0.1", 0, secret)
+        srv = ShardServer("127.0.0.1", 0, secret, events=events)
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     print(srv.address[1], flush=True)
@@ -517,9 +522,15 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.parametrize("log", ["stream", "file"])
 @pytest.mark.parametrize("kind", ["transfer", "store"])
-def test_descriptor_exhaustion_neither_kills_nor_spins_the_server(kind):
-    child = subprocess.Popen([sys.executable, "-c", _FD_CHILD.format(root=str(ROOT)), kind],
+def test_descriptor_exhaustion_neither_kills_nor_spins_the_server(kind, log, tmp_path):
+    """Issue 45, item 2: with the event log a file, the `accept_failed` record needed a
+    descriptor too; its write raised and ended the transfer server's accept thread (the rank
+    served no state for the rest of its life) or the store shard's whole loop."""
+    path = tmp_path / "rank.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", _FD_CHILD.format(root=str(ROOT)), kind,
+                              str(path) if log == "file" else ""],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
@@ -540,6 +551,14 @@ def test_descriptor_exhaustion_neither_kills_nor_spins_the_server(kind):
             assert st_.get("k") == b"v"
             st_.close()
         assert time.monotonic() - t0 < 1.0
+        if log == "file":
+            # said once, in the file, once a descriptor was free to write it
+            records = [json.loads(x) for x in path.read_text().splitlines()]
+            failed = [r for r in records if r["event"].endswith(".accept_failed")]
+            assert len(failed) == 1 and "errno 24" in failed[0]["error"], failed
+            # (the flood's rest, still in the backlog, may run it out again: more than one)
+            late = [r for r in records if r["event"] == "event_log.delayed"]
+            assert late and late[0]["written_late"] >= 1 and late[0]["dropped"] == 0
     finally:
         child.stdin.close()
         child.wait(10)

@@ -69,7 +69,8 @@ def test_the_drop_in_ddp_needs_the_jobs_rank_and_its_model():
 
 
 def test_a_mesh_shape_may_leave_one_dimension_to_the_world_size():
-    from hpct_slurm.recovery.generation import resolve_shape, sharded_spec
+    from hpct_slurm.recovery.generation import sharded_spec
+    from hpct_slurm.recovery.layout_rules import resolve_shape
 
     assert resolve_shape((2, -1), 8) == (2, 4) and resolve_shape((-1,), 4) == (4,)
     assert resolve_shape((2, 2), None) == (2, 2)  # nothing to resolve, nothing needed

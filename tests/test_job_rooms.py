@@ -4,15 +4,18 @@ snapshot policy (snapshot_policy.py), the generation's group (generation.py), th
 only process group is a real 1-rank gloo group over the rootless store on loopback."""
 from __future__ import annotations
 
+import ast
 import socket
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import hpct_slurm
 from hpct_slurm import protocol as P
 from hpct_slurm.config import JobSettings
 from hpct_slurm.errors import HpctError
@@ -20,10 +23,10 @@ from hpct_slurm.rendezvous import pg
 from hpct_slurm.recovery import generation as G
 from hpct_slurm.recovery.controller_loss import ControllerLoss
 from hpct_slurm.recovery.generation import Generation, _Stopped, sharded_spec
+from hpct_slurm.recovery.layout_rules import MeshSpec, first_mode
 from hpct_slurm.recovery.restore import Restorer
-from hpct_slurm.recovery.sharding import MeshSpec
 from hpct_slurm.recovery.snapshot import SnapshotStore
-from hpct_slurm.recovery.snapshot_policy import LAZY_FULL_EVERY, SnapshotPolicy, first_mode
+from hpct_slurm.recovery.snapshot_policy import LAZY_FULL_EVERY, SnapshotPolicy
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import FetchResult
 from hpct_slurm.slurm.env import SlurmEnv
@@ -771,3 +774,90 @@ def test_the_client_reports_a_controller_gone_without_a_goodbye_and_fails_a_sile
             t.join(5)
             assert lost.is_set() == (ending == "vanish"), ending
             client.close()
+
+
+# ---- the rooms themselves: their size and their imports -----------------------------------
+
+PACKAGE = Path(hpct_slurm.__file__).parent
+ROOMED = ("recovery", "controller", "rendezvous")  # no file over MAX_LINES in these
+MAX_LINES = 600
+
+
+def test_no_file_of_the_recovery_controller_or_rendezvous_package_is_over_600_lines():
+    """Each file one concern a newcomer can read at once (issue 46): a file that grows past
+    this is split by concern, not grown."""
+    over = {str(p.relative_to(PACKAGE)): n for room in ROOMED
+            for p in sorted((PACKAGE / room).glob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert over == {}
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every module of hpct_slurm -> the modules of hpct_slurm it imports, read from the source.
+    Every import counts, wherever it stands: at the top, inside a function (deferred to call
+    time: a circle is still a circle to the reader) and under TYPE_CHECKING (each module must be
+    readable without the other). `from pkg import name` is an import of pkg.name where that is
+    a module, else of pkg (its __init__); a package's __init__ that Python runs on the way to a
+    submodule is not counted (every module would otherwise import its package's)."""
+    modules = {}
+    for p in PACKAGE.rglob("*.py"):
+        parts = ("hpct_slurm", *p.relative_to(PACKAGE).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, p in modules.items():
+        package = mod if p.name == "__init__.py" else mod.rpartition(".")[0]
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {resolve(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                if base == "hpct_slurm" or base.startswith("hpct_slurm."):
+                    found |= {resolve(f"{base}.{a.name}") for a in node.names}
+        graph[mod] = {m for m in found if m is not None and m != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each module that lies on one, as the path that closes it."""
+    found: list[list[str]] = []
+    done: set[str] = set()
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt in path:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in done:
+                walk(path + [nxt])
+        done.add(path[-1])
+
+    for mod in sorted(graph):
+        if mod not in done:
+            walk([mod])
+    return found
+
+
+def test_the_import_graph_is_read_from_the_source():
+    graph = module_imports()
+    assert "hpct_slurm.recovery.layout_rules" in graph["hpct_slurm.recovery.generation"]
+    # a function-level import counts (ddp.py reaches the Job only when a forward runs)
+    assert "hpct_slurm.recovery.job" in graph["hpct_slurm.recovery.ddp"]
+    # and one under TYPE_CHECKING (restore.py names the Generation in annotations only)
+    assert "hpct_slurm.recovery.generation" in graph["hpct_slurm.recovery.restore"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_hpct_slurm_imports_another_in_a_circle():
+    """Each module readable, testable and changeable without the ones that import it
+    (issue 46: generation.py and snapshot_policy.py imported each other)."""
+    assert circles(module_imports()) == []

@@ -209,7 +209,8 @@ def test_a_survivor_reports_ready_before_its_broken_group_is_torn_down(settings,
     spare pulls; the next formation waits for it; one that hangs ends the process there."""
     import threading
 
-    import hpct_slurm.recovery.job as J
+    import hpct_slurm.recovery.rank_round as RR
+    from hpct_slurm.recovery.generation import _TeardownHung
 
     job, _ = _job(settings)
     job._make_client = RecoveringClient
@@ -230,11 +231,11 @@ def test_a_survivor_reports_ready_before_its_broken_group_is_torn_down(settings,
     assert finished.is_set() and job._teardown_bg is None
 
     def hung() -> None:
-        raise J._TeardownHung("process group teardown did not finish within 20 s")
+        raise _TeardownHung("process group teardown did not finish within 20 s")
 
     exits: list[int] = []
     monkeypatch.setattr(job._group, "teardown", hung)
-    monkeypatch.setattr(J.os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setattr(RR.os, "_exit", lambda code: exits.append(code))
     job._recover("RuntimeError: peer gone")
     job._await_teardown()
     assert exits == [3]
@@ -271,7 +272,7 @@ def test_a_step_the_stop_dooms_is_abandoned_in_its_forward_or_backward_not_after
     STOP that loses nobody (a planned move: the step completes), nor once the update began."""
     import threading
 
-    import hpct_slurm.recovery.job as J
+    from hpct_slurm.recovery.generation import _Stopped
 
     job, _ = _job(settings)
     job._make_client = RecoveringClient
@@ -285,12 +286,12 @@ def test_a_step_the_stop_dooms_is_abandoned_in_its_forward_or_backward_not_after
     c.stop_reason = "n3: connection lost"
     job.model(x).sum().backward()  # a STOP that loses nobody: the step goes on
     c.stop_doomed = True
-    with pytest.raises(J._Stopped, match="n3: connection lost"):
+    with pytest.raises(_Stopped, match="n3: connection lost"):
         job.model(x)
     c.stop_event.clear()
     loss = job.model(x).sum()
     c.stop_event.set()  # the STOP arrives between forward and backward
-    with pytest.raises(J._Stopped):
+    with pytest.raises(_Stopped):
         loss.backward()
     job._before_update()  # the optimizer step began: the live state is no step's any more
     job.model(x).sum().backward()

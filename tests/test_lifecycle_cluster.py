@@ -36,12 +36,25 @@ def wait_event(run_dir, name: str, timeout: float = 60, count: int = 1) -> list[
     return found
 
 
+_references: dict[tuple, dict] = {}
+
+
+def reference(cluster, tmp_path, args: list[str], world: int, **submit_kw) -> dict:
+    """What an uninterrupted run of `args` at `world` ranks ends with (one run per session
+    for the same arguments)."""
+    key = (tuple(args), world, repr(sorted(submit_kw.items())))
+    if key not in _references:
+        ref = tmp_path / "reference"
+        wait_job(cluster, submit(cluster, ref, TEMPLATE, [*args, *UNPACED], **submit_kw), ref,
+                 240, label="reference")
+        _references[key] = collect(ref, world)
+    return _references[key]
+
+
 def test_a_fault_then_a_drain_moves_the_ranks_bit_identical_and_slurm_records_both(cluster,
                                                                                  tmp_path):
     args = train(150, "--position")
-    ref = tmp_path / "reference"
-    wait_job(cluster, submit(cluster, ref, TEMPLATE, [*args, *UNPACED]), ref, 240,
-             label="reference")
+    ref = reference(cluster, tmp_path, args, 4)
     run = tmp_path / "drain"
     jid = submit(cluster, run, TEMPLATE, args)
     # a fault first: n2's training process dies (its node lives: Slurm keeps it in the job),
@@ -56,7 +69,7 @@ def test_a_fault_then_a_drain_moves_the_ranks_bit_identical_and_slurm_records_bo
     wait_job(cluster, jid, run, 240, label="drain")
 
     got = collect(run, 4)
-    assert bitwise_equal(collect(ref, 4), got, run)
+    assert bitwise_equal(ref, got, run)
     assert (got[1]["node"], got[2]["node"]) == ("n5", "n2")
     [done] = events(run, "move.done")
     assert done["taken"] == {"n3": "n2"} and done["lost_steps"] == 0
@@ -84,8 +97,10 @@ def test_a_fault_then_a_drain_moves_the_ranks_bit_identical_and_slurm_records_bo
 
 
 def test_shrink_then_grow_back_to_the_full_world(cluster, tmp_path):
+    # HPCT_SPARE_WAIT_S=0: no wait for n4 to come back (it would take its own place back,
+    # test_spare_arrivals.py): the round shrinks at once, and n4's return grows the job back
     jid = submit(cluster, tmp_path, TEMPLATE, train(200, "--micro"),
-                 env={"HPCT_ON_NO_SPARE": "shrink"})
+                 env={"HPCT_ON_NO_SPARE": "shrink", "HPCT_SPARE_WAIT_S": "0"})
     crash_at(cluster, tmp_path, 8, 120, node="n3")  # the spare n5 takes its place
     deadline = time.monotonic() + 60
     while not events(tmp_path, "recovery.done"):
@@ -112,3 +127,66 @@ def test_shrink_then_grow_back_to_the_full_world(cluster, tmp_path):
     said = [e.get("comment") or e.get("error") for e in controller_events(tmp_path)
             if e["event"] in ("slurm.comment", "slurm.error")]
     assert any("2 fault(s), 0 move(s), 1 grow(s), replaced n3>n5" in (t or "") for t in said)
+
+
+def _at_once(run_dir, name: str, timeout: float = 120) -> dict:
+    """The first `name` event, polled every 5 ms: a kill that follows lands within moments."""
+    deadline = time.monotonic() + timeout
+    while not (found := events(run_dir, name)):
+        assert time.monotonic() < deadline, f"no {name} within {timeout:.0f} s"
+        time.sleep(0.005)
+    return found[0]
+
+
+def _step_exit(run_dir, node: str) -> dict:
+    return [e for e in events(run_dir, "step.exit") if e["node"] == node][0]
+
+
+def test_a_leaving_node_killed_right_after_the_moves_assignment_is_fenced(cluster, tmp_path):
+    """Issue 45: n3 drained, its ranks move to n5, and n3 crashes right after the move's
+    assignment. It was never noticed (no longer a member, not a spare): its srun ran on and
+    the job's end waited out the 15 s step grace for it. Now its loss is seen and fenced."""
+    args = train(150, "--position")
+    ref = reference(cluster, tmp_path, args, 4)
+    run = tmp_path / "leaving"
+    jid = submit(cluster, run, TEMPLATE, args)
+    wait_step(run, 8)
+    cluster.client().update_node("n3", "DRAIN", "test: planned maintenance")
+    _at_once(run, "move.assign")
+    cluster.kill_node("n3")
+    lost = wait_event(run, "move.leaving_lost")[0]
+    wait_job(cluster, jid, run, 240, label="leaving-lost")
+
+    assert bitwise_equal(ref, collect(run, 4), run)
+    assert lost["node"] == "n3"
+    fenced = [e for e in events(run, "fault.fenced") if e["node"] == "n3"]
+    assert fenced and fenced[0]["how"] == "node down"
+    assert events(run, "fault.detected") == []  # n5 had n3's place already: no round
+    assert not [e for e in controller_events(run) if e["event"].startswith("escalate.")]
+    # its srun ended when Slurm had the node down, not at the job's end
+    assert _step_exit(run, "n3")["t"] < events(run, "job.done")[0]["t"]
+
+
+def test_a_fault_during_a_planned_move_releases_the_leaving_ranks(cluster, tmp_path):
+    """Issue 45: 3 active nodes and 2 spares; n3 drained, its ranks move to n4, and n2 dies
+    before the move's first step. The move is folded into n2's round; n3's ranks sat idle until
+    the job ended. They now leave once that round is done."""
+    args = train(150, "--position")
+    env = {"HPCT_ACTIVE_NODES": "3", "HPCT_SPARE_NODES": "2"}
+    ref = reference(cluster, tmp_path, args, 3, nodes=3, env={**env, "HPCT_SPARE_NODES": "0"})
+    run = tmp_path / "fold"
+    jid = submit(cluster, run, TEMPLATE, args, nodes=5, env=env)
+    wait_step(run, 8)
+    cluster.client().update_node("n3", "DRAIN", "test: planned maintenance")
+    assign = _at_once(run, "move.assign")
+    cluster.kill_node("n2")
+    wait_job(cluster, jid, run, 240, label="move-fold")
+
+    assert bitwise_equal(ref, collect(run, 3), run)
+    assert assign["taken"] == {"n3": "n4"}
+    [done] = events(run, "recovery.done")
+    assert set(done["lost"]) == {"n2", "n3"} and done["taken"] == {"n3": "n4", "n2": "n5"}
+    left = [e for e in rank_events(run, "n3") if e["event"] == "rank.exit"]
+    assert left and "moved to n4" in left[0]["reason"], left
+    # released when the round was done, not by the job's end
+    assert _step_exit(run, "n3")["t"] < events(run, "job.done")[0]["t"]

@@ -3,6 +3,8 @@
 shrink, the job's Slurm comment; and the pure rules behind them."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from hpct_slurm.controller.lifecycle import Tally, drained, moved_reason, summary
@@ -124,15 +126,23 @@ def test_a_drained_member_without_a_ready_spare_trains_on(tmp_path):
     run(scenario)
 
 
-def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path):
+def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path, monkeypatch):
+    # no wait for a spare on its way: the round shrinks at once, a2 returns and grows it back
+    # (with the wait, a2 takes its own place back without a shrink: test_controller_fast)
+    monkeypatch.setenv("HPCT_SPARE_WAIT_S", "0")
+
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "a2"], spares=0,
                                on_no_spare="shrink") as c:
             await c.started()
             await c.train(["localhost", "a1", "a2"], 3)
+            # a2's next ranks register only once the shrink is decided: a spare already back
+            # when the round decides would take its place instead (policy.decide_recovery)
+            c.register_gate = asyncio.Event()
             await c.crash("a2", dead=False)  # its process: the node comes back as a spare
             await c.assigned("localhost", 1)
             assert c.ctl.world.members == ["localhost", "a1"]
+            c.register_gate.set()
             await c.train(["localhost", "a1"], 4)
             await c.until(lambda: c.events("recovery.done"), "the shrink's recovery.done")
 

@@ -11,9 +11,11 @@ import numpy as np
 import torch
 
 from hpct_slurm.recovery.seeds import seed_everything, step_seed
-from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.snapshot import SnapshotStore
 from hpct_slurm.recovery.snapshot_policy import RESEEDED
-from hpct_slurm.recovery.state import RNG_KEY, TrainState
+from hpct_slurm.recovery.encoding import RNG_KEY
+from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import ReplicaPusher, TransferServer, fetch_state
 
 from test_hostile_network import Events

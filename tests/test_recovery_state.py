@@ -15,10 +15,14 @@ from hypothesis import strategies as st
 
 from hpct_slurm import protocol as P
 from hpct_slurm.errors import HpctError
-from hpct_slurm.recovery.snapshot import (ReplicaStore, Snapshot, SnapshotStore, choose_mode,
-                                          ranks_held_by, replica_peer, replica_peer_rank,
-                                          replica_source_node)
-from hpct_slurm.recovery.state import Layout, TrainState
+from hpct_slurm.recovery.layout_rules import choose_mode
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.ring import (ranks_held_by, replica_peer, replica_peer_rank,
+                                      replica_source_node)
+from hpct_slurm.recovery.slots import Snapshot
+from hpct_slurm.recovery.snapshot import SnapshotStore
+from hpct_slurm.recovery.encoding import Layout
+from hpct_slurm.recovery.state import TrainState
 
 
 class Sampler:

@@ -13,7 +13,8 @@ import pytest
 from hpct_slurm.cli import main
 from hpct_slurm.errors import HpctError
 from hpct_slurm.report.cli import load_run, resolve_run_dir
-from hpct_slurm.report.model import RunEvents, build_report, build_status, parse_jsonl
+from hpct_slurm.report.model import RunEvents, build_report, build_status
+from hpct_slurm.report.records import parse_jsonl
 from hpct_slurm.slurm.client import SlurmClient
 
 FIXTURE = Path(__file__).parent / "data" / "report-run"
@@ -264,23 +265,26 @@ def test_logs_of_something_else_are_clear_errors() -> None:
     start = _ev(0.0, "controller.start", job_id=1, active=["a"], spares=[])
     with pytest.raises(HpctError, match="has no controller.start: not a run of"):
         build_report(RunEvents("x", [_ev(0.0, "baseline.launch", nodes=["a"])], {}))
-    with pytest.raises(HpctError, match=r"events/a-0.jsonl has a rank.step event without "
-                                        r"generation"):
-        build_report(RunEvents("x", [start], {"a-0": [_ev(1.0, "rank.step", rank=0, step=3)]}))
+    # a record without a field the report reads is left out, said in one warning line
+    rep = build_report(RunEvents("x", [start], {"a-0": [_ev(1.0, "rank.step", rank=0, step=3)]}))
+    assert rep.step_runs == 0 and rep.warnings[0] == (
+        "events/a-0.jsonl t=1.0: a rank.step without generation (written by another version "
+        "of hpct-slurm?): left out")
     rep = build_report(RunEvents("x", [start, _ev(1.0, "generation.start", generation=0,
                                                    members=["a"], restore_step=-1)], {}))
     assert rep.goodput is None and "no rank events" in rep.warnings[0]
 
 
-def test_torn_last_line_is_dropped_with_a_warning_and_a_bad_middle_line_is_an_error() -> None:
+def test_torn_last_line_is_dropped_with_a_warning_and_a_bad_middle_line_left_out() -> None:
     good = json.dumps(_ev(1.0, "rank.step", rank=0, generation=0, step=0))
-    records, warning = parse_jsonl(good + "\n" + '{"t": 2.0, "event": "rank.st', "f.jsonl")
-    assert len(records) == 1 and "f.jsonl: last line 2 is torn" in warning
-    assert parse_jsonl(good + "\n\n", "f.jsonl") == ([json.loads(good)], None)
-    with pytest.raises(HpctError, match=r"f.jsonl line 1 is not an event"):
-        parse_jsonl("garbage\n" + good + "\n", "f.jsonl")
-    with pytest.raises(HpctError, match=r"line 2 is not an event"):
-        parse_jsonl(good + '\n{"event": "x"}\n', "f.jsonl")   # no time
+    records, warnings = parse_jsonl(good + "\n" + '{"t": 2.0, "event": "rank.st', "f.jsonl")
+    assert len(records) == 1 and "f.jsonl: last line 2 is torn" in warnings[0]
+    assert parse_jsonl(good + "\n\n", "f.jsonl") == ([json.loads(good)], [])
+    assert parse_jsonl("garbage\n" + good + "\n", "f.jsonl") == (
+        [json.loads(good)], ["f.jsonl line 1 ('garbage'): not JSON: left out"])
+    records, warnings = parse_jsonl(good + '\n{"event": "x"}\n' + good, "f.jsonl")
+    assert len(records) == 2 and warnings == [
+        "f.jsonl line 2 ('{\"event\": \"x\"}'): a x without a time 't': left out"]
 
 
 def test_cli_report_and_status_print_one_json_object(capsys) -> None:
@@ -327,8 +331,9 @@ def test_cli_bad_run_dirs_are_clear_errors(tmp_path: Path, capsys) -> None:
     assert "HPCT warning:" in captured.err and "n3-0.jsonl" in captured.err
     with open(run / "controller.jsonl", "a") as f:
         f.write("\n".join(["not json", '{"t": 1.0, "event": "x"}']) + "\n")
-    assert main(["report", str(run)]) == 2
-    assert "controller.jsonl line 26 is not an event" in capsys.readouterr().err
+    assert main(["report", str(run)]) == 0  # the rest of the run is still shown
+    err = capsys.readouterr().err
+    assert "controller.jsonl line 26 ('not json'): not JSON: left out" in err
 
 
 def test_job_id_resolution(tmp_path: Path, monkeypatch) -> None:

@@ -12,7 +12,7 @@ from hpct_slurm import protocol as P
 from hpct_slurm.controller.pacing import (MESSAGE_BUDGET_PER_S, MISSED_BEATS,
                                           SOURCES_PER_RANK, assign_view, compact_members,
                                           pace, should_report)
-from hpct_slurm.recovery.snapshot import replica_peer_rank
+from hpct_slurm.recovery.ring import replica_peer_rank
 
 
 # ---- pacing ---------------------------------------------------------------------------------

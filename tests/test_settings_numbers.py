@@ -135,6 +135,50 @@ def test_every_number_flag_of_the_controller_parses_by_a_table_entry():
             assert C.BY_NAME[ctl_cli.MIRRORS[flag]] is setting, flag
 
 
+def _options(**kw):
+    from hpct_slurm.controller.options import Options
+
+    return Options(command=["true"], run_dir=Path("/nonexistent"), job_id=7, nodes=["n1"],
+                   batch_host="n1", **kw)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("heartbeat_timeout_s", float("nan"), "Options.heartbeat_timeout_s 'nan' is not a "
+                                          "positive number of seconds"),
+    ("heartbeat_timeout_s", -1, "Options.heartbeat_timeout_s '-1' is not a positive number "
+                                "of seconds"),
+    ("progress_timeout_s", float("inf"), "Options.progress_timeout_s=inf is out of range: "
+                                         "it must be at most 604800 seconds"),
+    ("ready_timeout_s", 0.0, "Options.ready_timeout_s '0.0' is not a positive number of "
+                             "seconds"),
+    ("tasks_per_node", 0, "Options.tasks_per_node=0 is out of range: it must be at least 1"),
+    ("spares", -1, "Options.spares=-1 is out of range: it must be at least 0"),
+    ("persist_every", 2.5, "Options.persist_every '2.5' is not an integer"),
+    ("active", True, "Options.active 'True' is not an integer"),
+    ("slurmd_port", 70000, "Options.slurmd_port=70000 is out of range: it must be in 1-65535"),
+    ("on_no_spare", "retry", "Options.on_no_spare 'retry' is not one of requeue, shrink, "
+                             "fail"),
+])
+def test_options_given_from_python_are_checked_by_the_flags_rules(field, value, says):
+    """Issue 45, item 5: the CLI refused NaN, -1 and --tasks-per-node 0, Options made from
+    Python took them (a NaN timeout never fires). Now Options checks every field, by the rule
+    its flag parses with."""
+    with pytest.raises(C.SettingError) as exc:
+        _options(**{field: value})
+    assert str(exc.value) == f"HPCT: {says}"
+
+
+def test_options_and_the_controllers_flags_share_one_rule_per_field():
+    from hpct_slurm.controller.options import RULES
+
+    dests = {a.option_strings[-1]: a for a in _controller_parser()._actions if a.option_strings}
+    for flag, name in ctl_cli.MIRRORS.items():
+        field = dests[flag].dest + ("_s" if flag == "--progress-timeout" else "")
+        assert RULES[field] is C.BY_NAME[name], flag
+    assert dests["--heartbeat-timeout"].type.setting is RULES["heartbeat_timeout_s"]
+    _options()  # the defaults pass
+
+
 def test_every_controller_flag_that_mirrors_a_setting_has_the_tables_default():
     parser = _controller_parser()
     args = parser.parse_args([])

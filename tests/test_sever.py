@@ -77,3 +77,39 @@ def test_the_controller_connection_is_spared_when_the_batch_hosts_rank_is_lost()
     assert ctl.recv(1) == b"c"  # spared
     for s in (srv, ctl, _ctl_peer, data, data_peer):
         s.close()
+
+
+def test_to_the_own_node_only_what_this_process_opened_is_selected():
+    """Issue 46: a TP pair inside a node, one of its ranks gone to recovery, the other blocked
+    on it; sever's `outbound` addresses (this node's own) select the connections this process
+    opened (its local port is none of its listeners'), never those others opened to it."""
+    table = (TABLE.splitlines()[0] + "\n"
+             # our listener on 7000 (inode 500), a connection accepted on it (501), one we
+             # opened from an ephemeral port to a peer's listener on 8000 (502), and a listener
+             # of another process (inode 600) whose port we happen to connect from (503)
+             "   0: 0B4D0A0A:1B58 00000000:0000 0A 0:0 00:0 0 0 0 500 1\n"
+             "   1: 0B4D0A0A:1B58 0B4D0A0A:C350 01 0:0 00:0 0 0 0 501 1\n"
+             "   2: 0B4D0A0A:C351 0B4D0A0A:1F40 01 0:0 00:0 0 0 0 502 1\n"
+             "   3: 0B4D0A0A:2328 00000000:0000 0A 0:0 00:0 0 0 0 600 1\n"
+             "   4: 0B4D0A0A:2328 0B4D0A0A:1F41 01 0:0 00:0 0 0 0 503 1\n")
+    own = {500, 501, 502, 503}
+    assert socket_inodes_to(table, set(), {"10.10.77.11"}, own) == {502, 503}
+    assert socket_inodes_to(table, set(), set(), own) == set()
+    # without our listeners known, every connection to the address counts as ours
+    assert socket_inodes_to(table, set(), {"10.10.77.11"}) == {501, 502, 503}
+
+
+def test_a_pair_between_two_processes_of_one_node_is_cut_from_the_end_that_opened_it():
+    srv, cli, conn = _pair("127.0.0.2")  # cli: opened by this process; conn: accepted
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(conn.recv(10)), daemon=True)
+    t.start()
+    time.sleep(0.1)
+    assert t.is_alive()
+    # the accepted end (local port = our listener's) is spared, the opened end is cut: the
+    # read blocked on the accepted end ends with the peer's shutdown
+    assert sever([], outbound=["127.0.0.2"]) == 1
+    t.join(2)
+    assert not t.is_alive() and got == [b""]
+    for s in (srv, cli, conn):
+        s.close()

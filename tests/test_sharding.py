@@ -11,7 +11,7 @@ import pytest
 
 from hpct_slurm.controller.policy import Held, plan_restore
 from hpct_slurm.errors import HpctError
-from hpct_slurm.recovery.sharding import MeshSpec
+from hpct_slurm.recovery.layout_rules import MeshSpec
 
 
 def test_hsdp_shard_keys_pair_the_replicas():
@@ -67,7 +67,8 @@ def _worker(rank: int, tmp: str, q) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hpct_slurm.recovery.state import Layout, TrainState
+    from hpct_slurm.recovery.encoding import Layout
+    from hpct_slurm.recovery.state import TrainState
 
     try:
         torch.set_num_threads(1)

@@ -15,7 +15,8 @@ from hpct_slurm.errors import HpctError
 from hpct_slurm.events import Ev, EventLog
 from hpct_slurm.recovery import striped
 from hpct_slurm.recovery.snapshot import SnapshotStore
-from hpct_slurm.recovery.state import TrainState, as_flat_u8
+from hpct_slurm.recovery.copies import as_flat_u8
+from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.striped import Prefetch, fetch_striped
 from hpct_slurm.recovery.transfer import TransferServer
 

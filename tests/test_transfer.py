@@ -14,8 +14,10 @@ from hpct_slurm.errors import HpctError
 from hpct_slurm.events import EventLog
 from hpct_slurm.recovery import persist
 from hpct_slurm.recovery.persist import DiskPersister, list_steps, load_latest, rank_dir
-from hpct_slurm.recovery.snapshot import ReplicaStore, SnapshotStore
-from hpct_slurm.recovery.state import Layout, TrainState
+from hpct_slurm.recovery.replicas import ReplicaStore
+from hpct_slurm.recovery.snapshot import SnapshotStore
+from hpct_slurm.recovery.encoding import Layout
+from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import (EV_FALLBACK_DISK, EV_SOURCE_FAILED, LATEST, ReplicaPusher,
                                           TransferServer, fetch_state)
 

@@ -58,8 +58,8 @@ in the same pairs (forward and backward, gradient reduction, update, what the st
 adds), and `added_ms_by_phase` what the documented adoption adds to each: where the headline's
 cost lies (the carry's all-reduce and the holder's taking of slots fall in the reduction).
 
-Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2) run in 4 processes: see replication_sharded.py;
-their default-mode overheads are `overhead_pct_fsdp` and `overhead_pct_hsdp`.
+Sharded jobs (FSDP2 on 4 ranks, HSDP on 2 x 2, FSDP2 + TP and HSDP + TP) run in 4 processes:
+see replication_sharded.py; their default-mode overheads are `overhead_pct_<layout>`.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class _Position:
 
 
 def _peer(conn: Any, secret: bytes) -> None:
-    from ..recovery.snapshot import ReplicaStore
+    from ..recovery.replicas import ReplicaStore
     from ..recovery.transfer import TransferServer
     with TransferServer(secret, JOB, 1, replicas=ReplicaStore()) as srv:
         conn.send(srv.address)
@@ -121,7 +121,9 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
     from ..recovery.crosscheck import compare, exchange, shared_digest
     from ..recovery.gradients import average_gradients, parameter_gradients
     from ..recovery.persist import DiskPersister
-    from ..recovery.snapshot import ReplicaStore, Snapshot, SnapshotStore
+    from ..recovery.replicas import ReplicaStore
+    from ..recovery.slots import Snapshot
+    from ..recovery.snapshot import SnapshotStore
     from ..recovery.snapshot_policy import LAZY_FULL_EVERY
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher
@@ -382,7 +384,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False,
                    {"width": 512, "depth": 4, "batch": 16, "block": 16, "rounds": 5, "cycles": 1}
                    if quick else
                    {"width": 1664, "depth": 3, "batch": 16, "block": 16, "rounds": 5, "cycles": 1})
-    sharded = replication_sharded.measure(("fsdp", "hsdp"), sharded_cfg)
+    sharded = replication_sharded.measure(tuple(replication_sharded.MESHES), sharded_cfg)
     summary = {"bench": "replication", "overhead_pct": headline["mean_pct"],
                "overhead_ci95": headline["mean_ci95"],
                "overhead_paired_median_pct": headline["median_pct"],

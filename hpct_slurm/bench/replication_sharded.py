@@ -1,5 +1,8 @@
-"""Steady-state cost of recovery state for sharded jobs: FSDP2 on a 1-D mesh of 4 ranks and
-HSDP on a 2 x 2 mesh, real torch.distributed (gloo) in 4 processes on this machine.
+"""Steady-state cost of recovery state for sharded jobs: FSDP2 on a 1-D mesh of 4 ranks, HSDP
+on a 2 x 2 mesh, and the tensor-parallel layouts of the largest jobs: FSDP2 + TP on
+(dp_shard 2, tp 2) (FSDP2's strided shards) and HSDP + TP on (dp_replicate 2, dp_shard 1,
+tp 2); real torch.distributed (gloo) in 4 processes on this machine. (Pipeline stages add no
+state of their own: each stage's is an FSDP layout of its layers.)
 
 Variants alternate in blocks of steps, in a rotating order, so every variant sees the same
 machine; a block's time runs until the group finished it (a barrier), and pays for what it
@@ -30,7 +33,9 @@ from typing import Any
 
 JOB = "bench"
 MESHES = {"fsdp": ((4,), ("shard",), ()),
-          "hsdp": ((2, 2), ("replicate", "shard"), ("replicate",))}
+          "hsdp": ((2, 2), ("replicate", "shard"), ("replicate",)),
+          "fsdp_tp": ((2, 2), ("dp_shard", "tp"), ()),
+          "hsdp_tp": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate",))}
 VARIANTS = ("off", "overlap", "sync", "lazy")
 WORLD = 4  # both meshes
 
@@ -61,8 +66,10 @@ def _measure_rank(rank: int, parallel: str, cfg: dict, secret: bytes) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from .. import protocol as P
-    from ..recovery.sharding import MeshSpec
-    from ..recovery.snapshot import ReplicaStore, SnapshotStore, replica_peer_rank
+    from ..recovery.layout_rules import MeshSpec
+    from ..recovery.replicas import ReplicaStore
+    from ..recovery.ring import replica_peer_rank
+    from ..recovery.snapshot import SnapshotStore
     from ..recovery.snapshot_policy import LAZY_FULL_EVERY
     from ..recovery.state import TrainState
     from ..recovery.transfer import ReplicaPusher, TransferServer
@@ -74,9 +81,16 @@ def _measure_rank(rank: int, parallel: str, cfg: dict, secret: bytes) -> dict:
     torch.manual_seed(0)
     width, depth = cfg["width"], cfg["depth"]
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    dp = mesh
+    if "tp" in names:  # Megatron's pairs: column-parallel, then row-parallel
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        parallelize_module(model, mesh["tp"], {str(i): ColwiseParallel() if i % 2 == 0
+                                               else RowwiseParallel() for i in range(depth)})
+        dp = mesh[tuple(n for n in names if n != "tp")]
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = TrainState(model=model, optimizer=opt)
     state.mesh, state.replicate = mesh, spec.replicate

@@ -55,7 +55,7 @@ from ..localcluster import LocalCluster
 from ..localcluster.jobs import (TEMPLATE, bitwise_equal, cancel, collect, controller_events,
                                  fresh_work_dir, last_step, ready_cluster, recomputed_steps,
                                  step_events, submit, wait_job)
-from ..recovery.snapshot import replica_peer
+from ..recovery.ring import replica_peer
 from .common import plot_bars, write_result
 from .recovery import BENCH_ROOT, spread
 

@@ -83,7 +83,7 @@ def run(out_dir: Path, quick: bool = False, smoke: bool = False) -> dict:
     import torch
 
     from ..protocol import hash_workers
-    from ..recovery.state import as_memoryview
+    from ..recovery.copies import as_memoryview
     from ..recovery.striped import fetch_striped
     from ..recovery.transfer import fetch_state
 

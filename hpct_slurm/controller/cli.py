@@ -6,10 +6,13 @@ import os
 
 from .. import config as C
 from ..errors import HpctError
+from .options import RULES
 
 
-# Flags that mirror a setting (flag -> the table's entry). The entry gives the flag its type
-# (the table's parser and bounds: a flag takes nothing the variable refuses), the allowed
+# Flags that mirror a setting (flag -> the table's entry; Options checks its field by the same
+# entry, options.RULES, so a value given from Python meets the flag's rule). The entry gives
+# the flag its type (the table's parser and bounds: a flag takes nothing the variable refuses),
+# the allowed
 # values and default in its help, and its default: tests/test_settings_numbers.py parses an
 # empty command line against the table, so the two cannot drift apart again.
 MIRRORS: dict[str, str] = {
@@ -62,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                    "snapshots (default $SLURM_SUBMIT_DIR/hpct-JOBID)")
     mirror("--store", "rendezvous store; the SPANK option --hpct-rendezvous sets "
                       "$HPCT_STORE")
-    p.add_argument("--heartbeat-timeout", type=C.number_type("seconds"), default=3.0,
+    p.add_argument("--heartbeat-timeout", type=C.setting_type(RULES["heartbeat_timeout_s"]),
+                   default=3.0,
                    help="seconds without a heartbeat before a rank counts as hung (default 3)")
     mirror("--progress-timeout", "seconds a running rank may go without completing a step "
                                  "before it counts as hung (its heartbeats go on from a healthy "

@@ -34,9 +34,12 @@ from pathlib import Path
 from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError
-from ..events import Ev, EventLog, Role
+from ..events import Ev, Role
+from ..fault_count import CountingLog
+from ..fdlimit import nofile_fields, raise_nofile
 from ..rundir import private_dir
 from ..slurm.client import SlurmClient
+from .accepting import Listener
 from .connections import Conn, Connections, Link
 from .detection import IN_PROCESS, IN_PROCESS_GRACE_S, Detection
 from .ending import (EXIT_FAILED, EXIT_OK, EXIT_RETRY, EXIT_TERMINATED, Ending,
@@ -74,7 +77,8 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         # hand the job a training state (persisted snapshots): 0700, or refused (rundir.py).
         for d in (self.run_dir, self.run_dir / "logs", self.run_dir / "events"):
             private_dir(d)
-        self.events = EventLog(self.run_dir / "controller.jsonl", source="controller")
+        # counting its faults as it writes them: the rule `status` applies to the same records
+        self.events = CountingLog(self.run_dir / "controller.jsonl", source="controller")
         secret_path = self.run_dir / "secret"
         self.secret = (P.load_secret(secret_path) if secret_path.exists()
                        else P.new_secret_file(secret_path))
@@ -103,6 +107,8 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         self.fencing: dict[str, asyncio.Future[None]] = {}  # live nodes: step cancel under way
         self.borrowed: list[int] = []  # companion jobs submitted into the spare pool
         self.pool_nodes: set[str] = set()
+        # how long a round short of ready spares waits for one on its way (arrivals.py)
+        self.spare_wait_s: float = C.read(os.environ, C.SPARE_WAIT_S)
         self.pending_faults: dict[str, str] = {}
         self.stalled_restarts = 0
         self.trained = False  # some rank completed a step: failures since are not start-up's
@@ -135,18 +141,19 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
             print(f"hpct-slurm: warning: {warning}", file=sys.stderr)
 
     async def run(self) -> int:
+        nofile = raise_nofile()  # before the listener: a full table stops accepting ranks
         host = _resolve(self.o.batch_host)
-        server = await asyncio.start_server(self._serve, host, 0, backlog=1024)
+        server = Listener(host, self._serve, self.events)  # accepting.py: not start_server
         # `--signal=B:TERM@N` (or scancel -b -s TERM) reaches the batch shell, which execs us:
         # say goodbye to every rank (each closes its persister) and end with 143.
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: asyncio.ensure_future(self._terminate("SIGTERM")))
-        self.address = server.sockets[0].getsockname()[:2]
+        self.address = server.address
         self.events.emit(Ev.CONTROLLER_START, job_id=self.o.job_id, active=self.world.members,
                          spares=self.world.spares, tasks_per_node=self.o.tasks_per_node,
                          store=self.o.store,
                          address=f"{self.address[0]}:{self.address[1]}",
-                         command=self.o.command)
+                         command=self.o.command, **nofile_fields(nofile))
         if self._spares_short():
             self.exit_code = EXIT_FAILED
             self.events.emit(Ev.CONTROLLER_EXIT, code=self.exit_code)

@@ -12,7 +12,8 @@ import asyncio
 import time
 
 from ..errors import HpctError
-from ..events import Ev, EventLog, RankState, Role
+from ..events import Ev, RankState, Role
+from ..fault_count import CountingLog
 from ..slurm.client import SlurmClient
 from .connections import Conn
 from .lifecycle import Lifecycle
@@ -35,7 +36,7 @@ class Detection:
     # The controller's state this piece reads and writes (Controller.__init__ sets it up).
     o: Options
     slurm: SlurmClient
-    events: EventLog
+    events: CountingLog
     world: World
     pacing: Pacing
     conns: dict[tuple[str, int], Conn]
@@ -47,9 +48,13 @@ class Detection:
     lifecycle: Lifecycle  # planned moves and growing back, from the same Slurm poll
 
     def _fault(self, node: str, reason: str) -> None:
-        if self.finished.is_set() or node in self.pending_faults or node in self.dead_nodes:
+        # once the job's end is written its ranks leave: their exits are no fault
+        if self.finished.is_set() or self.events.faults.ended or node in self.pending_faults \
+                or node in self.dead_nodes:
             return
         if node not in self.world.members and node not in self.world.spares:
+            # a node leaving in a planned move is no member any more, but its loss is seen
+            self.lifecycle.leaving_lost(node, reason)
             return
         self.pending_faults[node] = reason
         self.events.emit(Ev.FAULT_DETECTED, node=node, reason=reason,
@@ -60,6 +65,8 @@ class Detection:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(self.pacing.sweep_s)
+            # records held while out of descriptors (events.py) are written once they are back
+            self.events.flush()
             now = time.monotonic()
             reported = []
             for c in list(self.conns.values()):

@@ -52,7 +52,8 @@ class Ending:
     exit_code: int
     done_sent: bool
     said_done: set[int]  # this generation's connections that said done (ids)
-    # What it uses of the other pieces: _live and _send (connections.py).
+    # What it uses of the other pieces: _live and _send (connections.py), _release_borrowed
+    # (spares.py).
 
     async def _escalate(self, why: str, script: bool = False) -> None:
         """End the job's run here. An infrastructure failure (nodes lost beyond the spares,
@@ -84,6 +85,10 @@ class Ending:
                 self.events.emit(Ev.JOB_FAILED, cause="script", reason=why)
             elif requeue:
                 self.events.emit(Ev.ESCALATE_REQUEUE, cause="infrastructure", reason=why)
+                # the pool's nodes this job holds go back first: the requeued job must never
+                # wait on a node its own companion job still holds (Slurm may kill this
+                # process at KillWait after the requeue, before the run's own release)
+                await self._release_borrowed()
                 await self._requeue()
             else:
                 self.events.emit(Ev.ESCALATE_FAIL, cause="infrastructure", reason=why)
@@ -100,9 +105,16 @@ class Ending:
         def refused(exc: SlurmCommandError) -> None:  # a try Slurm refused for now
             self.events.emit(Ev.SLURM_ERROR, error=exc.message, again=True)
 
+        def requeued() -> None:  # the outcome, before anything KillWait may cut short
+            self.events.emit(Ev.ESCALATE_REQUEUED, job_id=self.o.job_id,
+                             restart_count=self.o.restart_count + 1)
+
         try:
+            # slurmctld may hold the StartTime update 5 s for the job's DB index, and Slurm
+            # kills this process KillWait after the requeue: the requeue's record is written
+            # as soon as it is done, not after the update (issue 45)
             late = await asyncio.to_thread(self.slurm.requeue, self.o.job_id, REQUEUE_BEGIN_S,
-                                           refused)
+                                           refused, requeued)
         except SlurmCommandError as exc:
             self.events.emit(Ev.SLURM_ERROR, error=exc.message)
             return

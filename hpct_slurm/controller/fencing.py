@@ -29,6 +29,11 @@ def slurmd_reachable(slurm: SlurmClient, node: str, port: int = 6818) -> bool:
         return False
 
 
+# A cancelled step's end is asked about this often at first, then less (doubling to the max).
+STEP_POLL_S = 0.2
+STEP_POLL_MAX_S = 2.0
+
+
 class Fencing:
     """The controller's fencing of lost nodes (a piece of Controller, controller.py)."""
 
@@ -41,6 +46,8 @@ class Fencing:
     expected_exits: set[int]
     lifecycle: Lifecycle  # the admin's policy for a node fenced DOWN
     fencing: dict[str, "asyncio.Future[None]"]  # live nodes whose step cancel is under way
+    pool_nodes: set[str]  # nodes lent by the pool
+    finished: asyncio.Event
     # What it uses of the other pieces: _live (connections.py), _cancel_steps_on (steps.py),
     # _replenish (spares.py).
 
@@ -81,13 +88,39 @@ class Fencing:
 
     async def _cancel_then_spare(self, node: str) -> None:
         """Cancel a fenced live node's step; once it is gone, the healthy node becomes a warm
-        spare again (never before: a new step beside the stopped one would be refused)."""
+        spare again (never before: a new step beside the stopped one would be refused). The
+        node stays in `fencing` until then: a round short of spares waits for it (arrivals.py).
+        scancel returns before a step whose slurmstepd is stopped has gone (it waits out
+        MessageTimeout, then gives up), so the node's steps are asked about until none is left."""
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, self._cancel_steps_on, node)
+            if node in self.pool_nodes:
+                return  # its companion job is cancelled: the pool lends another (spares.py)
+            pause, said = STEP_POLL_S, False
+            while not self.finished.is_set():
+                left = await loop.run_in_executor(None, self._steps_left_on, node)
+                if not left:
+                    self._replenish(node)
+                    return
+                if not said:
+                    said = True
+                    self.events.emit(Ev.FAULT_STEP_LINGERS, node=node, steps=left)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, STEP_POLL_MAX_S)
         finally:
             self.fencing.pop(node, None)
-        loop.call_later(1.0, self._replenish, node)
+
+    def _steps_left_on(self, node: str) -> list[str]:
+        """What of this job still runs on `node` (off the loop): its numbered Slurm steps, and
+        the srun of its step that this controller started (it ends with the step)."""
+        left = [f"srun pid {p.pid}" for p in [self.steps.get(node)]
+                if p is not None and p.returncode is None]
+        try:
+            steps = self.slurm.job_steps(self.o.job_id)
+        except HpctError:
+            return left or ["unknown: squeue failed"]
+        return left + [s.step for s in steps if s.nodelist == [node] and s.numbered]
 
     def _usable_in_slurm(self, node: str) -> bool:
         try:

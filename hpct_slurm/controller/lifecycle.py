@@ -29,7 +29,8 @@ from typing import Any, Awaitable, Coroutine, Protocol, Sequence
 from .. import config as C
 from .. import protocol as P
 from ..errors import HpctError, describe
-from ..events import Ev, EventLog, RankState
+from ..events import Ev, RankState
+from ..fault_count import CountingLog
 from ..move_requests import CORRUPTION, read_requests
 from ..slurm.client import (NodeInfo, ReservationInfo, SlurmClient, SlurmCommandError,
                             printable_line, refused_for_now)
@@ -132,7 +133,7 @@ class Host(Protocol):
 
     o: Options
     slurm: SlurmClient
-    events: EventLog
+    events: CountingLog  # counts the faults as it writes them (fault_count.py)
     run_dir: Path
     world: World
     shards: dict[str, list[int]]
@@ -167,6 +168,8 @@ class Host(Protocol):
                       sources: dict[int, list[tuple[str, int]]]) -> None: ...
 
     async def _escalate(self, why: str, script: bool = False) -> None: ...
+
+    async def _fence(self, node: str, reason: str) -> None: ...
 
 
 class Lifecycle:
@@ -392,10 +395,13 @@ class Lifecycle:
         fields = rec.done_fields(now)
         if rec.kind == "move":
             c.events.emit(Ev.MOVE_DONE, **fields)
-            for node in rec.lost:
-                asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
         else:
             c.events.emit(Ev.GROW_DONE if rec.kind == "grow" else Ev.RECOVERY_DONE, **fields)
+        # Every leaving rank goes now, a move's own and one whose round a fault cut short and
+        # folded into this one (which sources nothing from it): it sat idle until the job
+        # ended before (issue 45).
+        for node in list(self.leaving):
+            asyncio.ensure_future(self._release(node, rec.taken.get(node, "")))
         self.count(rec, fields)
         self.record()
 
@@ -408,13 +414,29 @@ class Lifecycle:
         elif rec.kind == "grow":
             t.grows += 1
         else:
-            # a move cut short by this round's fault is in its record too (fold)
-            moved = sum(1 for n in rec.lost if rec.reasons.get(n) == MOVED)
-            t.faults += max(1, len(rec.lost) - moved)
-            t.moves += moved
+            # a move cut short by this round's fault is in its record too (fold); its faults
+            # are counted as they are written (record)
+            t.moves += sum(1 for n in rec.lost if rec.reasons.get(n) == MOVED)
         t.replaced += [f"{a}>{b}" for a, b in rec.taken.items()]
         t.pause_s += fields["recovery_s"]
         t.lost_steps += fields["lost_steps"]
+
+    def leaving_lost(self, node: str, reason: str) -> None:
+        """A leaving node's ranks were lost before their goodbye (the node crashed right
+        after the move's assignment): its successor already has its place, so there is no
+        round; it is fenced like a lost node (DOWN when its slurmd is gone, so that its srun
+        ends instead of holding the job's end for the step grace) and released."""
+        if self.leaving.pop(node, None) is None:
+            return
+        c = self.ctl
+        c.dead_nodes.add(node)  # never a spare again, whatever the fence finds
+        c.events.emit(Ev.MOVE_LEAVING_LOST, node=node, reason=reason)
+        spare = c.recovery.taken.get(node, "") if c.recovery is not None else ""
+
+        async def fence_then_release() -> None:
+            await c._fence(node, f"left in a planned move, then {reason}")
+            await self._release(node, spare)
+        asyncio.ensure_future(fence_then_release())
 
     async def _release(self, node: str, spare: str) -> None:
         """The moved node's ranks leave (their state is no longer needed); the node stays
@@ -465,6 +487,8 @@ class Lifecycle:
         """Write the summary into the job's Slurm Comment, in the background (best effort: a
         refused update is an event, never a failure of the job, and nothing waits for it but
         an escalation's end: `settle`). One writer at a time, always the newest text."""
+        # one fault per fault: the rule `status` applies to the same records (fault_count.py)
+        self.tally.faults = self.ctl.events.faults.count
         self.comment_wanted = summary(self.tally, outcome)
         if self.comment_task is None or self.comment_task.done():
             self.comment_task = asyncio.create_task(self._write_comment())

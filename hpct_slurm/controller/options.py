@@ -2,8 +2,29 @@
 the SPANK plugin's defaults and Slurm's environment: cli.py and controller.main_from_env)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+from .. import config as C
+from ..errors import HpctError
+
+# What each field may be, checked when an Options is made (from the command line or from
+# Python alike: NaN, -1 or tasks_per_node=0 are refused either way). A field whose flag mirrors
+# a setting of the table has that setting's rule, the one its flag parses by (cli.py's
+# MIRRORS); --heartbeat-timeout takes its own rule from here.
+_SECONDS = C.number_rule("seconds")
+RULES: dict[str, C.Setting] = {
+    "spares": C.BY_NAME[C.SPARES], "active": C.BY_NAME[C.ACTIVE_NODES],
+    "persist_every": C.BY_NAME[C.PERSIST_EVERY], "tasks_per_node": C.BY_NAME[C.TASKS_PER_NODE],
+    "store": C.BY_NAME[C.STORE], "on_no_spare": C.BY_NAME[C.ON_NO_SPARE],
+    "pool_spares": C.BY_NAME[C.POOL_SPARES], "pool_reservation": C.BY_NAME[C.POOL_RESERVATION],
+    "progress_timeout_s": C.BY_NAME[C.PROGRESS_TIMEOUT_S],
+    "want_spares": C.BY_NAME[C.SPARE_NODES], "on_few_spares": C.BY_NAME[C.ON_FEW_SPARES],
+    "heartbeat_timeout_s": _SECONDS, "ready_timeout_s": _SECONDS,
+    "collective_timeout_s": _SECONDS, "init_timeout_s": _SECONDS, "node_poll_s": _SECONDS,
+    "job_id": C.number_rule("int", 1), "slurmd_port": C.number_rule("int", 1, 65535),
+    "max_stalled_restarts": C.number_rule("int", 1), "restart_count": C.number_rule("int", 0),
+}
 
 
 @dataclass
@@ -41,3 +62,11 @@ class Options:
     want_spares: int | None = None
     on_few_spares: str = "warn"
     restart_count: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name in RULES:
+                C.check_value(RULES[f.name], getattr(self, f.name), f"Options.{f.name}")
+        if not self.command or not all(isinstance(a, str) for a in self.command):
+            raise HpctError(f"Options.command must be a non-empty list of strings, not "
+                            f"{self.command!r:.200}")

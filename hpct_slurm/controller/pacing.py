@@ -100,7 +100,7 @@ class AssignView:
 
     def __call__(self, rank: int) -> tuple[dict[int, list[tuple[str, int]]],
                                            dict[int, tuple[str, int]]]:
-        from ..recovery.snapshot import replica_peer_rank
+        from ..recovery.ring import replica_peer_rank
 
         if self.world_size <= FULL_VIEW_MAX:
             return self.sources, self.peers

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import HpctError
+from .formation import broken_from_outside
 
 
 @dataclass
@@ -160,7 +161,7 @@ def plan_restore(needs: dict[int, int], held: dict[int, Held], *, mode: str, ran
     hold state of their own (survivors; a newcomer holds nothing until its restore succeeded).
     `disk_shared` / `disk_rank`: steps persisted for the shared state (shard key -> steps; a
     plain set is shard key 0's) and for each rank's own. `shard_keys`: rank -> shard key of a
-    sharded job (sharding.MeshSpec; empty or None: plain data parallelism, one key). The
+    sharded job (layout_rules.MeshSpec; empty or None: plain data parallelism, one key). The
     "shared" state is then shared only among the ranks of one shard key: a lost rank takes it
     from a survivor with its key, else from that key's file on disk. `leaving`: rank -> what
     the live process leaving that position in a planned move holds; it serves its own copies
@@ -302,6 +303,9 @@ class RecoveryDecision:
     stalled_restarts: int = 0
     script: bool = False
     shrunk: bool = False
+    # a restart in place whose errors are all the transport's (formation.py): what broke
+    # the generation was not a member and not the script; those errors
+    outside: tuple[str, ...] = ()
 
     @property
     def escalates(self) -> bool:
@@ -397,12 +401,17 @@ def decide_recovery(world: World, lost: list[str], ready_spares: list[str],
     except HpctError as exc:
         return escalation(exc.message, replacement=rep, shards=new_shards, shrunk=shrinking)
     stalled = stalled_restarts + 1 if not lost and previous_restore == plan.step else 0
+    outside = () if lost else broken_from_outside(r.error for r in reports)
     if stalled >= max_stalled_restarts:
         errors = sorted({r.error for r in reports if r.error})
-        return RecoveryDecision(
-            Action.FAIL, f"{stalled} restarts in place made no progress past step {plan.step}"
-            + (f": {'; '.join(errors)}" if errors else ""), lost, rep, new_shards, plan=plan,
-            stalled_restarts=stalled, script=True, shrunk=shrinking)
+        stuck = (f"{stalled} restarts in place made no progress past step {plan.step}"
+                 + (f": {'; '.join(errors)}" if errors else ""))
+        if outside:  # the transport broke it every time, not the script: never charged to it
+            return escalation(f"formation broken by something other than a member: {stuck}",
+                              replacement=rep, shards=new_shards, plan=plan,
+                              stalled_restarts=stalled, shrunk=shrinking, outside=outside)
+        return RecoveryDecision(Action.FAIL, stuck, lost, rep, new_shards, plan=plan,
+                                stalled_restarts=stalled, script=True, shrunk=shrinking)
     # A node fenced alive in this round may already be back as a fresh spare step: it is a
     # spare now, not a lost member.
     back = [n for n in world.spares if n not in rep.spares and n not in rep.members
@@ -415,7 +424,7 @@ def decide_recovery(world: World, lost: list[str], ready_spares: list[str],
     else:
         reason = "every rank restarts in place"
     return RecoveryDecision(action, reason, lost, rep, new_shards, rep.spares + back, plan,
-                            stalled, shrunk=shrinking)
+                            stalled, shrunk=shrinking, outside=outside)
 
 
 # ---- what a recovery cost -------------------------------------------------------------------

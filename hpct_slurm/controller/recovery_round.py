@@ -9,9 +9,11 @@ order, each filling in the round's state (`Round`):
 2. STOP to every survivor, then fence the lost members (fencing.py);
 3. wait for the survivors to be ready with their Holdings report; one that is not is lost as
    well (a second fault, fenced in the same round);
-4. decide (policy.decide_recovery, pure: replace, shrink, requeue or fail, and the restore
+4. short of ready spares with one on its way (arrivals.py): wait for it, within
+   HPCT_SPARE_WAIT_S;
+5. decide (policy.decide_recovery, pure: replace, shrink, requeue or fail, and the restore
    step with each rank's source);
-5. carry the decision out: the new generation's layout and the Assign to each of its ranks,
+6. carry the decision out: the new generation's layout and the Assign to each of its ranks,
    or an escalation (raised: `_faults` reports it and ends the run, ending.py).
 
 The round then stays open (`recovery`) until every rank completed its first step. Generation
@@ -30,6 +32,7 @@ from pathlib import Path
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog, RankState, Role
+from .arrivals import arrivals, should_wait
 from .connections import Conn
 from .detection import IN_PROCESS
 from .ending import ScriptError
@@ -80,6 +83,10 @@ class RecoveryRound:
     gen0_scheduled: bool  # generation 0's assignment is on its way (once)
     initial_restore: int
     lifecycle: Lifecycle
+    fencing: dict[str, "asyncio.Future[None]"]  # nodes fenced alive, back as spares later
+    borrowed: list[int]  # pool companion jobs submitted
+    pool_nodes: set[str]  # pool nodes that joined
+    spare_wait_s: float  # HPCT_SPARE_WAIT_S
     # What it uses of the other pieces: _live, _node_ready and _send (connections.py),
     # _fence (fencing.py), _maybe_borrow (spares.py), _escalate (ending.py).
 
@@ -115,6 +122,7 @@ class RecoveryRound:
             return
         await self._stop_and_fence(r)
         await self._survivors_ready(r)
+        await self._await_spares(r.lost_active, r.lost_spares)
         d = await self._decide(r.lost_active, r.survivors, r.lost_spares)
         await self._carry_out(r, d)
 
@@ -153,6 +161,7 @@ class RecoveryRound:
         they were fenced as "not ready" after the ready timeout and the job requeued."""
         for node in r.lost_active:
             await self._fence(node, r.lost[node])
+        await self._await_spares(r.lost_active, r.lost_spares)
         ready = [s for s in self.world.spares if self._node_ready(s)]
         rep = replace(self.world, r.lost_active, ready)  # raises when too few: escalation
         for lost_node, spare in rep.taken.items():
@@ -208,6 +217,32 @@ class RecoveryRound:
         r.rec.newest_done = max((c.done_step for c in self.conns.values()
                                  if c.generation == g and c.done_generation == g), default=-1)
 
+    async def _await_spares(self, lost_active: list[str], lost_spares: list[str]) -> None:
+        """Short of ready spares for the lost members, with enough on their way (arrivals.py):
+        wait for them, at most HPCT_SPARE_WAIT_S, before the round decides. A fault that
+        arrives meanwhile waits for the next round, as during any round."""
+        t0 = time.monotonic()
+        said = False
+        while True:
+            ready = [s for s in self.world.spares if self._node_ready(s)]
+            # a fault pending on a node rules it out, unless it is the same loss seen again
+            faulty = {n for n in self.pending_faults if n not in lost_active}
+            coming = arrivals(self.world.spares, ready,
+                              self.dead_nodes | set(lost_spares) | faulty,
+                              list(self.fencing), len(self.borrowed), len(self.pool_nodes))
+            waited = time.monotonic() - t0
+            if not should_wait(len(lost_active), len(ready), coming, waited,
+                               self.spare_wait_s):
+                break
+            if not said:
+                said = True
+                self.events.emit(Ev.RECOVERY_SPARE_WAIT, lost=lost_active, ready=ready,
+                                 bound_s=self.spare_wait_s, **coming.fields())
+            await asyncio.sleep(0.05)
+        if said:
+            self.events.emit(Ev.RECOVERY_SPARE_WAIT_OVER, waited_s=round(waited, 3),
+                             ready=ready, **coming.fields())
+
     async def _carry_out(self, r: Round, d: RecoveryDecision) -> None:
         """The decision: a shrink's new shards, an escalation (raised), or the new
         generation's layout, sources and assignment."""
@@ -219,6 +254,10 @@ class RecoveryRound:
                              lost=lost_active, members=d.replacement.members, shards=self.shards)
         if d.plan is not None:
             self.stalled_restarts = d.stalled_restarts
+        if d.outside:
+            self.events.emit(Ev.FORMATION_BROKEN, generation=self.world.generation,
+                             errors=list(d.outside), stalled_restarts=d.stalled_restarts,
+                             escalates=d.escalates)
         if d.escalates:
             # _faults reports it (recovery.failed) and escalates: requeue or fail
             raise (ScriptError if d.script else HpctError)(d.reason)

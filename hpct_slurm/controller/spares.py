@@ -55,8 +55,8 @@ class Spares:
         return refuse
 
     def _replenish(self, node: str) -> None:
-        if self.finished.is_set() or node in self.world.spares:
-            return
+        if self.finished.is_set() or node in self.world.spares or node in self.dead_nodes:
+            return  # (a node fenced for good, or moved off, is never a spare again)
         for key in [k for k, c in self.conns.items() if k[0] == node and c.gone]:
             del self.conns[key]
         self.world.spares.append(node)
@@ -100,6 +100,9 @@ class Spares:
                          reservation=self.o.pool_reservation)
 
     async def _release_borrowed(self) -> None:
-        for job in self.borrowed:
+        """Cancel the companion jobs (at the end, or before a requeue): the pool's nodes go
+        back to the pool. Once each."""
+        jobs, self.borrowed[:] = list(self.borrowed), []
+        for job in jobs:
             with contextlib.suppress(SlurmCommandError):
                 await asyncio.to_thread(self.slurm.cancel, job)

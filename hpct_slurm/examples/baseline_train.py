@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ def main() -> None:  # noqa: C901 - one flat script, as users write it
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--port", type=int, default=29400)
-    ap.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp")
+    ap.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "3d"], default="ddp")
+    ap.add_argument("--epochs", type=int, default=2, help="3d: epochs of torchrun_3d's data")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -47,6 +49,8 @@ def main() -> None:  # noqa: C901 - one flat script, as users write it
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     events.emit(Ev.BASELINE_PG_READY, rank=rank)
+    if args.parallel == "3d":
+        return three_d(args, rank, run_dir, events)
     if args.parallel != "ddp":
         return sharded(args, rank, run_dir, events)
     model, opt = build(args.hidden, args.layers)
@@ -85,7 +89,7 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpct_slurm.examples import sharded_train as st
-    from hpct_slurm.recovery.generation import resolve_shape
+    from hpct_slurm.recovery.layout_rules import resolve_shape
 
     shape, names = st.MESHES[args.parallel]
     shape = resolve_shape(shape, dist.get_world_size())  # the -1: the rest of the world
@@ -118,6 +122,80 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
                 tmp.write_text(str(step))
                 os.replace(tmp, ckpt / "step.txt")
     write_result(run_dir, rank, st.LocalShards(model), losses)
+    dist.destroy_process_group()
+
+
+def three_d(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog) -> None:
+    """The 3-D job (examples/torchrun_3d.py: pipeline 2 x FSDP2 x TP 2) as users checkpoint it
+    today: every rank saves its own shards (parameters, AdamW's state, the scheduler) every K
+    steps, and after a restart of every rank loads them back and skips the batches of the
+    epoch done before. (torch's distributed checkpoint fails to load an AdamW's state across
+    pipeline stages here: KeyError 'betas', torch 2.13.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from hpct_slurm.examples import model_3d as t3
+    from hpct_slurm.examples.torchrun_ddp import token_data
+    from hpct_slurm.examples.torchrun_fsdp import save_full_result
+
+    names = t3.LAYOUTS["3d"]
+    mesh = init_device_mesh("cpu", t3.mesh_shape("3d", dist.get_world_size()),
+                            mesh_dim_names=names)
+    torch.manual_seed(1234)
+    pp = mesh["pp"]
+    model = t3.parallelize(t3.TokenMLP().stage(pp.get_local_rank(), pp.size()), mesh, names)
+    schedule = t3.schedule_for(model, pp)
+    dp = mesh[("dp_shard",)]
+    data = token_data()
+    sampler = DistributedSampler(data, num_replicas=dp.size(), rank=t3.flat_rank(dp),
+                                 shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * len(loader))
+    ckpt = run_dir / "dcp"
+    start = 0
+    params = dict(model.named_parameters())
+    if (ckpt / "step.txt").exists():
+        start = int((ckpt / "step.txt").read_text()) + 1
+        # a file per step: a crash amid the next save leaves this one whole
+        saved = torch.load(ckpt / f"rank{rank}-step{start - 1}.pt", weights_only=False)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.to_local().copy_(saved["model"][name])
+                opt.state[p] = {k: DTensor.from_local(v, p.device_mesh, p.placements,
+                                                      run_check=False, shape=p.shape,
+                                                      stride=p.stride()) if v.dim() else v
+                                for k, v in saved["optimizer"][name].items()}
+        sched.load_state_dict(saved["sched"])
+        for group, lr in zip(opt.param_groups, saved["lr"]):  # the schedule's position
+            group["lr"] = lr
+    events.emit(Ev.BASELINE_START, rank=rank, start_step=start)
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if step >= start:
+                t3.step(model, schedule, x, y, opt)
+                sched.step()
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                events.emit(Ev.RANK_STEP, rank=rank, step=step, loss=None)
+                if (step + 1) % args.ckpt_every == 0:
+                    ckpt.mkdir(parents=True, exist_ok=True)
+                    local = {n: {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+                                 for k, v in opt.state[p].items()} for n, p in params.items()}
+                    torch.save({"model": {n: p.to_local().clone() for n, p in params.items()},
+                                "optimizer": local, "sched": sched.state_dict(),
+                                "lr": [g["lr"] for g in opt.param_groups]},
+                               ckpt / f"rank{rank}-step{step}.pt")
+                    dist.barrier()
+                    if rank == 0:
+                        tmp = ckpt / "step.tmp"
+                        tmp.write_text(str(step))
+                        os.replace(tmp, ckpt / "step.txt")
+            step += 1
+    save_full_result(str(run_dir), rank, model)
     dist.destroy_process_group()
 
 

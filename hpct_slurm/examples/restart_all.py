@@ -19,14 +19,15 @@ from ..slurm.env import SlurmEnv
 MAX_ATTEMPTS = 4
 
 
-def batch_script(run_dir: Path) -> Path:
+def batch_script(run_dir: Path, tasks_per_node: int = 1) -> Path:
     """Write the sbatch script that runs this driver for `run_dir`; submit it with the
     training arguments (`--steps ... --ckpt-every K`) as the script's arguments."""
     run_dir.mkdir(parents=True, exist_ok=True)
     script = run_dir / "baseline.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --exclusive\n#SBATCH --no-kill\n"
                       f'exec "{sys.executable}" -m hpct_slurm.examples.restart_all '
-                      f'--run-dir "{run_dir}" -- "$@"\n')
+                      f'--run-dir "{run_dir}" --tasks-per-node {int(tasks_per_node)} '
+                      f'-- "$@"\n')
     return script
 
 
@@ -34,6 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--spares", type=int, default=1)
+    ap.add_argument("--tasks-per-node", type=int, default=1)
     ap.add_argument("train_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -47,8 +49,10 @@ def main() -> int:
         events.emit(Ev.BASELINE_LAUNCH, attempt=attempt, nodes=active)
         rc = slurm.run_step(active, [sys.executable, "-m", "hpct_slurm.examples.baseline_train",
                                      "--run-dir", str(run_dir), "--port", str(29400 + attempt),
-                                     *train_args], options=["-K1", "--overlap", "-u"])
-        done = all((run_dir / "results" / f"rank{r}.json").exists() for r in range(len(active)))
+                                     *train_args], options=["-K1", "--overlap", "-u"],
+                             tasks_per_node=args.tasks_per_node)
+        done = all((run_dir / "results" / f"rank{r}.json").exists()
+                   for r in range(len(active) * args.tasks_per_node))
         events.emit(Ev.BASELINE_STEP_EXIT, attempt=attempt, code=rc, done=done)
         if done:
             return 0

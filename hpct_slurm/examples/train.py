@@ -68,6 +68,10 @@ def main() -> None:
                     help="test: block the training thread forever in this step on "
                          "--fault-rank (the process and its heartbeats stay alive)")
     ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--script-error-at", type=int, default=None, metavar="STEP",
+                    help="test: a bug in the script: this step raises on --fault-rank in every "
+                         "generation, from inside torch (a layer called with the wrong shape), "
+                         "so the job ends as the script's own error")
     ap.add_argument("--later-step-sleep", type=float, default=None, metavar="S",
                     help="--step-sleep from generation 1 on (after the first fault): a test "
                          "that waits for Slurm to notice a fault trains slowly only until then")
@@ -111,6 +115,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def inject(step: int) -> None:
+        if step == args.script_error_at and job.rank == args.fault_rank:
+            wrong_shape()
         if job.generation != 0 or job.rank != args.fault_rank:
             return
         if step == args.fail_at:
@@ -145,6 +151,12 @@ def main() -> None:
     if trained:
         write_result(job.run_dir, job.rank, model, job.losses,
                      position.consumed if args.position else None, disc)
+
+
+def wrong_shape() -> None:
+    """The script's bug of --script-error-at: layers fed a batch of the wrong width, which
+    torch refuses several frames down (the traceback's innermost frames are torch's)."""
+    torch.nn.Sequential(torch.nn.Linear(3, 4))(torch.zeros(2, 5))
 
 
 def forward_backward(model: torch.nn.Module, batch: int, step_sleep: float = 0.0) -> float:

@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="absolute path of the python that has hpct_slurm (default: this one)")
     i.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a setting the hooks run with (HPCT_SHM_ROOT, HPCT_HOOKS_LOG, "
-                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB; "
-                        "`hpct-slurm settings` lists all) or SLURM_CONF")
+                        "HPCT_SHM_FRACTION, HPCT_DEFAULT_CACHE_MB, HPCT_HEALTH_MIN_SHM_MB, "
+                        "HPCT_FENCE, HPCT_FENCE_ALLOW; `hpct-slurm settings` lists all) or "
+                        "SLURM_CONF")
     i.add_argument("--tmpfiles-dir", type=Path, default=Path("/etc/tmpfiles.d"), metavar="DIR",
                    help="where to write hpct-slurm.conf, the systemd-tmpfiles line that makes "
                         "the shm root at boot, before any user can take its name (default: "
@@ -86,11 +87,12 @@ def never_fails(source: str, work: Callable[[], int]) -> int:
 def _prolog(args: argparse.Namespace) -> int:
     def work() -> int:
         from .context import HookConfig, JobContext
+        from .fence import FenceConfig
         from .node import SlurmNode
         from .prolog import prolog
 
         result = prolog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ),
-                        SlurmNode(), _log("prolog"))
+                        SlurmNode(), _log("prolog"), FenceConfig.from_env(os.environ))
         return 0 if result.healthy else 1
     return never_fails("prolog", work)
 
@@ -99,9 +101,10 @@ def _epilog(args: argparse.Namespace) -> int:
     def work() -> int:
         from .context import HookConfig, JobContext
         from .epilog import epilog
+        from .fence import FenceConfig
 
         epilog(JobContext.from_env(os.environ), HookConfig.from_env(os.environ),
-               _log("epilog"))
+               _log("epilog"), FenceConfig.from_env(os.environ))
         return 0
     return never_fails("epilog", work)
 

@@ -42,6 +42,7 @@ class JobContext:
     gid: int
     node: str
     requested_cache_mb: int | None = None
+    nodelist: str = ""  # the allocation (the fence admits its nodes)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "JobContext":
@@ -58,4 +59,6 @@ class JobContext:
             raise HpctError(f"SLURM_JOB_UID/SLURM_JOB_GID {environ.get('SLURM_JOB_UID')!r}/"
                             f"{environ.get('SLURM_JOB_GID')!r} are not set")
         return cls(job_id=check_job_id(job, "SLURM_JOB_ID"), uid=uid, gid=gid, node=node,
-                   requested_cache_mb=C.read(environ, C.SPANK_CACHE_MB))
+                   requested_cache_mb=C.read(environ, C.SPANK_CACHE_MB),
+                   # Slurm 22.05 gives a Prolog only SLURM_NODELIST (measured)
+                   nodelist=environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", ""))

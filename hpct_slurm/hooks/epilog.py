@@ -4,16 +4,20 @@ from __future__ import annotations
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog
 from .context import HookConfig, JobContext
+from .fence import FenceConfig
+from .fence import remove as remove_fence
 from .shm import ShmRoot
 
 EVENT_JOB_DIR_REMOVED = Ev.HOOK_JOB_DIR_REMOVED
 EVENT_JOB_DIR_REMOVE_FAILED = Ev.HOOK_JOB_DIR_REMOVE_FAILED
 
 
-def epilog(job: JobContext, cfg: HookConfig, log: EventLog) -> bool:
-    """Remove the job's dir; True when there was one and it is gone. A dir that cannot be
-    removed (its user made it a trap) is logged and left for the next prolog's sweep: a failed
-    epilog would drain the node."""
+def epilog(job: JobContext, cfg: HookConfig, log: EventLog,
+           fence: FenceConfig = FenceConfig()) -> bool:
+    """Remove the job's fence (never fails) and dir; True when there was a dir and it is
+    gone. A dir that cannot be removed (its user made it a trap) is logged and left for the
+    next prolog's sweep: a failed epilog would drain the node."""
+    remove_fence(job, fence, log)
     with ShmRoot(cfg.shm_root, create=True) as root, root.locked():  # not mid-sweep
         try:
             found = root.remove_job(job.job_id)

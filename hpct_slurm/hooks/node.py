@@ -12,6 +12,9 @@ class NodeSlurm(Protocol):
 
     def drain(self, node: str, reason: str) -> None: ...
 
+    def controller_hosts(self) -> list[str]:
+        """slurmctld's hosts (`scontrol show config`): the fence admits them."""
+
 
 class SlurmNode:
     """The real thing, through hpct_slurm.slurm.client (squeue --json, scontrol update)."""
@@ -29,3 +32,8 @@ class SlurmNode:
 
     def drain(self, node: str, reason: str) -> None:
         self.client.update_node(node, "DRAIN", reason)
+
+    def controller_hosts(self) -> list[str]:
+        from .fence import controller_hosts
+
+        return controller_hosts(self.client.config_text())

@@ -14,7 +14,10 @@ from pathlib import Path
 
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog
+from ..rendezvous.derive import resolve_host
 from .context import HookConfig, JobContext
+from .fence import FenceConfig
+from .fence import install as install_fence
 from .health import HealthConfig, default_checks, run_checks
 from .node import NodeSlurm
 from .shm import ShmRoot
@@ -71,7 +74,8 @@ def sweep_stale(root: ShmRoot, keep: set[int], slurm: NodeSlurm, log: EventLog) 
     return removed
 
 
-def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog) -> PrologResult:
+def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog,
+           fence: FenceConfig = FenceConfig()) -> PrologResult:
     problems = run_checks(default_checks(HealthConfig(cfg.shm_root, cfg.min_free_shm_mb)))
     if problems:
         reason = DRAIN_PREFIX + "; ".join(problems)
@@ -96,5 +100,9 @@ def prolog(job: JobContext, cfg: HookConfig, slurm: NodeSlurm, log: EventLog) ->
     log.emit(EVENT_JOB_DIR, node=job.node, job_id=job.job_id, path=str(info.path),
              uid=info.uid, mode=f"{info.mode:o}", replaced=info.replaced,
              requested_mb=requested, granted_mb=granted)
+    # After the health verdict: an unhealthy node runs no job to fence. Never fails.
+    if fence.mode != "off":
+        install_fence(job, job.nodelist, fence, log, slurm.controller_hosts, resolve_host,
+                      active=slurm.active_job_ids)
     return PrologResult(healthy=True, job_dir=info.path, granted_mb=granted,
                         stale_removed=stale)

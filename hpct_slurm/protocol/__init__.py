@@ -30,8 +30,8 @@ from .channel import (Channel, client_hello, client_hello_async, server_hello,
                       server_hello_async)
 from .digest import (CHUNK, PartHasher, hash_pool, hash_workers, leaf_digests, part_digest,
                      range_digest)
-from .errors import (ConnectionClosed, DigestMismatch, HeaderTooLarge, ProtocolError,
-                     ProtocolTimeout)
+from .errors import (ConnectionClosed, ConnectionCut, DigestMismatch, HeaderTooLarge,
+                     ProtocolError, ProtocolTimeout)
 from .messages import (MESSAGE_TYPES, Ack, Assign, Batch, Envelope, FetchState, Goodbye,
                        Heartbeat, Holdings, Left, Message, Register, RelayHello, Resume,
                        StateBlob, StepDone, Stop)
@@ -45,7 +45,7 @@ __all__ = [
     "Channel", "client_hello", "client_hello_async", "server_hello", "server_hello_async",
     "CHUNK", "PartHasher", "hash_pool", "hash_workers", "part_digest", "leaf_digests",
     "range_digest",
-    "ConnectionClosed", "DigestMismatch", "HeaderTooLarge", "ProtocolError", "ProtocolTimeout",
+    "ConnectionClosed", "ConnectionCut", "DigestMismatch", "HeaderTooLarge", "ProtocolError", "ProtocolTimeout",
     "MESSAGE_TYPES", "Ack", "Assign", "Envelope", "FetchState", "Goodbye", "Heartbeat",
     "Holdings", "Message", "Register", "Resume", "StateBlob", "StepDone", "Stop",
     "Batch", "Left", "RelayHello",

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from .digest import CHUNK, PartHasher, _flat
-from .errors import ConnectionClosed, ProtocolError, ProtocolTimeout
+from .errors import ConnectionClosed, ConnectionCut, ProtocolError, ProtocolTimeout
 from .messages import Envelope
 from .wire import (_LEN, DEFAULT_MAX_BODY, MAC_LEN, Body, _authentic_header, _check_digests,
                    _check_len, _digests, _head, _parts, encode)
@@ -42,14 +42,14 @@ def _recv_exact(sock: socket.socket, buf: memoryview, deadline: float | None, wh
         except (socket.timeout, TimeoutError) as exc:
             if deadline is None and sock.gettimeout() is None:
                 # no timeout of ours: the kernel gave up on the peer's host (ETIMEDOUT)
-                raise ProtocolError(f"connection failed receiving {what}: {exc}") from None
+                raise ConnectionCut(f"connection failed receiving {what}: {exc}") from None
             raise ProtocolTimeout(f"timed out receiving {what}") from None
         except OSError as exc:
-            raise ProtocolError(f"connection failed receiving {what}: {exc}") from None
+            raise ConnectionCut(f"connection failed receiving {what}: {exc}") from None
         if n == 0:
             if clean_eof and got == 0:
                 raise ConnectionClosed("peer closed the connection")
-            raise ProtocolError(f"truncated frame: peer closed during {what} ({got}/{len(buf)} bytes)")
+            raise ConnectionCut(f"truncated frame: peer closed during {what} ({got}/{len(buf)} bytes)")
         got += n
 
 

@@ -18,7 +18,7 @@ beats blake3's own `max_threads` on a 4 MiB leaf (6.2 GB/s) and matches it on th
 (8.6 GB/s) while still hashing leaves as they arrive. Frames with SHA-256 digests (protocol
 version 2) and snapshot files written with them (persist.py) are refused by their version.
 
-A snapshot's digest is this digest of its bytes (recovery/snapshot.py), computed once and
+A snapshot's digest is this digest of its bytes (recovery/slots.py), computed once and
 reused by every send of it.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _flat(data: bytes | bytearray | memoryview) -> memoryview:
 
 class Cancel(Protocol):
     """What stops a digest between leaves: a threading.Event, or a snapshot's superseded
-    mark (recovery.snapshot.Flag)."""
+    mark (recovery.slots.Flag)."""
 
     def is_set(self) -> bool: ...
 

@@ -16,6 +16,11 @@ class ConnectionClosed(ProtocolError):
     """The peer closed the connection cleanly between two frames."""
 
 
+class ConnectionCut(ProtocolError):
+    """The connection broke under a frame: reset by the peer, timed out by the kernel, or
+    closed half-way through a frame. Its process or host died; nothing malformed arrived."""
+
+
 class ProtocolTimeout(ProtocolError):
     """No complete frame arrived within the timeout."""
 

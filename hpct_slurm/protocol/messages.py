@@ -159,7 +159,7 @@ class Holdings:
     rank_own: list[int]
     replicas: dict[int, list[int]]
     error: str = ""
-    # A sharded job's shard key of every rank (sharding.MeshSpec), by rank: ranks with the
+    # A sharded job's shard key of every rank (layout_rules.MeshSpec), by rank: ranks with the
     # same key hold the same state. Empty: plain data parallelism (one key).
     shard_keys: list[int] = field(default_factory=list)
 

@@ -13,7 +13,7 @@ How: every rank of the group adds one more all-reduce to the step's gradient red
 uint8 region of `SLOT_BYTES` per rank, zero but for its own slot: the sum is every rank's
 slot (integers, one non-zero term each: exact in any order). It is its own collective, so the
 gradients' buffers and thus their sums are the same bit for bit as without it. The holder of
-each rank (snapshot.replica_peer_rank) decodes that rank's slot into its `ReplicaStore` as
+each rank (ring.replica_peer_rank) decodes that rank's slot into its `ReplicaStore` as
 the rank's snapshot of the step in progress. The step's end then checks that the rank's own
 commit is what it carried (the state did not move after the all-reduce); the push is skipped.
 
@@ -41,8 +41,12 @@ import torch.distributed as dist
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
-from .snapshot import ReplicaStore, Snapshot, SnapshotStore, ranks_held_by
-from .state import Layout, TrainState
+from .encoding import Layout
+from .replicas import ReplicaStore
+from .ring import ranks_held_by
+from .slots import Snapshot
+from .snapshot import SnapshotStore
+from .state import TrainState
 
 # Part of every rank's layout of the collective: the same constant on every rank (a setting
 # could let two ranks differ, and the all-reduce would mix their slots). A sampler's snapshot
@@ -200,7 +204,7 @@ class Carry:
     @staticmethod
     def held_by(rank: int, num_nodes: int, tasks_per_node: int) -> list[int]:
         """The rank whose replica `rank` holds: the same local rank on the node half the
-        ring back (snapshot.ranks_held_by, the inverse of replica_peer_rank)."""
+        ring back (ring.ranks_held_by, the inverse of replica_peer_rank)."""
         node, local = divmod(rank, tasks_per_node)
         return [ranks_held_by(node, num_nodes, tasks_per_node)[local]]
 

@@ -71,6 +71,9 @@ class CoordinationClient:
         # Addresses of the whole group, cut on a STOP as well as the lost nodes' (set by a
         # sharded job: see _read_loop).
         self.group_addrs: set[str] = set()
+        # Whether a whole-group cut includes what this process opened to its own node (the
+        # node's other ranks are in the group: a TP pair inside the node)
+        self.sever_own_node = False
         self.host_addr = ""
         # More connections a STOP's cut must never touch (a node relay's link to the
         # controller, in the process that runs it: job.py).
@@ -146,10 +149,13 @@ class CoordinationClient:
 
     def _sever(self, addrs: list[str]) -> None:
         """Cut our connections to the lost nodes (sever.py): a collective blocked on one of
-        them fails now instead of at its timeout. Never this node's own address."""
+        them fails now instead of at its timeout. This node's own address only where the
+        whole group is cut and the node runs more of its ranks, and then only what this
+        process opened (sever's `outbound`)."""
+        own = [self.host_addr] if self.sever_own_node else []
         try:
             cut = sever(addrs, keep={self.host_addr},
-                        keep_fds={self._sock.fileno(), *self.keep_fds})
+                        keep_fds={self._sock.fileno(), *self.keep_fds}, outbound=own)
         except ValueError as exc:  # an address that is not one: nothing to cut
             self.events.emit(Ev.RANK_SEVER_FAILED, addrs=addrs, error=str(exc))
             return

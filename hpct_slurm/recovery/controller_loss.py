@@ -19,7 +19,7 @@ from ..slurm.env import SlurmEnv
 from .client import ControllerAddress
 
 if TYPE_CHECKING:
-    from .generation import Standing
+    from .standing import Standing
 
 
 PEER_WITNESSES = 4  # other hosts a rank that lost its controller asks (settle)

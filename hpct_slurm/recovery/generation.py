@@ -11,10 +11,9 @@ import dataclasses
 import datetime
 import faulthandler
 import gc
-import math
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,14 +29,16 @@ from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import CoordinationClient
 from .gradients import average_gradients, parameter_gradients
+from .layout_check import check_placements, check_replicas_agree
+from .layout_rules import MeshSpec, infer_replicate, model_mesh, resolve_shape
 from .seeds import seed_everything
-from .sharding import MeshSpec, infer_replicate
 from .state import TrainState
 
 if TYPE_CHECKING:
     from .carry import Carry
     from .inject import TakerFault
     from .snapshot_policy import SnapshotPolicy
+    from .standing import Standing
 
 TEARDOWN_TIMEOUT_S = 20.0
 TEARDOWN_DIAG_S = 15  # dump every thread's stack to the step log just before giving up
@@ -51,22 +52,11 @@ class _TeardownHung(Exception):
     """The broken group could not be destroyed: this process cannot form another one."""
 
 
-class Standing(Protocol):
-    """Where this process stands now, as the pieces of a `Job` read it (the Job itself): the
-    controller connection, set when it starts, and the rest, set at every adoption."""
-    client: CoordinationClient
-    rank: int
-    world_size: int
-    generation: int
-    data_ranks: list[int]
-    data_world: int
-    step: int  # the step in progress
-
-
 def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable | None,
                  mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None,
                  replicate: tuple[str, ...] | None, late: bool = False,
-                 world_size: int | None = None) -> MeshSpec | None:
+                 world_size: int | None = None,
+                 stages: tuple[str, ...] = ()) -> MeshSpec | None:
     """A sharded job's mesh (`build=...`), None for plain data parallelism; the arguments of
     `Job` checked: one or the other, each complete. `late`: the inline form (Job.main),
     where a sharded job gives only the mesh, and registers its model later (job.register)."""
@@ -84,28 +74,10 @@ def sharded_spec(model: Any, optimizer: Any, lr_scheduler: Any, build: Callable 
         if mesh_shape is None or mesh_dim_names is None:
             raise HpctError("a sharded Job (build=...) needs mesh_shape and mesh_dim_names")
         return MeshSpec(resolve_shape(tuple(mesh_shape), world_size), tuple(mesh_dim_names),
-                        tuple(replicate or ()))
+                        tuple(replicate or ()), tuple(stages))
     if model is None or optimizer is None:
         raise HpctError("Job needs model and optimizer (or build=... for a sharded job)")
     return None
-
-
-def resolve_shape(shape: tuple[int, ...], world_size: int | None) -> tuple[int, ...]:
-    """A mesh shape with one -1 ("the rest"): the job's world size (the controller exports it
-    to every process, warm spares included) divided by the other dimensions. A script then
-    needs no group, and no hard-coded world, to say its mesh: (2, -1) is HSDP's 2 replicas."""
-    if -1 not in shape:
-        return shape
-    if shape.count(-1) > 1:
-        raise HpctError(f"mesh_shape {shape}: -1 (the rest of the world) may stand once")
-    if world_size is None:
-        raise HpctError(f"mesh_shape {shape} needs the job's world size for its -1, and "
-                        f"$HPCT_WORLD_SIZE is not set (`hpct-slurm controller` sets it)")
-    rest = math.prod(s for s in shape if s != -1)
-    if rest < 1 or world_size % rest:
-        raise HpctError(f"mesh_shape {shape}: the world size {world_size} is not a multiple "
-                        f"of {rest}")
-    return tuple(world_size // rest if s == -1 else s for s in shape)
 
 
 class Generation:
@@ -122,7 +94,7 @@ class Generation:
                  lr_scheduler: Any, build: Callable[[Any], Any] | None,
                  mesh_spec: MeshSpec | None, replicate: tuple[str, ...] | None,
                  device_type: str, seed: int, shutdown: Callable[[str], None],
-                 late: bool = False):
+                 late: bool = False, stages: tuple[str, ...] = ()):
         self.settings, self.slurm, self.secret, self.events = settings, slurm, secret, events
         self.state, self.policy, self.standing = state, policy, standing
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
@@ -133,6 +105,8 @@ class Generation:
         # a sharded model built on a mesh the script makes
         self.late = late
         self.replicate_given = replicate  # None: read from the first model's placements
+        self.stages = tuple(stages)  # pipeline-stage dimensions, never replicas
+        self._said: tuple | None = None  # what rank.mesh_inferred said last
         self.device_type = device_type
         self.seed = seed
         self._shutdown = shutdown
@@ -290,21 +264,37 @@ class Generation:
             if self.mesh is None:  # plain data parallelism, registered late
                 self.policy.set_mode(self.policy.data_parallel_mode())
                 self.hook_model(force=True)
+                self._say_mode(None)
                 return
             self.mesh_spec = MeshSpec(tuple(self.mesh.shape),
                                       tuple(self.mesh.mesh_dim_names or ()),
-                                      tuple(self.replicate_given or ()))
+                                      tuple(self.replicate_given or ()), self.stages)
             self.policy.set_mode(self.policy.sharded_mode(self.mesh_spec))
         spec = self.mesh_spec
         assert spec is not None
         if self.replicate_given is None:
-            inferred = infer_replicate(spec.names, self.model.parameters())
+            inferred = infer_replicate(spec.names, self.model.parameters(), spec.stages)
             if inferred != spec.replicate:
                 self.mesh_spec = spec = dataclasses.replace(spec, replicate=inferred)
                 self.policy.set_mode(self.policy.sharded_mode(spec))
-                self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.standing.rank,
-                                 replicate=inferred, mode=self.policy.mode)
+        if self.late or self.replicate_given is None:
+            self._say_mode(spec.replicate)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
+        # Refused now, before the first step, not at the first snapshot or fault
+        check_placements(self.model)
+        if self.standing.generation == 0:  # every rank of the first formation: one collective
+            check_replicas_agree(spec, self.model)
+
+    def _say_mode(self, replicate: tuple[str, ...] | None) -> None:
+        """rank.registered said `undecided` (job.py): the first model decides, said once, and
+        again only if a later build decides otherwise. Also when nothing is replicated (1-D
+        FSDP: `replicate` empty, which once went unsaid) and for plain data parallelism
+        registered late (`replicate` None: no mesh)."""
+        said = (replicate, self.policy.mode)
+        if said != self._said:
+            self._said = said
+            self.events.emit(Ev.RANK_MESH_INFERRED, rank=self.standing.rank,
+                             replicate=replicate, mode=self.policy.mode)
 
     def release(self) -> None:
         """Drop this generation's sharded model and mesh: they hold the broken group, which
@@ -474,16 +464,6 @@ class Generation:
         self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.standing.rank, error=str(error))
         self._shutdown(f"process group teardown failed: {error}")
         os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
-
-
-def model_mesh(model: Any) -> Any:
-    """The DeviceMesh a model's DTensor parameters live on (its root mesh), None if none."""
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            root = getattr(mesh, "_get_root_mesh", None)
-            return root() if root is not None else mesh
-    return None
 
 
 class _collective:

@@ -26,8 +26,8 @@ from .inject import flip_one_bit
 from .state import TrainState
 
 if TYPE_CHECKING:
-    from .generation import Standing
     from .snapshot_policy import SnapshotPolicy
+    from .standing import Standing
 
 
 class Integrity:

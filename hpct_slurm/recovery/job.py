@@ -25,10 +25,13 @@ Determinism: the wrapper reseeds python/numpy/torch RNGs from (seed, rank, step)
 step, and gradients are reduced parameter by parameter in a fixed order, so a run that recovers
 from a fault is bit-identical to one that never saw it.
 
-This file holds the public API and the loop that drives the rest, each a room of its own:
-generation.py forms and tears down each generation's group (mesh, DDP), snapshot_policy.py
-decides how each step's snapshot is held and where its copies go, restore.py chooses where a
-restore comes from, controller_loss.py requeues the job when the controller's node died.
+This file holds the public API and the loop that drives the rest. `Job`'s own methods come in
+three pieces: rank_round.py (this rank's side of a recovery round: a fault, then the next
+assignment), stepping.py (what surrounds each training step) and inline.py (the inline form,
+`Job.main`). The rooms it holds do the rest: generation.py forms and tears down each
+generation's group (mesh, DDP), snapshot_policy.py decides how each step's snapshot is held and
+where its copies go, restore.py chooses where a restore comes from, controller_loss.py requeues
+the job when the controller's node died.
 """
 from __future__ import annotations
 
@@ -36,49 +39,45 @@ import dataclasses
 import gc
 import os
 import socket
-import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from .. import config as C
 from .. import protocol as P
 from ..config import JobSettings
 from ..errors import HpctError, UsageError
 from ..events import Ev, EventLog
+from ..fdlimit import nofile_fields, raise_nofile
+from ..relay.node import NodeRelay, publish, published, relay_file
 from ..rendezvous import derive as rdv
 from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import ControllerAddress, CoordinationClient
-from .controller_loss import ControllerLoss, witnesses
-from .generation import Generation, _Stopped, _TeardownHung, sharded_spec
+from .controller_loss import ControllerLoss
+from .generation import Generation, _TeardownHung, sharded_spec
 from .inject import TakerFault
+from .inline import LOOP_NAME, SHARED_NAMES, InlineForm
 from .integrity import Integrity
-from .health import health_check
-from .losses import recorded_losses
+from .layout_rules import MeshSpec, first_mode
 from .loop import StepLoop
 from .persist import DiskPersister
-from ..relay.node import NodeRelay, publish, published, relay_file
+from .rank_round import _FAULTS, LOST, RankRound, _describe, _where
 from .restore import Restorer
-from .seeds import seed_everything, step_seed
-from .sharding import MeshSpec
-from .snapshot_policy import SnapshotPolicy, first_mode
+from .seeds import seed_everything, step_seed  # re-exported: scripts import them from here
+from .snapshot_policy import SnapshotPolicy
 from .state import TrainState
+from .stepping import Stepping
 from .striped import Prefetch
 from .transfer import TransferServer
 
+__all__ = ["Job", "seed_everything", "step_seed"]
+
 T = TypeVar("T")
-_SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes positionally
-LOOP_NAME = "hpct_loop"  # the loop position's registered name: Job's own, never the script's
-# What a failed step or formation raises: the whole group restarts in place, or re-forms
-_FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
-LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
 
 
-class Job:
+class Job(InlineForm, RankRound, Stepping):
     """One rank (or warm spare) of an hpct-slurm job: registers the training state, forms the
     process group of every generation and restarts the training in place after a fault.
 
@@ -99,17 +98,6 @@ class Job:
     loop's `job.epochs`/`job.steps` continue right after the restored step (see `main`).
     """
 
-    # The Job that `Job.main` runs the script's main around (one per process), and whether
-    # Job.main is running now: a Job made then is the inline form's.
-    _main: "Job | None" = None
-    _in_main = False
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Job":
-        current = Job._main
-        if current is not None and current._rerun:
-            return current  # main() running again after a fault: __init__ rebinds its state
-        return super().__new__(cls)
-
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any = None, *, seed: int = 0, persist_every: int = 0,
@@ -117,7 +105,8 @@ class Job:
                  build: Callable[[Any], Any] | None = None,
                  mesh_shape: tuple[int, ...] | None = None,
                  mesh_dim_names: tuple[str, ...] | None = None,
-                 replicate: tuple[str, ...] | None = None, device_type: str = "cpu",
+                 replicate: tuple[str, ...] | None = None,
+                 stages: tuple[str, ...] = (), device_type: str = "cpu",
                  settings: JobSettings | None = None, slurm: SlurmEnv | None = None,
                  transfer: Callable[..., TransferServer] = TransferServer,
                  client: Callable[..., CoordinationClient] = CoordinationClient,
@@ -137,7 +126,9 @@ class Job:
         dimensions the state is replicated over (HSDP's replicate dimension; none for 1-D
         FSDP); left out, they are inferred from the parameters' placements after the first
         build. Ranks that differ only on those dimensions hold the same state, and are each
-        other's source after a fault (recovery/sharding.py).
+        other's source after a fault (recovery/layout_rules.py). `stages`: the mesh dimensions
+        that are pipeline stages (`("pp",)`): each coordinate holds other layers. A layout
+        that cannot be recovered is refused before the first step (layout_check.py).
 
         Configuration, collaborators and side effects are apart: `settings` (default: read
         from `environ`, i.e. what the controller put in the step's environment) and `slurm`
@@ -167,7 +158,7 @@ class Job:
         self.init_timeout_s = s.init_timeout_s
         mesh_spec = sharded_spec(model, optimizer, lr_scheduler, build, mesh_shape,
                                  mesh_dim_names, replicate, late=Job._in_main,
-                                 world_size=C.read(env, C.WORLD_SIZE))
+                                 world_size=C.read(env, C.WORLD_SIZE), stages=tuple(stages))
         self.state = TrainState(**extra_state)
         if model is not None:
             self.state.register(model=model, optimizer=optimizer)
@@ -204,6 +195,7 @@ class Job:
             s, self.slurm, self.secret, self.events, self.state, self._policy, self,
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, build=build,
             mesh_spec=mesh_spec, replicate=replicate, device_type=device_type, seed=seed,
+            stages=tuple(stages),
             shutdown=self._shutdown,
             late=Job._in_main and model is None and build is None)
         if optimizer is not None:
@@ -244,15 +236,12 @@ class Job:
         self._rerun = False                      # main() is to run again (a fault, a recovery)
         self._next: P.Assign | None = None       # an assignment received before that run
         # what the script registers (each run of main() registers the same names anew)
-        self._own_names = (*_SHARED_NAMES, *extra_state)
+        self._own_names = (*SHARED_NAMES, *extra_state)
         self._registered = {n: self.state.get(n) is not None for n in self._own_names}
         self._formed: tuple | None = None  # a formation whose restore waits for register()
         self._registered_once = False  # job.register was called in an earlier run of main()
         if self._inline:
-            if Job._main is not None:
-                raise HpctError("Job.main runs one Job per process; this main() made a second")
-            Job._main = self
-            self._enter_inline()
+            self._take_main()
 
     def _start(self) -> None:
         """Bind the transfer server, connect to the controller and register with it: from
@@ -260,6 +249,7 @@ class Job:
         if self._started:
             return
         self._started = True
+        self._nofile = raise_nofile()  # before any socket: gloo's listener aborts at the limit
         # Everything alive now (torch's modules, the script's model and data) lives as long as
         # the process: out of the collector's sight, the gc.collect() that frees the broken
         # group at a fault scans only what the training made since. Measured with the 100 MB
@@ -292,7 +282,7 @@ class Job:
                          rank_state=self.rank_snaps is not None,
                          settings={"collective_timeout_s": self.collective_timeout_s,
                                    "init_timeout_s": self.init_timeout_s,
-                                   "store": self.store_kind})
+                                   "store": self.store_kind}, **nofile_fields(self._nofile))
 
     def _relay_address(self) -> ControllerAddress:
         """Where this rank's controller connection goes when its node's ranks share a relay
@@ -306,25 +296,6 @@ class Job:
                                       self.node, self.role, local, self.events)
         publish(path, self.relay.address)
         return ControllerAddress(*self.relay.address)
-
-    @property
-    def losses(self) -> dict[int, float]:
-        """Step -> the loss recorded for it on this rank: by this process, and, for a process
-        that took over a lost rank, by the processes that held the rank before (losses.py)."""
-        backfill, self._backfill = self._backfill, None
-        if backfill is not None:
-            error = backfill.wait(60.0)
-            if error is not None:  # a record only: the training is not affected
-                self.events.emit(Ev.RANK_LOSSES_UNREAD, rank=self.rank, error=str(error))
-        return self._losses
-
-    def _read_back_losses(self, rank: int, upto: int) -> None:
-        """A newcomer at `rank`: the losses its predecessors recorded up to the restored step,
-        read from the run's events on a thread of its own (off the recovery's path)."""
-        def read() -> None:
-            for step, loss in recorded_losses(self.run_dir / "events", rank, upto).items():
-                self._losses.setdefault(step, loss)
-        self._backfill = Background("hpct-losses", read)
 
     # ---- what the rooms hold, reached through the Job -----------------------------------
     @property
@@ -479,96 +450,7 @@ class Job:
             # Outside the except block from here on: the failed group can now really close.
             self._recover(failure, where)
 
-    def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any = None, **extra_state: Any) -> None:
-        """The inline form of a sharded job: `Job(seed=...)` inside Job.main takes the rank
-        and forms the group where the script formed its own; the script makes its mesh and
-        builds its model on it (fully_shard) as before, with its optimizer and scheduler,
-        and registers them here, which restores their state (after a fault: the restored
-        step's). The mesh and the replicated dimensions are read from the parameters
-        (DTensors); a model without any is plain data parallelism. `extra_state`: more
-        objects to register and restore with them, as Job(...)'s keyword arguments (an EMA,
-        a second model and its optimizer)."""
-        if not self._group.late or self._formed is None:
-            raise HpctError("job.register(model, optimizer[, lr_scheduler]) is for a Job "
-                            "made inside Job.main without a model, once per run of main(), "
-                            "after Job(...)")
-        given = {"model": True, "optimizer": True, "lr_scheduler": lr_scheduler is not None}
-        if self._registered_once and given != {n: self._registered[n] for n in _SHARED_NAMES}:
-            raise HpctError("main() registered other state when it ran again after a fault: "
-                            "it must register the same objects each run")
-        self._registered.update(given)
-        self._registered_once = True
-        self.state.register(**extra_state)
-        self._group.adopt_built(model, optimizer, lr_scheduler)
-        formed, self._formed = self._formed, None
-        self._restore_adopted(*formed)
-        self.loop.enter(formed[0].restore_step)
-        self.client.state = "running"
-
-    # ---- the inline form: the script's main() around its own loop -----------------------
-    @staticmethod
-    def main(fn: Callable[[], T]) -> T | None:
-        """Run the script's `main()`, whose loop sits inline (over `job.epochs(n)` and
-        `job.steps(loader)`), and run it again after every fault: `Job.main(main)` in place
-        of `main()`. What main() returns is returned (None where this process left without
-        finishing: a spare that was never needed leaves from its `Job(...)` with exit 0).
-
-        The `Job(...)` main() makes takes this process's rank at once: a warm spare waits
-        there until it replaces a lost rank, and every process forms the group there. After
-        a fault the survivors run main() again from its top: what it builds before `Job(...)`
-        (the model, optimizer, data) is built again, `Job(...)` is this same Job, the new
-        objects are registered in place of the last run's, the group re-forms and the state
-        is restored into them; the loop then continues right after the restored step. So
-        keep what main() does before `Job(...)` cheap and free of collectives: it runs again
-        on every survivor in every recovery (`job.run(train)` re-enters a loop function
-        instead, and keeps the objects: no rebuild). Code after the loop runs once the last
-        step is done, with the group still formed (a final hash, a save); it runs again if a
-        fault comes before every rank is done."""
-        if Job._in_main:
-            raise HpctError("Job.main is already running: call it once, around the script's main")
-        Job._in_main = True
-        try:
-            while True:
-                failure = where = ""
-                try:
-                    result = fn()
-                except UsageError:
-                    raise  # the script's mistake: running main() again would make it again
-                except _FAULTS as exc:
-                    job = Job._main
-                    if job is None or job.rank < 0:
-                        raise  # no rank held yet: nothing to recover, the error is the script's
-                    failure, where = _describe(exc), _where(exc)
-                job = Job._main
-                if not failure:
-                    if job is None or not job._finish_inline():
-                        return result
-                    continue  # a recovery after this rank finished: main() runs again
-                # Outside the except block: the traceback (and the failed group) is gone.
-                assert job is not None
-                job._recover(failure, where)
-                job._release()
-        except _Left:
-            return None  # left from Job(...): a spare never needed, or the job ended
-        finally:
-            Job._in_main = False
-            Job._main = None
-
-    def _enter_inline(self) -> None:
-        """Job(...) inside Job.main: register with the controller (once), wait for this
-        process's next assignment, form the group and restore (or leave: SystemExit(0))."""
-        self._start()
-        msg, self._next = self._next or self.client.next_assignment(), None
-        if isinstance(msg, P.Goodbye):
-            self._goodbye(msg)
-            raise _Left(0)
-        self._trained = True
-        self._adopt(msg)
-        if self._formed is None:  # else job.register(...) restores (a sharded job)
-            self.loop.enter(msg.restore_step)
-            self.client.state = "running"
-
+    # ---- the end: done, goodbye, shutdown ----------------------------------------------
     def _on_controller_lost(self) -> None:
         if self._trained:  # as in _goodbye
             self._controller_loss.watch()
@@ -578,50 +460,6 @@ class Job:
         if msg.reason == LOST and self._trained:
             self._controller_loss.settle()
         self._shutdown(msg.reason)
-
-    def _finish_inline(self) -> bool:
-        """main() returned: this rank is done. True when main() must run again: the
-        controller started another generation (a rank lost before every rank was done)."""
-        self.loop.finish()  # the last step, if the loop left without asking for more
-        self._done(self.loop.step - 1)
-        msg = self.client.next_assignment()
-        if isinstance(msg, P.Goodbye):
-            self._goodbye(msg)
-            return False
-        self._next = msg
-        self._release()
-        return True
-
-    def _release(self) -> None:
-        """Let go of what this run of main() registered (the snapshots hold its state):
-        main() runs again and builds its objects anew, and `Job(...)` rebinds them."""
-        # Everything the script registered, however (Job's keywords, job.state.register after
-        # Job(...)): the next run registers its new objects, and the restore reaches those.
-        # An old object left registered would take the restore in place of the new one.
-        self.state.unregister(*(n for n in self.state.names() if n != LOOP_NAME))
-        self._group.forget_model()
-        self.snapshots.forget_live()  # settled: _recover and _done waited for the last copy
-        self._rerun = True
-        self._released_at = time.time()
-
-    def _rebind(self, model: Any, optimizer: Any, lr_scheduler: Any, extra: dict[str, Any],
-                seed: int, build: Callable[[Any], Any] | None) -> None:
-        """main()'s next run registers its new objects in place of the last run's."""
-        self._rerun = False
-        self.events.emit(Ev.RANK_MAIN_AGAIN, rank=self.rank, generation=self.generation,
-                         rebuild_s=time.time() - self._released_at)
-        given = {"model": model is not None, "optimizer": optimizer is not None,
-                 "lr_scheduler": lr_scheduler is not None, **{n: True for n in extra}}
-        if self._group.late:  # its model comes with job.register, which checks it
-            given.update({n: v for n, v in self._registered.items() if n in _SHARED_NAMES})
-        if seed != self.seed or {n for n, v in given.items() if v} != \
-                {n for n, v in self._registered.items() if v}:
-            raise HpctError("main() made its Job with other state or another seed when it ran "
-                            "again after a fault: it must register the same objects each run")
-        self.state.register(**extra)
-        self._group.bind(model, optimizer, lr_scheduler)
-        if build is not None:
-            self._group.rebuild_with(build)
 
     def _done(self, last: int) -> None:
         """This rank trained to the end: its last snapshot settled, the controller told."""
@@ -634,173 +472,6 @@ class Job:
             self._group.teardown()
         except _TeardownHung as exc:  # training is done: only worth a record
             self.events.emit(Ev.RANK_TEARDOWN_HUNG, rank=self.rank, error=str(exc))
-
-    def _run_loop(self, train: Callable[[], Any], start: int) -> int:
-        """The script's loop function, continuing at step `start`; the last step it ran."""
-        self.loop.enter(start - 1)
-        self.client.state = "running"
-        train()
-        self.loop.finish()  # the last step, if the loop left without asking for more
-        return self.loop.step - 1
-
-    def _train(self, step_fn: Callable[[int], Any], start: int, total: int) -> None:
-        self.client.state = "running"
-        for step in range(start, total):
-            self._check_stop()
-            self.loop.step = step
-            self._end_step(step, step_fn(step))
-
-    def _check_stop(self) -> None:
-        """Leave at this step boundary if the controller asked, or is gone."""
-        self._integrity.before_step()
-        if self.client.stop_event.is_set():
-            raise _Stopped(self.client.stop_reason)
-        if self.client.closed.is_set():
-            raise _Stopped(LOST)
-
-    def _seed_step(self, step: int) -> None:
-        self._integrity.before_step()
-        seed_everything(step_seed(self.seed, self._shard()[0], step))
-
-    def _end_step(self, step: int, out: Any = None) -> None:
-        """After a step: its snapshot when one is due, the report to the controller."""
-        self._updating = False  # the next step's forward and backward may be abandoned again
-        if isinstance(out, (int, float)):
-            self._losses[step] = float(out)
-        self._policy.end_step(step)
-        self.client.step_done(step)
-        self.events.emit(Ev.RANK_STEP, rank=self.rank, generation=self.generation,
-                         step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
-        self._integrity.after_step(step)
-
-    def _shard(self) -> tuple[int, int]:
-        """This rank's data shard and the number of shards, for scripts that train one."""
-        if len(self.data_ranks) != 1:
-            raise HpctError("the group shrank but this script trains one data shard per rank: "
-                            "pass micro_step to Job.run to allow shrinking")
-        return self.data_ranks[0], self.data_world
-
-    def _single_shard_step(self, train_step: Callable[[int], Any]) -> Callable[[int], Any]:
-        def step_fn(step: int) -> Any:
-            self._seed_step(step)
-            return train_step(step)
-        return step_fn
-
-    def _accumulating_step(self, micro_step: Callable[[int], Any]) -> Callable[[int], Any]:
-        def step_fn(step: int) -> Any:
-            self.optimizer.zero_grad()
-            outs = []
-            for shard in self.data_ranks:
-                seed_everything(step_seed(self.seed, shard, step))
-                outs.append(micro_step(step))
-            # sum over every shard of the original world, then average by that world: the
-            # same global batch and the same update size however many ranks remain
-            self.allreduce_gradients()
-            self.optimizer.step()
-            return outs[0]
-        return step_fn
-
-    def _recover(self, failure: str, where: str = "") -> None:
-        t0 = time.time()
-        self.events.emit(Ev.RANK_FAULT, rank=self.rank, generation=self.generation,
-                         error=failure, where=where, stop_reason=self.client.stop_reason)
-        self._policy.settle()
-        self._policy.capture_pending()
-        self._group.release()
-        # Ready does not wait for the broken group's teardown (gc, gloo's destructor): the
-        # state is safe once captured, so the teardown runs on its own thread while the
-        # controller decides and the replacement pulls its state; the next formation waits
-        # for it (Generation.await_teardown), and a teardown that hangs ends this process there.
-        self._group.await_teardown()  # one still running from a fault before (a STOP mid-adoption)
-        self._group.teardown_in_background()
-        healthy, detail = health_check()
-        latest = self.snapshots.latest()
-        self.client.step = latest.step if latest else -1
-        # Holdings first: the controller chooses the restore step once every survivor is ready.
-        self.client.report_holdings(self._restorer.holdings(failure))
-        self.client.state = "ready" if healthy else "unhealthy"
-        self.client.heartbeat_now()
-        self.events.emit(Ev.RANK_READY, rank=self.rank, healthy=healthy, detail=detail,
-                         latest_step=self.client.step, teardown_s=time.time() - t0)
-        if not healthy:
-            self._shutdown(f"health check failed: {detail}")
-            os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
-
-    # ---- generations --------------------------------------------------------------------
-    def _adopt(self, a: P.Assign) -> None:
-        t0 = time.time()
-        self._policy.settle(follow_ups=True)  # its push uses the pusher replaced below
-        # Own snapshots exist only once this process trained or restored for its position
-        # (see SnapshotPolicy.hold_restored): then it restores from itself first.
-        held_state = bool(self.snapshots.slots.steps())
-        # The rank and generation first: whatever happens next, this process reports (ready,
-        # holdings) as the rank it was assigned, which is what the controller waits for.
-        self.rank, self.world_size, self.generation = a.rank, a.world_size, a.generation
-        self.data_ranks = list(a.data_ranks) or [a.rank]
-        self.data_world = a.data_world or a.world_size
-        self.client.rank, self.client.generation = a.rank, a.generation
-        # A STOP for the generation being adopted can overtake the adoption (a second fault
-        # right after the assignment): it must survive, or this rank would wait for the dead
-        # peer in init. Only older STOPs are done with.
-        if self.client.stop_generation < a.generation:
-            self.client.stop_event.clear()
-            self.client.stop_reason = ""
-        elif self.client.stop_event.is_set():
-            raise _Stopped(self.client.stop_reason)
-        self.client.state = "forming"
-        self._fault.arm(newcomer=not held_state, generation=a.generation)
-        self._fault.at("assigned", a.rank)
-        self.transfer.rank = a.rank
-        self.transfer.corrupt_on_serve = a.rank in self._corrupt_serve
-        # A newcomer pulls its state from every source at once while the group forms; not
-        # where the state is registered only after it (job.register): which ranks share this
-        # one's shard is read from that model's mesh, unknown until then.
-        prefetch = None if self._group.late else self._restorer.prefetch(a, held_state)
-        if prefetch is not None:
-            self._fault.at("pull", a.rank)
-        self._group.form(a, self._fault)
-        self._updating = False
-        if self._group.late:
-            # the inline form, state registered late: the script builds its model on its
-            # own mesh of this group, and job.register(...) restores it (_restore_adopted)
-            self._formed = (a, prefetch, held_state, t0, time.time())
-            return
-        self._restore_adopted(a, prefetch, held_state, t0, time.time())
-
-    def _restore_adopted(self, a: P.Assign, prefetch: Prefetch | None, held_state: bool,
-                         t0: float, t_formed: float) -> None:
-        """The second half of an adoption, once the group formed and the state is
-        registered: the restore, and what this rank holds and serves from then on."""
-        source = "creation"
-        self.state.forget_restored()
-        if a.restore_step >= 0 or a.generation > 0:
-            # Every recovery restores, a fault during step 0 included (to the state at
-            # creation, step -1): survivors may have moved their own state (a sampler position)
-            # before it failed. A survivor holds the restore step itself, whatever its new
-            # rank (shared state is the same on every rank); a newcomer pulls it from a peer.
-            source = self._restorer.restore(a, survivor=held_state, prefetch=prefetch)
-        if not held_state and a.restore_step >= 0:
-            self._read_back_losses(a.rank, a.restore_step)
-        self._policy.hold_restored(a.restore_step)
-        self._integrity.restored(a.restore_step, proof_due=source != "creation")
-        dropped = self.replicas.forget_after(a.restore_step)
-        if dropped:
-            self.events.emit(Ev.REPLICA_ROLLED_BACK, ranks=dropped, step=a.restore_step)
-        self._group.renew_ddp()
-        self._policy.open_persisters(self._group.key)
-        self._policy.ring(a)
-        # A STOP cuts every connection of the group where a rank may wait on a live peer that
-        # left for recovery: a sharded job's sub-groups, and a job that carries its ranks'
-        # state in an all-reduce of its own beside the gradients' (carry.py: two collectives
-        # in flight; a survivor waited out the collective timeout on such a peer, 10 s).
-        self.client.group_addrs = (
-            {str(h) for h, _ in a.peers.values()} - {self.host_addr}
-            if self.mesh_spec is not None or self._policy.carry is not None else set())
-        self._controller_loss.peers = witnesses(a, {self.host_addr, self._controller_addr.host})
-        self.events.emit(Ev.RANK_ADOPTED, rank=a.rank, generation=a.generation,
-                         restore_step=a.restore_step, source=source,
-                         reform_s=t_formed - t0, restore_s=time.time() - t_formed)
-        self._fault.at("first_step", a.rank)
 
     def _shutdown(self, reason: str) -> None:
         self.events.emit(Ev.RANK_EXIT, rank=self.rank, reason=reason)
@@ -836,19 +507,3 @@ class Job:
         self._policy.before_update()
 
 
-class _Left(SystemExit):
-    """This process leaves from its Job(...) inside Job.main (a spare that was never needed,
-    a job that ended or escalated while it waited): Job.main returns None, and a script
-    that calls its main() without Job.main exits 0 here."""
-
-
-def _describe(exc: BaseException) -> str:
-    """A fault's one-line description: its type and the first line of its message."""
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
-def _where(exc: BaseException, frames: int = 4) -> str:
-    """Where a fault was raised: its innermost frames, innermost first (`file:line in fn`),
-    so that an error from deep inside torch still names the call of ours that led to it."""
-    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
-    return " < ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb))

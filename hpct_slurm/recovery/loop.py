@@ -69,6 +69,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.start = 0
         self.num_replicas: int | None = None  # type: ignore[assignment]
         self.rank: int | None = None  # type: ignore[assignment]
+        # (rank, num_replicas) as the script gave them: on a device mesh the data-parallel
+        # coordinate, which only the script knows (its TP and pipeline peers share a batch)
+        self.given: tuple[int, int] | None = None
         if num_replicas is None:
             num_replicas = _world_size_from_env()
         if num_replicas is not None:
@@ -78,6 +81,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 raise HpctError("DistributedSampler: rank given without num_replicas, and "
                                 f"${WORLD_SIZE_ENV} is not set")
             self.assign(rank, num_replicas)
+            self.given = (rank, num_replicas)
 
     def assign(self, rank: int, num_replicas: int) -> None:
         """Take shard `rank` of `num_replicas` (`job.steps` calls it with the job's)."""
@@ -128,8 +132,8 @@ class StepLoop:
 
     `seed(step)` seeds a step's randomness before its batch is fetched; `check()` raises when
     the controller asked this rank to stop, before a batch is handed out; `end(step)` takes
-    the snapshot and reports, once the step is complete and the position is past it. `shard()`
-    is this process's (data rank, data world).
+    the snapshot and reports, once the step is complete and the position is past it.
+    `shard(given)` is this process's (data rank, data world); `given`: a sampler's own.
 
     A step ends when the loop asks for its next batch. The last step of an epoch ends only
     when the loop asks for the next epoch, so what the script does after an epoch's batches
@@ -137,7 +141,8 @@ class StepLoop:
     between it and the epoch's last batch, and never repeats or skips it."""
 
     def __init__(self, seed: Callable[[int], None], check: Callable[[], None],
-                 end: Callable[[int], None], shard: Callable[[], tuple[int, int]]) -> None:
+                 end: Callable[[int], None],
+                 shard: Callable[[tuple[int, int] | None], tuple[int, int]]) -> None:
         self.position = LoopPosition()
         self.step = 0               # the step in progress, or the next one
         self._seed, self._check, self._end, self._shard = seed, check, end, shard
@@ -186,7 +191,7 @@ class StepLoop:
         skip = self.position.batch
         sampler, batch_size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)
         if isinstance(sampler, DistributedSampler):
-            sampler.assign(*self._shard())
+            sampler.assign(*self._shard(sampler.given))
             if batch_size:  # batches are consecutive runs of batch_size indices: skip them
                 sampler.start, skip = skip * batch_size, 0
         batches = iter(loader)

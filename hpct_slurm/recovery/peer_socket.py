@@ -24,3 +24,11 @@ def connect(addr: Address, timeout: float) -> socket.socket:
     sock = socket.create_connection(addr, timeout=timeout)
     tune(sock)
     return sock
+
+
+def peer_of(sock: socket.socket) -> str:
+    """`host:port` of the other end ("" once the connection is gone)."""
+    try:
+        return "%s:%s" % sock.getpeername()[:2]
+    except OSError:
+        return ""

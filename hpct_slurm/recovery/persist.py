@@ -6,7 +6,8 @@ One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
     | meta JSON {"kind", "rank", "step", "digest", "layout"} | 32-byte MAC | flat data
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
-either the old file or the new one. A large snapshot's data goes past the page cache
+either the old file or the new one (and its temp file, which the rank dir's next save removes:
+`sweep_stale`). A large snapshot's data goes past the page cache
 (O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
 4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex,
 the BLAKE3 tree of protocol/digest.py) and covers the data, so saving hashes nothing new;
@@ -35,7 +36,9 @@ import json
 import mmap
 import os
 import re
+import stat
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +47,8 @@ from .. import protocol as P
 from ..errors import HpctError, describe
 from ..events import Ev, EventLog
 from ..rundir import replacing
+from .encoding import Layout
 from .snapshot import SnapshotStore
-from .state import Layout
 from .worker import BackgroundQueue
 
 KEEP = 2
@@ -71,6 +74,9 @@ _LEN = struct.Struct(">I")
 _MAC_LEN = hashlib.sha256().digest_size
 _HEADER = len(MAGIC) + _LEN.size
 _NAME = re.compile(r"step([0-9]{1,18})\.bin")
+_TMP = re.compile(r"\.step[0-9]{1,18}\.bin\.[0-9a-f]{12}\.tmp")  # rundir.replacing's names
+# A save's temp file left this long without its writer's lock was left by a crash.
+STALE_TMP_S = 60.0
 
 EV_SAVED = Ev.PERSIST_SAVED
 EV_SAVE_FAILED = Ev.PERSIST_SAVE_FAILED
@@ -109,6 +115,7 @@ def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout
         meta += b" " * (-(_HEADER + len(meta) + _MAC_LEN) % IO_BLOCK)
     head = MAGIC + _LEN.pack(len(meta)) + meta
     with replacing(final, durable=True) as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a save in progress: never swept (sweep_stale)
         f.write(head)
         f.write(_mac(key, head))
         if direct:
@@ -118,7 +125,40 @@ def write_snapshot(root: str | os.PathLike, rank: int, step: int, layout: Layout
             f.write(data)
     for old in list_steps(root, rank)[:-KEEP]:
         (d / f"step{old}.bin").unlink(missing_ok=True)
+    sweep_stale(d)
     return final
+
+
+def sweep_stale(d: Path, older_than_s: float = STALE_TMP_S) -> list[str]:
+    """Remove from the rank dir `d` the temp files of saves a crash cut short (issue 45.6:
+    `.stepN.bin.<hex>.tmp`, which nothing removed): only names of that form (`replacing`'s),
+    last written over `older_than_s` ago, that no writer holds locked (a live save holds its
+    temp file under flock from just after its creation until its rename, and a dead writer's
+    lock went with its process). The names removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed  # the save itself is done: a sweep never fails it
+    for name in names:
+        if not _TMP.fullmatch(name):
+            continue
+        try:
+            fd = os.open(d / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, or a link (never touched)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < older_than_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a save holds it
+            os.unlink(d / name)
+            removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _write_direct(fd: int, data: memoryview) -> None:

@@ -9,7 +9,7 @@ the first step boundary after it (`Job`) the live objects' state is hashed the s
 compared: a name whose live state differs, a restored name nobody registered, a registered
 name the restore held nothing for. Any of them and the rank does not train on.
 
-The digest is a BLAKE3 hash over a snapshot's encoded tree (state.py's `_encode`): the tags,
+The digest is a BLAKE3 hash over a snapshot's encoded tree (encoding.py's `encode`): the tags,
 the scalars as JSON, every tensor's dtype, shape and bytes. Both sides are hashed from that
 encoding, the restored side from the snapshot's own tree and buffer, the live side from the
 objects' `state_dict()`, so equal states hash equal whatever their origin. A shard's mesh

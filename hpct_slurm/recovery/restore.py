@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Callable
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
-from .snapshot import replica_peer_rank
+from .ring import replica_peer_rank
 from .state import TrainState
 from .striped import Prefetch
 from .transfer import FetchResult, fetch_state
 
 if TYPE_CHECKING:
-    from .generation import Generation, Standing
+    from .generation import Generation
     from .snapshot_policy import SnapshotPolicy
+    from .standing import Standing
 
 
 class Restorer:

@@ -33,22 +33,25 @@ def _decode_addr(hex_addr: str) -> str:
     raise ValueError(f"not a /proc/net/tcp address: {hex_addr!r}")
 
 
-def socket_inodes_to(table: str, remotes: set[str]) -> set[int]:
+def socket_inodes_to(table: str, remotes: set[str], outbound: set[str] = frozenset(),
+                     own_inodes: set[int] = frozenset()) -> set[int]:
     """Inodes of the connections in a /proc/net/tcp or tcp6 `table` whose remote address is in
-    `remotes` (pure: the table's text in, inodes out)."""
-    out = set()
+    `remotes`, and of those to an address in `outbound` that this process opened: whose local
+    port is none of the ports it listens on (`own_inodes`: its sockets' inodes, to tell its
+    listeners in the table). Pure: the table's text in, inodes out."""
+    rows = []
     for line in table.splitlines()[1:]:
         f = line.split()
-        if len(f) < 10 or f[3] == _LISTEN:
+        if len(f) < 10:
             continue
         try:
-            remote = _decode_addr(f[2])
-            inode = int(f[9])
-        except ValueError:
+            rows.append((f[3], _decode_addr(f[2]), int(f[1].rsplit(":", 1)[1], 16), int(f[9])))
+        except (ValueError, IndexError):
             continue
-        if remote in remotes and inode:
-            out.add(inode)
-    return out
+    listening = {port for st, _, port, inode in rows if st == _LISTEN and inode in own_inodes}
+    return {inode for st, remote, port, inode in rows
+            if st != _LISTEN and inode and (remote in remotes or
+                                            (remote in outbound and port not in listening))}
 
 
 def _own_socket_fds() -> dict[int, int]:
@@ -65,25 +68,31 @@ def _own_socket_fds() -> dict[int, int]:
 
 
 def sever(addresses: Iterable[str], keep: Iterable[str] = (),
-          keep_fds: Iterable[int] = ()) -> int:
+          keep_fds: Iterable[int] = (), outbound: Iterable[str] = ()) -> int:
     """Shut down every TCP connection of this process to `addresses` (but never to `keep`,
     e.g. this node's own address, which in a one-host test cluster every node shares, and
     never the sockets `keep_fds`: the connection to the controller, which lives on the batch
-    host, a node whose rank may be the one lost). Returns how many were cut. Raises only
-    ValueError for an address that is not one; a failure to cut costs only the old wait."""
+    host, a node whose rank may be the one lost). To `outbound` addresses (this node's own,
+    where it runs ranks of the same group: a TP pair), only the connections this process
+    opened are cut: each connection between two of the node's ranks is opened by one of them,
+    so every pair is cut from one end, while what others opened to this process's servers
+    (a node relay's ranks) stays. Returns how many were cut. Raises only ValueError for an
+    address that is not one; a failure to cut costs only the old wait."""
     remotes = {str(ipaddress.ip_address(a)) for a in addresses} - {str(k) for k in keep}
-    if not remotes:
+    local = {str(ipaddress.ip_address(a)) for a in outbound}
+    if not remotes and not local:
         return 0
+    own = _own_socket_fds()
     inodes: set[int] = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
-                inodes |= socket_inodes_to(f.read(), remotes)
+                inodes |= socket_inodes_to(f.read(), remotes, local, set(own))
         except OSError:
             continue
     cut = 0
     spared = set(keep_fds)
-    for inode, fd in _own_socket_fds().items():
+    for inode, fd in own.items():
         if inode not in inodes or fd in spared:
             continue
         try:

@@ -18,15 +18,17 @@ from ..config import JobSettings
 from ..errors import HpctError
 from ..events import Ev, EventLog
 from .carry import Carry, CarryRecord
+from .layout_rules import MeshSpec, first_mode, sharded_mode
 from .persist import DiskPersister
-from .sharding import MeshSpec
-from .snapshot import (DEFAULT_SNAPSHOT_EVERY, ReplicaStore, Snapshot, SnapshotStore,
-                       choose_mode, replica_peer_rank)
+from .replicas import ReplicaStore
+from .ring import replica_peer_rank
+from .slots import Snapshot
+from .snapshot import DEFAULT_SNAPSHOT_EVERY, SnapshotStore
 from .state import TrainState, local_ptr, optimizer_state_tensors
 from .transfer import ReplicaPusher
 
 if TYPE_CHECKING:
-    from .generation import Standing
+    from .standing import Standing
 
 # Between lazily held steps, a full commit (a copy of the whole state) every LAZY_FULL_EVERY
 # steps: what the group rolls back to where a held step cannot be used, i.e. a fault found
@@ -63,22 +65,6 @@ def _changed_by(optimizer: Any) -> set[int]:
 
 def _params(optimizer: Any) -> list[Any]:
     return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def first_mode(state: TrainState, given: str | None, mesh_spec: MeshSpec | None) -> str:
-    """The recovery mode a Job starts in: `given` ("jit", "replicated"), else chosen from the
-    registered state (plain data parallelism) or from the mesh (a sharded job)."""
-    if mesh_spec is None:
-        return choose_mode(state, given, data_parallel=True)  # type: ignore[arg-type]
-    # Each shard key held by two replicas or more: a lost rank's state is on a
-    # survivor (jit). One holder per key (1-D FSDP): a ring copy in steady state.
-    return sharded_mode(state, given, mesh_spec)
-
-
-def sharded_mode(state: TrainState, given: str | None, spec: MeshSpec) -> str:
-    if given is not None:
-        return choose_mode(state, given)  # type: ignore[arg-type]
-    return "jit" if spec.replicas >= 2 else "replicated"
 
 
 class SnapshotPolicy:
@@ -406,7 +392,7 @@ class SnapshotPolicy:
 
     def ring(self, a: P.Assign) -> None:
         """Point the replica pusher at this generation's ring holder (the same local rank on
-        the node half the ring away: snapshot.replica_peer)."""
+        the node half the ring away: ring.replica_peer)."""
         rank = self.standing.rank
         self._peers = {int(r): (str(h), int(p)) for r, (h, p) in a.peers.items()}
         n = len(a.member_nodes())

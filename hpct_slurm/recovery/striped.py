@@ -34,9 +34,10 @@ import torch
 from .. import protocol as P
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .copies import as_flat_u8, as_memoryview
+from .encoding import Layout
 from .peer_socket import Address, connect
-from .snapshot import Snapshot
-from .state import Layout, as_flat_u8, as_memoryview
+from .slots import Snapshot
 
 # Bytes per request: a whole number of leaves (P.CHUNK). Small enough that 100 MB spreads
 # over several sources and a dropped source's stripe is cheap to fetch again, big enough that

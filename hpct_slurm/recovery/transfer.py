@@ -16,7 +16,6 @@ then stops offering a rotten copy) at the price of hashing every byte twice per 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
 import threading
@@ -26,14 +25,19 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as P
+from ..accept_pause import AcceptPause
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .copies import as_flat_u8, as_memoryview
+from .encoding import Layout
 from .peer_socket import Address
 from .peer_socket import connect as _connect  # (bench/transfer.py imports both from here)
+from .peer_socket import peer_of
 from .peer_socket import tune as _tune
 from .persist import load_latest
-from .snapshot import ReplicaStore, Snapshot, SnapshotStore
-from .state import Layout, as_flat_u8, as_memoryview
+from .replicas import ReplicaStore
+from .slots import Snapshot
+from .snapshot import SnapshotStore
 from .striped import serve_part
 from .worker import BackgroundQueue
 
@@ -42,6 +46,7 @@ EV_SOURCE_FAILED = Ev.TRANSFER_SOURCE_FAILED
 EV_FALLBACK_DISK = Ev.TRANSFER_FALLBACK_DISK
 EV_SERVE_CORRUPT = Ev.TRANSFER_SERVE_CORRUPT
 EV_BAD_FRAME = Ev.TRANSFER_BAD_FRAME
+EV_CONN_LOST = Ev.TRANSFER_CONNECTION_LOST
 EV_REPLICA_STORED = Ev.REPLICA_STORED
 EV_REPLICA_REJECTED = Ev.REPLICA_REJECTED
 EV_PUSH_FAILED = Ev.REPLICA_PUSH_FAILED
@@ -167,24 +172,20 @@ class TransferServer:
             self.events.emit(event, server_rank=self.rank, **fields)
 
     def _accept_loop(self) -> None:
-        backoff = 0.0
+        # Out of descriptors or memory: pause and accept again (accept_pause.py), or this rank
+        # would serve its state and take replicas no more for the rest of its life.
+        pause = AcceptPause(lambda **f: self._emit(EV_ACCEPT_FAILED, **f), self.events,
+                            max_s=ACCEPT_BACKOFF_MAX)
         while not self._closed.is_set():
             try:
                 conn, peer = self._listener.accept()
             except OSError as exc:
                 if self._closed.is_set():
                     return
-                # Out of descriptors (EMFILE/ENFILE) or memory, or a connection that died in
-                # the backlog: the listener itself is fine. Returning would leave this rank
-                # unable to serve its state for good; wait a little and accept again.
-                if backoff == 0.0 and exc.errno != errno.ECONNABORTED:
-                    self._emit(EV_ACCEPT_FAILED, error=f"{exc.strerror or exc} "
-                                                       f"(errno {exc.errno}); retrying")
-                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2 or 0.01)
-                self._freed.wait(backoff)
+                self._freed.wait(pause.failed(exc))
                 self._freed.clear()
                 continue
-            backoff = 0.0
+            pause.accepted()
             self._admit(conn, f"{peer[0]}:{peer[1]}")
 
     def _admit(self, conn: socket.socket, peer: str) -> None:
@@ -216,7 +217,7 @@ class TransferServer:
             self._emit(EV_CONN_REFUSED, peer=peer, error=str(exc))
 
     def _serve(self, conn: socket.socket) -> None:
-        known = False
+        known, peer = False, peer_of(conn)
         try:
             # The stall limit for everything on this connection; the nonce binds its frames.
             chan = P.server_hello(conn, self.secret, self.job_id, self.io_timeout)
@@ -233,7 +234,8 @@ class TransferServer:
                     self._reject_replica(conn, chan, exc.msg, pending, exc.message)
                     continue
                 except HpctError as exc:
-                    self._refuse(conn, chan, pending, exc.message)
+                    self._refuse(conn, chan, pending, exc.message,
+                                 cut=(peer, known) if isinstance(exc, P.ConnectionCut) else None)
                     return
                 if not known:
                     known = True
@@ -264,12 +266,17 @@ class TransferServer:
             self._freed.set()
 
     def _refuse(self, conn: socket.socket, chan: P.Channel, pending: dict[str, Any],
-                why: str) -> None:
+                why: str, cut: tuple[str, bool] | None = None) -> None:
         """A frame that failed part-way (before the connection is dropped): an authentic push
-        is told why, anything else is only logged."""
+        is told why, anything else is only logged. `cut` (peer, authenticated): the connection
+        broke under the frame, its peer's process or node died (a crash cuts its pusher's
+        connection), which is no bad frame from a stranger."""
         if "idx" in pending:
             self.replicas.abandon(pending["rank"], pending["idx"])  # type: ignore[union-attr]
         msg = pending.get("msg")
+        if msg is None and cut is not None:
+            self._emit(EV_CONN_LOST, peer=cut[0], authenticated=cut[1], error=why)
+            return
         if msg is None:
             self._emit(EV_BAD_FRAME, error=why)
             return

@@ -1,5 +1,5 @@
 """One daemon thread working through a queue, in order: the shape shared by the disk persister
-(persist.py), the replica pusher (transfer.py) and the snapshot sealer (snapshot.py).
+(persist.py), the replica pusher (transfer.py) and the snapshot sealer (slots.py).
 
 Each hands `BackgroundQueue` a handler and chooses how a full queue behaves (`put(wait=...)`);
 the queue does the rest once: starting the thread (now or at the first item), `flush` (wait

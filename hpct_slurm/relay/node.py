@@ -38,7 +38,6 @@ waiting on a relay that silently stopped forwarding.
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 import socket
@@ -51,8 +50,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import config as C
 from .. import protocol as P
+from ..accept_pause import AcceptPause
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from ..fdlimit import raise_nofile
 from ..rundir import private_dir, write_private
 from .coalesce import WINDOW_S, Coalescer
 
@@ -135,6 +136,7 @@ class NodeRelay:
                  connect_timeout: float = 60.0, auth_timeout: float = AUTH_TIMEOUT_S,
                  max_strangers: int = MAX_STRANGERS):
         from ..recovery.client import HEARTBEAT_S, CoordinationClient  # see the imports above
+        raise_nofile()  # a rank already did (job.py); a relay started on its own does it here
         self.secret, self.job_id, self.node, self.own = secret, job_id, node, own_local_rank
         self.events = events or EventLog()
         # routine messages go up once per heartbeat interval (the controller's pacing)
@@ -201,33 +203,21 @@ class NodeRelay:
 
     # ---- the node's ranks -> the controller ----------------------------------------------
     def _accept_loop(self) -> None:
-        backoff = 0.0
-        failed: tuple[OSError, float] | None = None  # accepting failed since then, unrecorded
+        # Out of descriptors (EMFILE/ENFILE: another user's connections, or the training's own
+        # files) or memory: returning would leave the node's ranks unable to reach the relay
+        # for good; pause, say so once, and accept again (accept_pause.py).
+        pause = AcceptPause(lambda **f: self._emit(Ev.RELAY_ACCEPT_FAILED, **f), self.events,
+                            max_s=ACCEPT_BACKOFF_MAX)
         while not self.closed.is_set():
             try:
                 sock, peer = self._listener.accept()
             except OSError as exc:
                 if self.closed.is_set():
                     return
-                # Out of descriptors (EMFILE/ENFILE: another user's connections, or the
-                # training's own files) or memory, or a connection that died in the backlog:
-                # the listener itself is fine. Returning would leave the node's ranks unable
-                # to reach the relay for good; wait a little and accept again.
-                if backoff == 0.0 and exc.errno != errno.ECONNABORTED and failed is None:
-                    failed = (exc, time.monotonic())
-                    if self._emit(Ev.RELAY_ACCEPT_FAILED, error=_accept_error(exc)):
-                        failed = None
-                backoff = min(ACCEPT_BACKOFF_MAX, backoff * 2 or 0.01)
-                self._freed.wait(backoff)
+                self._freed.wait(pause.failed(exc))
                 self._freed.clear()
                 continue
-            backoff = 0.0
-            # Its event could not be written then (out of descriptors), nor perhaps now (this
-            # connection may have taken the one freed): each accept tries until it is.
-            if failed is not None and self._emit(
-                    Ev.RELAY_ACCEPT_FAILED, error=_accept_error(failed[0]),
-                    accepting_again_after_s=round(time.monotonic() - failed[1], 3)):
-                failed = None
+            pause.accepted()
             self._admit(sock, f"{peer[0]}:{peer[1]}")
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
@@ -433,10 +423,6 @@ def _timeval(seconds: float) -> bytes:
     """A struct timeval, as SO_SNDTIMEO takes it."""
     whole = int(seconds)
     return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
-
-
-def _accept_error(exc: OSError) -> str:
-    return f"{exc.strerror or exc} (errno {exc.errno}); retrying"
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ..accept_pause import AcceptPause
 from ..errors import HpctError
 from ..events import Ev, EventLog, stderr_log
 from .store_wire import (I64, MAX_FRAME, MIN_SECRET_BYTES, NONCE_BYTES, OP_ADD, OP_CAS,
@@ -94,7 +95,10 @@ class ShardServer:
         self._conns: set[_Conn] = set()
         self._strangers: dict[_Conn, float] = {}  # not authenticated yet -> deadline, oldest first
         self._accept_resume: float | None = None  # listener paused (out of fds) until then
-        self._accept_backoff = 0.0
+        # out of descriptors: pause, say so once, go on (a failed record is held, not raised)
+        self._pause = AcceptPause(lambda **f: self._events.emit(EVENT_ACCEPT_FAILED,
+                                                                shard=self.name, **f),
+                                  self._events, max_s=ACCEPT_BACKOFF_MAX)
         self._next_sweep = 0.0
         self._stats = ShardStats()
         self._stats_lock = threading.Lock()
@@ -200,13 +204,14 @@ class ShardServer:
             try:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                self._accept_backoff = 0.0
+                self._pause.accepted()
                 return
             except OSError as exc:
                 if exc.errno == errno.ECONNABORTED:
                     continue
                 self._pause_accept(exc)
                 return
+            self._pause.accepted()
             peer_name = f"{peer[0]}:{peer[1]}"
             if len(self._strangers) >= MAX_STRANGERS or len(self._conns) >= MAX_CONNECTIONS:
                 if not self._strangers:
@@ -231,11 +236,7 @@ class ShardServer:
     def _pause_accept(self, exc: OSError) -> None:
         """Out of descriptors (or memory): the listener stays readable, so selecting on it at
         once again would spin a core. Leave it alone for a while, longer each time in a row."""
-        if self._accept_backoff == 0.0:
-            self._events.emit(EVENT_ACCEPT_FAILED, shard=self.name,
-                              error=f"{exc.strerror or exc} (errno {exc.errno}); retrying")
-        self._accept_backoff = min(ACCEPT_BACKOFF_MAX, self._accept_backoff * 2 or 0.01)
-        self._accept_resume = time.monotonic() + self._accept_backoff
+        self._accept_resume = time.monotonic() + self._pause.failed(exc)
         self._sel.unregister(self._listener)
 
     def _close(self, conn: _Conn) -> None:

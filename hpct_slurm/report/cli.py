@@ -12,13 +12,16 @@ from typing import TYPE_CHECKING
 
 from .. import config as C
 from ..errors import HpctError
+from .files import rank_logs, read_log, run_dir_fd
 from .model import (PHASES, FaultStatus, Report, RunEvents, Status, build_report,
-                    build_status, parse_jsonl, pending_note)
+                    build_status, check_run, pending_note)
+from .records import parse_jsonl
 
 if TYPE_CHECKING:
     from ..slurm.client import SlurmClient
 
 CONTROLLER_LOG = "controller.jsonl"
+ENDED = ("done", "requeued", "failed", "ended")  # a Status's states once the run ended
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -93,31 +96,31 @@ def _checked(path: Path, what: str) -> Path:
 
 
 def _job_id_of(run_dir: Path) -> int | None:
-    with open(run_dir / CONTROLLER_LOG, encoding="utf-8") as f:
-        first = f.readline()
+    with run_dir_fd(run_dir) as fd:
+        text, _ = read_log(fd, CONTROLLER_LOG, CONTROLLER_LOG, cap=64 * 1024)
     try:
-        return int(json.loads(first).get("job_id"))
+        return int(json.loads((text or "").split("\n", 1)[0]).get("job_id"))
     except (ValueError, TypeError, AttributeError):
         return None
 
 
 def load_run(run_dir: Path) -> RunEvents:
-    """Every record under a run dir; a torn last line becomes a warning."""
+    """Every readable record under a run dir (files.py says what is never read); what could
+    not be read is a warning line each."""
     run_dir = _checked(Path(run_dir), "run dir")
-    warnings: list[str] = []
-
-    def read(path: Path) -> list[dict]:
-        records, warning = parse_jsonl(path.read_text(encoding="utf-8", errors="replace"),
-                                       str(path))
-        if warning:
-            warnings.append(warning)
-        return records
-
-    controller = read(run_dir / CONTROLLER_LOG)
-    events_dir = run_dir / "events"
-    ranks = {p.stem: read(p) for p in sorted(events_dir.glob("*.jsonl"))} \
-        if events_dir.is_dir() else {}
-    return RunEvents(str(run_dir), controller, ranks, warnings)
+    with run_dir_fd(run_dir) as fd:
+        text, warnings = read_log(fd, CONTROLLER_LOG, CONTROLLER_LOG)
+        if text is None:
+            raise HpctError(f"run dir {str(run_dir)!r}: {warnings[0]}")
+        texts, said = rank_logs(fd)
+    warnings += said
+    controller, said = parse_jsonl(text, str(run_dir / CONTROLLER_LOG))
+    warnings += said
+    ranks = {}
+    for stem, rank_text in texts.items():
+        ranks[stem], said = parse_jsonl(rank_text, str(run_dir / "events" / f"{stem}.jsonl"))
+        warnings += said
+    return check_run(RunEvents(str(run_dir), controller, ranks, warnings))
 
 
 # ---- commands ----------------------------------------------------------------------------
@@ -128,7 +131,7 @@ def status_main(args: argparse.Namespace) -> int:
     if st.state == "requeued" and st.job_id is not None:
         st.notes.append(_slurm_says(st.job_id))
     for w in run.warnings:
-        print(f"HPCT warning: {w}", file=sys.stderr)
+        print(f"HPCT warning: {printable(w)}", file=sys.stderr)
     print(json.dumps(st.to_dict()) if args.json else format_status(st))
     return 0
 
@@ -150,7 +153,7 @@ def report_main(args: argparse.Namespace) -> int:
     run = load_run(resolve_run_dir(args.target))
     rep = build_report(run)
     for w in rep.warnings:
-        print(f"HPCT warning: {w}", file=sys.stderr)
+        print(f"HPCT warning: {printable(w)}", file=sys.stderr)
     d = rep.to_dict(with_steps=args.steps)
     if args.png:
         from .plot import plot_timeline
@@ -158,6 +161,14 @@ def report_main(args: argparse.Namespace) -> int:
         d["png"] = str(plot_timeline(rep, Path(args.png)))
     print(json.dumps(d) if args.json else format_report(rep, d.get("png")))
     return 0
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal: every character that does not print (ESC and the other control
+    characters, a newline, the bidi overrides) written as its escape (`\\x1b`), so nothing read
+    from a log reaches the terminal raw (`--json` escapes them by itself)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def _s(x: float | None) -> str:
@@ -201,7 +212,7 @@ def format_report(rep: Report, png: str | None = None) -> str:
         lines.append(f"  {e.t_s:8.2f} s  {e.event}: {e.reason}")
     if png:
         lines.append(f"timeline: {png}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def format_status(st: Status) -> str:
@@ -211,11 +222,13 @@ def format_status(st: Status) -> str:
              f"controller: {st.last_controller_event} {st.last_controller_event_s:.1f} s ago"]
     for r in st.ranks:
         seen = f"{r.last_event} {r.last_seen_s:.1f} s ago"
-        if r.state in ("member", "spare"):
+        if r.state == "member" or (r.state == "spare" and r.rank is None):
             lines.append(f"  {r.process:12} rank {_d(r.rank):>3}  gen {_d(r.generation):>2}  "
                          f"step {_d(r.step):>6}  {seen}")
         else:  # not a live rank beside the one that holds its rank now
-            what = f"replaced by {r.replaced_by}" if r.state == "replaced" else r.state
+            what = f"replaced by {r.replaced_by}" if r.state == "replaced" else \
+                f"a spare again (replaced by {r.replaced_by})" if r.state == "spare" \
+                and r.replaced_by else "a spare again" if r.state == "spare" else r.state
             held = "never held a rank" if r.rank is None else \
                 f"held rank {r.rank}, gen {_d(r.generation)}, step {_d(r.step)}"
             lines.append(f"  {r.process:12} {what} ({held})  {seen}")
@@ -224,7 +237,7 @@ def format_status(st: Status) -> str:
                      f"job started)  {f.node}: {f.reason}")
         lines.append(f"    {_fault_outcome(st, f)}")
     lines.extend(st.notes)
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _d(x: int | None) -> str:
@@ -244,7 +257,8 @@ def _fault_outcome(st: Status, f: FaultStatus) -> str:
         by_kind.setdefault(kind, []).append(rank)
     sources = ", ".join(f"{k} (rank{'s' if len(v) > 1 else ''} {','.join(map(str, v))})"
                         for k, v in by_kind.items())
-    back = "not back yet" if f.recovery_s is None else f"back in {f.recovery_s:.3f} s"
+    back = f"back in {f.recovery_s:.3f} s" if f.recovery_s is not None else \
+        f"never back: the job ended ({st.state}) first" if st.state in ENDED else "not back yet"
     return (f"{f.node} {f'replaced by {f.replaced_by}' if f.replaced_by else 'not replaced'}, "
             f"{back} (generation {f.recovered_in}): restored step {f.restore_step}, "
             f"{f.recomputed_steps} step(s) recomputed; state from {sources or '-'}")

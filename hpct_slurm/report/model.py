@@ -17,13 +17,14 @@ controller started last before them.
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..controller.policy import PHASES  # recovery.done's `phases`, in the order they happen
 from ..errors import HpctError
 from ..events import Ev, Role
+from ..fault_count import FaultCount
+from .records import readable
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RunEvents:
     controller: list[dict]
     ranks: dict[str, list[dict]]
     warnings: list[str] = field(default_factory=list)
+    checked: bool = False     # every record is one this module can read (check_run)
 
 
 @dataclass(frozen=True)
@@ -202,61 +204,25 @@ class Status:
         return asdict(self)
 
 
-# ---- parsing -----------------------------------------------------------------------------
+# ---- checking --------------------------------------------------------------------------
 
-def parse_jsonl(text: str, where: str) -> tuple[list[dict], str | None]:
-    """Records of one JSON-lines file, and a warning when its last line is torn.
-
-    A writer killed mid-line (a crashed node) leaves a torn last line: that record is dropped
-    and named in the warning. A bad line anywhere else means the file is not an event log."""
-    lines = [(i, ln) for i, ln in enumerate(text.split("\n"), 1) if ln.strip()]
-    records: list[dict] = []
-    warning = None
-    for pos, (lineno, line) in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            rec = None
-        if not isinstance(rec, dict) or "event" not in rec \
-                or not isinstance(rec.get("t"), (int, float)):
-            if pos == len(lines) - 1 and rec is None:
-                warning = f"{where}: last line {lineno} is torn, ignored: {line[:60]!r}"
-                continue
-            raise HpctError(f"{where} line {lineno} is not an event (JSON object with 't' and "
-                            f"'event'): {line[:60]!r}")
-        records.append(rec)
-    return records, warning
-
-
-# The fields this module reads, per event: a record without them is not from this version of
-# the controller or the recovery wrapper.
-REQUIRED_FIELDS = {
-    Ev.GENERATION_START: ("generation", "members", "restore_step"),
-    Ev.FAULT_DETECTED: ("node",),
-    Ev.FAULT_FENCED: ("node",),
-    Ev.STEP_LAUNCH: ("node",),
-    Ev.RECOVERY_ASSIGN: ("generation", "restore_step"),
-    Ev.RECOVERY_DONE: ("generation", "recovery_s", "lost", "reasons", "phases"),
-    Ev.RANK_STEP: ("rank", "generation", "step"),
-    Ev.RANK_ADOPTED: ("rank", "generation", "reform_s", "restore_s"),
-    Ev.RANK_FAULT: ("generation",),
-}
-
-
-def check_run(run: RunEvents) -> None:
-    """Raise a clear error unless the logs are those of an `hpct-slurm controller` run."""
-    if not any(e["event"] == Ev.CONTROLLER_START for e in run.controller):
+def check_run(run: RunEvents) -> RunEvents:
+    """`run` without the records this module cannot read (each said in one warning line, a
+    few per file), or a clear error when the logs are not those of an `hpct-slurm controller`
+    run at all."""
+    if run.checked:
+        return run
+    warnings = list(run.warnings)
+    controller, said = readable(run.controller, "controller.jsonl")
+    warnings += said
+    ranks = {}
+    for name, evs in sorted(run.ranks.items()):
+        ranks[name], said = readable(evs, f"events/{name}.jsonl")
+        warnings += said
+    if not any(e["event"] == Ev.CONTROLLER_START for e in controller):
         raise HpctError(f"run dir {run.run_dir!r}: controller.jsonl has no controller.start: "
                         f"not a run of `hpct-slurm controller` (or it has not started yet)")
-    logs = [("controller.jsonl", run.controller)] + \
-        [(f"events/{name}.jsonl", evs) for name, evs in sorted(run.ranks.items())]
-    for where, evs in logs:
-        for e in evs:
-            missing = [k for k in REQUIRED_FIELDS.get(e["event"], ()) if k not in e]
-            if missing:
-                raise HpctError(f"run dir {run.run_dir!r}: {where} has a {e['event']} event "
-                                f"without {', '.join(missing)} (t={e['t']}): written by "
-                                f"another version of hpct-slurm?")
+    return RunEvents(run.run_dir, controller, ranks, warnings, checked=True)
 
 
 # ---- the report --------------------------------------------------------------------------
@@ -289,7 +255,7 @@ def _job_id(run: RunEvents) -> int | None:
 
 
 def build_report(run: RunEvents) -> Report:
-    check_run(run)
+    run = check_run(run)
     t0 = _origin(run)
     att = _Attempts(run.controller)
     ctl = sorted(run.controller, key=lambda e: e["t"])
@@ -382,11 +348,13 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
     assigns: list[tuple[dict, list[dict], list[int]]] = []
     in_recovery, stopped_gen = False, -1
     seen_fenced: dict[tuple[int, str], int] = {}
+    counted = FaultCount()  # one fault per fault: the controller's own rule
     for e in ctl:
         ev, a = e["event"], att.of(e["t"])
+        new = counted.see(e)
         if ev == Ev.CONTROLLER_START:
             pending, took, in_recovery = [], [], False
-        elif ev == Ev.FAULT_DETECTED:
+        elif ev == Ev.FAULT_DETECTED and new:
             key = (a, e["node"])
             hows = fenced.get(key, [])
             n = seen_fenced.get(key, 0)
@@ -401,14 +369,11 @@ def _faults_and_recoveries(run: RunEvents, ctl: list[dict], att: _Attempts, t0: 
         elif ev == Ev.FAULT_SECOND:
             # survivors that failed their health check or never answered get no
             # fault.detected of their own: this event is their only record
-            known = {f["node"] for f in pending}
-            for node in e.get("nodes", []):
-                if node not in known:
-                    faults.append(Fault(a, e["t"] - t0, node, "not ready after fault",
-                                        stopped_gen, "active", None, True))
-                    pending.append({"t": e["t"], "node": node,
-                                    "reason": "not ready after fault"})
-                    took.append(len(faults) - 1)
+            for node in new:
+                faults.append(Fault(a, e["t"] - t0, node, "not ready after fault",
+                                    stopped_gen, "active", None, True))
+                pending.append({"t": e["t"], "node": node, "reason": "not ready after fault"})
+                took.append(len(faults) - 1)
         elif ev == Ev.RECOVERY_ASSIGN:
             assigns.append((e, pending, took))
             pending, took, in_recovery = [], [], False
@@ -491,6 +456,7 @@ def source_kind(source: str, planned: str | None = None) -> str:
 def build_status(run: RunEvents, now: float) -> Status:
     """Where a (possibly running) job stands at unix time `now`: the report's model (faults,
     recoveries) and the current attempt's members, spares and processes."""
+    run = check_run(run)
     rep = build_report(run)
     att = _Attempts(run.controller)
     ctl = sorted(run.controller, key=lambda e: e["t"])
@@ -500,6 +466,7 @@ def build_status(run: RunEvents, now: float) -> Status:
     spares: list[str] = []
     lost: set[str] = set()            # nodes failed and not (yet) back in a generation
     taken: dict[str, str] = {}        # node -> the node that took its place
+    before: dict[str, str] = {}       # ... of a node back as a spare since (fenced alive)
     generation = None
     recovering = False
     for e in mine:
@@ -507,7 +474,10 @@ def build_status(run: RunEvents, now: float) -> Status:
         if ev == Ev.CONTROLLER_START:
             members, spares = list(e.get("active", [])), list(e.get("spares", []))
         elif ev == Ev.STEP_LAUNCH and e.get("role") == Role.SPARE and e["node"] not in spares:
-            spares.append(e["node"])
+            spares.append(e["node"])  # a spare, or a node fenced alive that came back as one
+            lost.discard(e["node"])
+            if e["node"] in taken:
+                before[e["node"]] = taken.pop(e["node"])
         elif ev == Ev.FAULT_DETECTED:
             lost.add(e["node"])
             if e["node"] in spares:
@@ -541,9 +511,11 @@ def build_status(run: RunEvents, now: float) -> Status:
         if not evs:
             continue
         node, _, _ = name.rpartition("-")
-        own = [e for e in evs if e["event"].startswith("rank.") and "rank" in e]
+        # the last rank it held: a node fenced alive and back as a spare reports rank -1 since
+        held = [e["rank"] for e in evs if e["event"].startswith("rank.")
+                and e.get("rank", -1) >= 0]
         last_step = [e for e in evs if e["event"] == Ev.RANK_STEP]
-        rank = int(own[-1]["rank"]) if own and own[-1]["rank"] >= 0 else None
+        rank = int(held[-1]) if held else None
         node = node or name
         where = "replaced" if node in taken else "lost" if node in lost else \
             "member" if node in members else "spare" if node in spares else "gone"
@@ -552,7 +524,7 @@ def build_status(run: RunEvents, now: float) -> Status:
             generation=int(last_step[-1]["generation"]) if last_step else None,
             step=int(last_step[-1]["step"]) if last_step else None,
             last_event=evs[-1]["event"], last_seen_s=now - evs[-1]["t"],
-            state=where, replaced_by=taken.get(node)))
+            state=where, replaced_by=taken.get(node) or before.get(node)))
     in_gen = [r for r in ranks
               if r.node in members and r.generation == generation and r.step is not None]
     every_member = set(members) <= {r.node for r in in_gen}
@@ -572,11 +544,19 @@ def fault_statuses(rep: Report) -> list[FaultStatus]:
     out = []
     for f in rep.faults:
         r = recoveries.get((f.attempt, f.recovered_in))
-        done = {} if r is None else dict(
-            replaced_by=r.taken.get(f.node), recovery_s=r.recovery_s,
-            restore_step=r.restore_step, recomputed_steps=r.recomputed_steps,
-            state_sources=dict(r.source_kinds))
-        out.append(FaultStatus(**vars(f), **done))
+        if r is None:
+            out.append(FaultStatus(**vars(f)))
+            continue
+        # A round cut short by another fault (before its first step) was folded into the
+        # next round that finished: that one's recovery.done is this fault's too.
+        folded = r if r.done_s is not None else next(
+            (x for x in rep.recoveries if x.attempt == r.attempt
+             and x.generation > r.generation and x.done_s is not None), r)
+        out.append(FaultStatus(**{**vars(f), "recovered_in": folded.generation},
+                               replaced_by=r.taken.get(f.node), recovery_s=folded.recovery_s,
+                               restore_step=folded.restore_step,
+                               recomputed_steps=folded.recomputed_steps,
+                               state_sources=dict(folded.source_kinds)))
     return out
 
 

@@ -591,15 +591,18 @@ def srun_argv(node: str, argv: Sequence[str], extra_opts: Sequence[str] = (),
 
 
 def srun_nodes_argv(nodes: Sequence[str], argv: Sequence[str],
-                    extra_opts: Sequence[str] = ()) -> list[str]:
-    """`srun -N<n> -n<n> --ntasks-per-node=1 -w <nodes> <extra_opts> <argv>`: one step with
-    one task on each of `nodes`."""
+                    extra_opts: Sequence[str] = (), tasks_per_node: int = 1) -> list[str]:
+    """`srun -N<n> -n<n*t> --ntasks-per-node=<t> -w <nodes> <extra_opts> <argv>`: one step
+    with `tasks_per_node` tasks on each of `nodes`."""
     if not nodes or any(expand(n) != [n] for n in nodes):
         raise HpctError(f"srun nodes {list(nodes)!r} are not one or more single node names")
     if not argv:
         raise HpctError("srun needs a command to run")
-    return ["srun", f"-N{len(nodes)}", f"-n{len(nodes)}", "--ntasks-per-node=1",
-            "-w", ",".join(nodes), *extra_opts, *argv]
+    if isinstance(tasks_per_node, bool) or not isinstance(tasks_per_node, int) or \
+            not 1 <= tasks_per_node <= 1024:
+        raise HpctError(f"srun tasks per node {tasks_per_node!r} is not 1 to 1024")
+    return ["srun", f"-N{len(nodes)}", f"-n{len(nodes) * tasks_per_node}",
+            f"--ntasks-per-node={tasks_per_node}", "-w", ",".join(nodes), *extra_opts, *argv]
 
 
 def _one_line(value: str, what: str) -> str:
@@ -830,6 +833,10 @@ class SlurmClient:
         return proc.stdout.strip()
 
     # -- acting --
+    def config_text(self) -> str:
+        """`scontrol show config`'s text (the fence reads the controller hosts from it)."""
+        return self.run(["scontrol", "show", "config"]).stdout
+
     def update_node(self, names: str | Sequence[str], state: str,
                     reason: str | None = None) -> None:
         """`scontrol update NodeName=<hostlist> State=<state> [Reason=<reason>]`."""
@@ -913,7 +920,8 @@ class SlurmClient:
                   f"reason={_one_line(reason, 'reboot reason')}", hostlist])
 
     def requeue(self, job_id: int, begin_in_s: float | None = REQUEUE_BEGIN_S,
-                on_refused: Callable[[SlurmCommandError], None] | None = None) -> str | None:
+                on_refused: Callable[[SlurmCommandError], None] | None = None,
+                on_requeued: Callable[[], None] | None = None) -> str | None:
         """`scontrol requeue J`, then the job eligible again `begin_in_s` seconds from now
         instead of after Slurm's hold (REQUEUE_BEGIN_S says why): `scontrol update JobId=J
         StartTime=now+N`, the same moment on every try. A refusal for now is tried again, at
@@ -921,8 +929,12 @@ class SlurmClient:
         that is tried again goes to `on_refused` (the caller's event). Returns None when the
         BeginTime is set, else why not (Slurm's message: the job is requeued all the same, it
         then waits out Slurm's hold). Raises SlurmCommandError when the requeue itself fails.
-        Run it inside `sigterm_ignored()`: the requeue signals the caller's job."""
+        Run it inside `sigterm_ignored()`: the requeue signals the caller's job.
+        `on_requeued` is called once the requeue is done, before the update (which Slurm's
+        KillWait may cut short): the caller's record of it."""
         self.run(["scontrol", "requeue", str(int(job_id))])
+        if on_requeued is not None:
+            on_requeued()
         if begin_in_s is None:
             return None
         at = time.monotonic() + begin_in_s
@@ -974,10 +986,11 @@ class SlurmClient:
         return self.run(srun_argv(node, argv, extra_opts=options), timeout=timeout)
 
     def run_step(self, nodes: Sequence[str], argv: Sequence[str],
-                 options: Sequence[str] = ()) -> int:
-        """Run `argv` as one step with one task on each of `nodes` (see srun_nodes_argv), its
-        output going where this process's goes, no time limit; return srun's exit code."""
-        cmd = srun_nodes_argv(nodes, argv, options)
+                 options: Sequence[str] = (), tasks_per_node: int = 1) -> int:
+        """Run `argv` as one step with `tasks_per_node` tasks on each of `nodes` (see
+        srun_nodes_argv), its output going where this process's goes, no time limit; return
+        srun's exit code."""
+        cmd = srun_nodes_argv(nodes, argv, options, tasks_per_node)
         try:
             return self.runner(self.command(cmd), stdin=subprocess.DEVNULL,
                                env=self.environ()).returncode

@@ -100,6 +100,7 @@ class Ev(_Name):
     RANK_LOSSES_UNREAD = "rank.losses_unread"
     RANK_ADOPTED = "rank.adopted"
     RANK_STEP = "rank.step"
+    BENCH_STEP = "bench.step"  # bench/steplog.py: every system's step, at one point of its loop
     RANK_FAULT = "rank.fault"
     RANK_READY = "rank.ready"
     RANK_FINISHED = "rank.finished"

@@ -27,7 +27,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q "torch==${HPCT_TORCH_VERSION:-2.13.0}"
-.venv/bin/pip install -q -e '.[test,torchft]'  # torchft: the peer tests/test_bench_peers_cluster.py runs
+.venv/bin/pip install -q -e '.[test,peers]'  # peers: torchft and NVRx, for `bench peers` and its test
 
 if [ "${1:-}" != "--no-demo" ]; then
   .venv/bin/hpct-slurm demo

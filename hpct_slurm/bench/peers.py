@@ -1,34 +1,44 @@
-"""hpct-slurm side by side with its peers (issue 29), on the real local Slurm cluster.
+"""hpct-slurm side by side with its peers (issues 29, 44), on the real local Slurm cluster.
 
 The same job for every system: `torchrun_inline.py`'s model, data and schedule (a small
 transformer LM, AdamW, cosine schedule, DistributedSampler), 4 active nodes of one rank each
 plus 1 spare node, and the same fault: node n3 hard-crashed (`kill_node`: slurmd, slurmstepd and
-every task SIGKILLed) once any rank completed step `kill_at`. Each system runs its own adopted
-copy of the script, once without a fault (its reference) and once with the crash:
-  hpct-slurm  examples/adopted_inline.py under the shipped sbatch template;
-  torchft     examples/peers/torchft_ddp.py: Lighthouse on the batch host, one replica group
-              per node, the lost group relaunched onto the spare (bench/peers_driver.py);
-  nvrx        examples/peers/nvrx_ddp.py under nvidia-resiliency-ext's ft_launcher (one per
-              node, the spare waiting in the rendezvous), in-job restart from the last disk
-              checkpoint.
+every task SIGKILLed) at a random moment. Each peer runs in its best documented mode for "4
+active + 1 spare node, one node lost", and in the mode the earlier bench ran, labelled:
+  hpct-slurm        examples/adopted_inline.py with the step record inserted (`script_text`)
+                    under the shipped sbatch template;
+  torchft           examples/peers/torchft_ddp.py --spares 1: a fifth replica group live and
+                    in sync, contributing zero gradients (WorldSizeMode.FIXED_WITH_SPARES);
+  torchft-relaunch  the same script, 4 groups, the lost group relaunched onto the spare node;
+  nvrx              examples/peers/nvrx_inprocess.py: in-process restart (inprocess.Wrapper)
+                    with a reserve rank on the spare node;
+  nvrx-injob        examples/peers/nvrx_ddp.py under ft_launcher: in-job restart of every rank
+                    from a checkpoint saved every step.
+(bench/peers_driver.py launches the peers; `configuration` says what each was given and which
+of the peer's documents each setting comes from.)
 
-Per system:
-  back_to_speed_s      the one yardstick (localcluster.jobs.back_at): seconds from the crash
-                       until every rank of the group at full world size completed a step after
-                       the last step reached before the crash;
-  lost_steps           steps some rank computed more than once (recomputed);
-  reduced_world_steps  steps committed by fewer than all ranks (torchft goes on without the
-                       lost group), and skipped_batches: the data batches those steps left out;
-  bitwise_equal        every rank's final parameters equal to the same system's fault-free run;
-  goodput              over the fixed window of steps from the crash to the end of training:
-                       (useful batches / all batches of the window) x (the fault-free run's time
-                       for those steps / the faulted run's), both timed from the group's
-                       completion of the last step before the crash;
-  changed_lines        the adopted script against torchrun_inline.py (tests/test_adoption.py's
-                       count, whitespace counted; lines marked `# bench` left out);
-  version              of the system's package.
-A peer that is not installed, or whose run fails, carries `error` (the exact message) instead;
-the bench still runs the others.
+One measuring point: every script logs its step through bench/steplog.log_step on the line
+right after its optimizer step. The crashes: `Config.crashes` of them per system, the same
+schedule for all (`schedule`: from a seed, the step each follows and the moment within the
+next step, uniform over the system's fault-free step time, so that some land inside the
+all-reduce). One fault-free run per system is its reference. Per crash:
+  back_to_full_world_s  from the crash until every one of the 4 data shards completed a step
+                        after the last one reached before the crash, at full world size, in
+                        the group that trains after it (localcluster.jobs.back_at);
+  back_to_speed_s       from the crash until the end of the first full-world step after it
+                        that took at most 10 % more than the fault-free pace;
+  lost_steps            steps a rank completed more than once (recomputed);
+  skipped_batches       batches left out by steps committed at less than full world size;
+  seconds_lost          the headline: the run's wall time from the last step before the crash
+                        to the end of the step back at speed, minus those steps at the
+                        fault-free pace, plus the skipped batches at the fault-free time to
+                        train one (a step / 4);
+The fault-free pace: the run's own median step over the 10 before the crash (`analyse` says
+why; against the fault-free run's time for the rest of the run: `seconds_lost_vs_reference`).
+  bitwise_equal         every rank's final parameters equal to the fault-free run's.
+Per system: the median and the [min, max] of each, `runs` (the records), `given`, `version`,
+`changed_lines` (the script against torchrun_inline.py, `# bench` lines left out). A peer that
+is not installed, or all of whose runs failed, carries `error` (the exact message).
 """
 from __future__ import annotations
 
@@ -38,6 +48,10 @@ import datetime
 import difflib
 import importlib
 import importlib.metadata
+import json
+import os
+import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -45,34 +59,48 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import HpctError
+from ..events import Ev
 from ..localcluster import LocalCluster
-from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, back_at, back_to_speed, cancel, collect,
-                                 crash_at, fresh_work_dir, ready_cluster, step_events, submit,
-                                 wait_finished)
+from ..localcluster.jobs import (NODES, TEMPLATE, VICTIM, back_at, cancel, controller_events,
+                                 fresh_work_dir, group_after, rank_events, ready_cluster,
+                                 submit, wait_finished)
 from . import peers_driver
 from .common import write_result
 from .recovery import BENCH_ROOT
 
 NAME = "peers"
 ACTIVE = NODES - 1
-SYSTEMS = ("hpct-slurm", "torchft", "nvrx")
+SYSTEMS = ("hpct-slurm", "torchft", "torchft-relaunch", "nvrx", "nvrx-injob")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PLAIN = EXAMPLES / "torchrun_inline.py"
-SCRIPTS = {"hpct-slurm": EXAMPLES / "adopted_inline.py",
-           "torchft": EXAMPLES / "peers" / "torchft_ddp.py",
-           "nvrx": EXAMPLES / "peers" / "nvrx_ddp.py"}
+PEERS = EXAMPLES / "peers"
+SCRIPTS = {"hpct-slurm": EXAMPLES / "adopted_inline.py", "torchft": PEERS / "torchft_ddp.py",
+           "torchft-relaunch": PEERS / "torchft_ddp.py", "nvrx": PEERS / "nvrx_inprocess.py",
+           "nvrx-injob": PEERS / "nvrx_ddp.py"}
+NVRX = "nvidia-resiliency-ext"
 PACKAGES = {"hpct-slurm": ("hpct_slurm", "hpct-slurm"), "torchft": ("torchft", "torchft"),
-            "nvrx": ("nvidia_resiliency_ext.fault_tolerance", "nvidia-resiliency-ext")}
-INSTALL_HINT = "install the peers extra: pip install '.[peers]' (scripts/setup.sh installs torchft)"
+            "torchft-relaunch": ("torchft", "torchft"),
+            "nvrx": ("nvidia_resiliency_ext.inprocess", NVRX),
+            "nvrx-injob": ("nvidia_resiliency_ext.fault_tolerance", NVRX)}
+INSTALL_HINT = "install the peers extra: pip install '.[peers]'"
+SPEED_SLACK = 1.10  # back to speed: a step within 10 % of the fault-free median
+METRICS = ("seconds_lost", "back_to_full_world_s", "back_to_speed_s", "lost_steps",
+           "skipped_batches")
 
 
 @dataclass(frozen=True)
 class Config:
     epochs: int
-    kill_at: int
+    kill_at: int              # the earliest step a crash follows
     step_sleep: float
-    ckpt_every: int = 10          # NVRx's checkpoint interval (steps)
-    heartbeat_ms: int = 1000      # torchft Lighthouse --heartbeat_timeout_ms (default 5000)
+    crashes: int = 5          # per system, the same schedule for all
+    spread: int = 8           # a crash follows step kill_at + [0, spread)
+    seed: int = 44
+    ckpt_every: int = 1       # NVRx's checkpoint interval (steps), both modes
+    heartbeat_ms: int = 500   # torchft Lighthouse --heartbeat_timeout_ms (default 5000)
+    torchft_timeout_s: float = 5.0  # Manager and ProcessGroupGloo timeouts
+    gloo_timeout_s: float = 3.0     # NVRx in-process: the process group's timeout
+    nvrx_heartbeat_s: float = 0.5   # NVRx in-process: the Wrapper's intervals
     timeout_s: float = 300.0
 
     def script_args(self) -> list[str]:
@@ -80,11 +108,31 @@ class Config:
 
 
 STEPS_PER_EPOCH = 8  # 512 samples / (4 ranks x batch 16)
-# The run after the crash must outlast the slowest recovery (NVRx's, ~15-20 s here), or the
-# survivors of torchft end training before the relaunched group joins them. About 0.37 s a
-# step on the 2-core VM.
-FULL = Config(epochs=20, kill_at=40, step_sleep=0.25)
-QUICK = Config(epochs=10, kill_at=16, step_sleep=0.25)
+# After the crash the run must outlast torchft-relaunch's recovery (~5 s quiet, 10-20 s with
+# the 2-core VM loaded), or its survivors end training before the relaunched group joins them
+# (a run of --quick lost that race at load 17: recorded as that run's error). About 0.32 s a
+# step: a run takes ~50-80 s (NVRx in-job's ~30 s more), the full bench 5 systems x 6 runs,
+# about 40 minutes; --quick 5 x 3, about 15.
+FULL = Config(epochs=16, kill_at=30, step_sleep=0.25)
+QUICK = Config(epochs=10, kill_at=16, step_sleep=0.25, crashes=2)
+
+
+@dataclass(frozen=True)
+class Crash:
+    after_step: int   # the crash comes once some rank logged this step...
+    fraction: float   # ...this share of a fault-free step later
+
+
+def schedule(cfg: Config) -> list[Crash]:
+    """The crashes of every system, the same for all: from `cfg.seed` alone. The moments are
+    uniform over a step, stratified: the i-th of n lands in [i/n, (i+1)/n) of it (in a random
+    order), so that n = 5 cannot all land in the step's sleep (its first ~78 %) and miss the
+    forward, backward and all-reduce at its end, as 5 plain draws of seed 44 did."""
+    rng = random.Random(cfg.seed)
+    strata = list(range(cfg.crashes))
+    rng.shuffle(strata)
+    return [Crash(cfg.kill_at + rng.randrange(cfg.spread),
+                  (i + rng.random()) / cfg.crashes) for i in strata]
 
 
 # ---- what each system's scripts and packages are ---------------------------------------
@@ -110,6 +158,29 @@ def script_changes(system: str) -> int:
     return changed_lines(_code(PLAIN), _code(SCRIPTS[system]))
 
 
+HPCT_IMPORT = "from hpct_slurm.bench.steplog import log_step  # bench"
+HPCT_LOG = "log_step(rank, job.step, loss.item(), world, generation=job.generation)  # bench"
+
+
+def script_text(system: str) -> str:
+    """The script the bench runs for `system`. For hpct-slurm: adopted_inline.py with the
+    step record inserted right after its optimizer step (and its import), so that the adopted
+    script docs/adoption.md shows stays the one source; the peers' scripts carry theirs."""
+    text = SCRIPTS[system].read_text()
+    if system != "hpct-slurm":
+        return text
+    lines = text.splitlines()
+    at = [i for i, ln in enumerate(lines) if ln.strip() == "opt.step()"]
+    imp = [i for i, ln in enumerate(lines) if ln.startswith("from hpct_slurm.")]
+    if len(at) != 1 or not imp:
+        raise HpctError(f"{SCRIPTS[system]}: expected one `opt.step()` line and an import from "
+                        f"hpct_slurm to place the bench's step record")
+    indent = lines[at[0]][:len(lines[at[0]]) - len(lines[at[0]].lstrip())]
+    lines.insert(at[0] + 1, indent + HPCT_LOG)
+    lines.insert(imp[0], HPCT_IMPORT)
+    return "\n".join(lines) + "\n"
+
+
 def version(system: str) -> str:
     """The installed version of the system's package; an HpctError saying exactly what is
     missing when it is not installed or does not import."""
@@ -123,8 +194,14 @@ def version(system: str) -> str:
 
 # ---- the record of one run -------------------------------------------------------------
 
+def bench_steps(run_dir: Path) -> list[dict]:
+    """The run's step records (bench/steplog.py), every system's alike."""
+    return [e for e in rank_events(run_dir) if e.get("event") == Ev.BENCH_STEP]
+
+
 def _committed(steps: Sequence[dict]) -> list[dict]:
-    return [e for e in steps if e.get("committed", True)]
+    """Steps that were applied, by a rank that trained a data shard (a torchft spare logs -1)."""
+    return [e for e in steps if e.get("committed", True) and e["rank"] >= 0]
 
 
 def recomputed(steps: Sequence[dict]) -> int:
@@ -152,126 +229,313 @@ def finished_at(steps: Sequence[dict], step: int) -> float:
     return max(ts)
 
 
-def goodput(steps: Sequence[dict], ref_steps: Sequence[dict], k_last: int, t_kill: float,
-            last: int, world: int) -> float:
-    """Over the window of steps k_last+1..last: the share of the window's batches that were
-    trained (a step at world w < full trains w of them) times the fault-free run's time for
-    those steps over this run's (from the crash)."""
-    window = range(k_last + 1, last + 1)
-    if not window:
-        raise HpctError(f"the crash came after the last step ({k_last} >= {last})")
-    by_step: dict[int, int] = {}
+def step_time(ref_steps: Sequence[dict], last: int, first: int = 0) -> float:
+    """The median step from `first` to `last`: between the group's completions of steps in a
+    row."""
+    done = [finished_at(ref_steps, s) for s in range(first, last + 1)]
+    return statistics.median(b - a for a, b in zip(done, done[1:]))
+
+
+def seconds_lost(run_span: float, ref_span: float, skipped: int, ref_step_s: float,
+                 world: int = ACTIVE) -> float:
+    """Wall time lost to the fault against the fault-free run, counting each skipped batch as
+    the fault-free time to train one (a step trains `world` batches in `ref_step_s`)."""
+    return run_span - ref_span + skipped * ref_step_s / world
+
+
+def full_world(system: str, steps: Sequence[dict], t_kill: float,
+               controller: Sequence[dict] = ()) -> Callable[[dict], bool]:
+    """Which step records are the group that trains after the crash, at full world size."""
+    if system == "hpct-slurm":  # the first generation the controller starts after the crash
+        return group_after(controller, t_kill)[1]
+    if system.startswith("torchft"):  # every shard committed at world 4 (a spare logs -1)
+        return lambda e: e["t"] > t_kill and e.get("world") == ACTIVE and \
+            e.get("committed", True) and e["rank"] >= 0
+    if system == "nvrx":  # in-process: the Wrapper's restart iteration after the crash's
+        gen = max((e["generation"] for e in steps if e["t"] < t_kill), default=0)
+        return lambda e: e["generation"] > gen
+    # nvrx-injob: every rank restarted by the launchers (its process started after the crash)
+    return lambda e: e["started"] > t_kill
+
+
+def back_to_speed(steps: Sequence[dict], new: Callable[[dict], bool], t_kill: float,
+                  ref_step_s: float) -> tuple[int, float]:
+    """The first full-world step after the crash (both its end and the previous step's by all
+    4 shards of the new group) that took at most SPEED_SLACK times the fault-free step
+    `ref_step_s`, and the seconds from the crash to its end."""
+    by_step: dict[int, dict[int, float]] = {}
     for e in _committed(steps):
-        if e["step"] in window:
-            by_step[e["step"]] = max(by_step.get(e["step"], 0), e.get("world", world))
-    useful = sum(by_step.values()) / (world * len(window))
-    t_ref = finished_at(ref_steps, last) - finished_at(ref_steps, k_last)
-    # from the same point in both runs: when the group had completed step k_last (before the
-    # crash: a step recomputed after it is not that point)
-    t_from = max((e["t"] for e in _committed(steps) if e["step"] == k_last and e["t"] < t_kill),
-                 default=t_kill)
-    return useful * t_ref / (finished_at(steps, last) - t_from)
+        if new(e):
+            by_step.setdefault(e["step"], {})[e["rank"]] = e["t"]
+    done = {s: max(r.values()) for s, r in by_step.items() if len(r) == ACTIVE}
+    for s in sorted(done):
+        if s - 1 in done and done[s] - done[s - 1] <= SPEED_SLACK * ref_step_s:
+            return s, done[s] - t_kill
+    raise HpctError(f"never back to speed (a full-world step within "
+                    f"{SPEED_SLACK:.2f} x {ref_step_s:.3f} s) after the crash")
 
 
-def yardstick(system: str, run_dir: Path, steps: Sequence[dict],
-              t_kill: float) -> tuple[float, int]:
-    """back_to_speed_s and the last step before the crash: localcluster.jobs.back_at, with
-    the group at full world size after the crash picked out per system."""
-    if system == "hpct-slurm":
-        return back_to_speed(run_dir, t_kill)
+PACE_STEPS = 10  # the fault-free pace: the run's own median over this many steps before the crash
+
+
+def analyse(system: str, steps: Sequence[dict], ref_steps: Sequence[dict], t_kill: float,
+            last: int, controller: Sequence[dict] = ()) -> dict:
+    """One crash run's numbers (pure: from the records).
+
+    The fault-free pace is this run's own median step over the PACE_STEPS steps before the
+    crash, and the loss is counted up to the end of the step that was back at speed (after
+    it the run goes at that pace again): the 2 cores are shared with other engineers'
+    clusters, whose load moves a 30 s stretch by seconds either way. Against the reference
+    run's time for the rest of the training, as first measured, hpct-slurm's loss came out
+    -4.4 s to +1.6 s in one bench; that figure is kept as `seconds_lost_vs_reference`."""
     k_last = max((e["step"] for e in _committed(steps) if e["t"] < t_kill), default=-1)
-    new: Callable[[dict], bool]
-    if system == "torchft":  # back at full world: a step every group committed together
-        def new(e: dict) -> bool:
-            return e["t"] > t_kill and e.get("world") == ACTIVE and e.get("committed", True)
-    else:  # nvrx: every rank restarted by the launchers (its process started after the crash)
-        def new(e: dict) -> bool:
-            return e["started"] > t_kill
-    return back_at(_committed(steps), k_last, range(ACTIVE), new) - t_kill, k_last
+    if k_last < 2:
+        raise HpctError(f"the crash came at step {k_last}: too early to know the run's pace")
+    before = [e for e in steps if e["t"] < t_kill]
+    pace = step_time(before, k_last, max(0, k_last - PACE_STEPS))
+    ref_step_s = step_time(ref_steps, last)
+    new = full_world(system, steps, t_kill, controller)
+    full = back_at(steps, k_last, range(ACTIVE), lambda e: e.get("committed", True) and new(e),
+                   event=Ev.BENCH_STEP) - t_kill
+    at_speed, speed_s = back_to_speed(steps, new, t_kill, pace)
+    short, skipped = reduced([e for e in steps if e["t"] > t_kill], ACTIVE)
+    # timed from the group's completion of the last step before the crash (its completion
+    # before the crash: a recomputed one is not that point)
+    t_from = max(e["t"] for e in _committed(before) if e["step"] == k_last)
+    took = t_kill + speed_s - t_from
+    span = finished_at(steps, last) - t_from
+    ref_span = finished_at(ref_steps, last) - finished_at(ref_steps, k_last)
+    return {"seconds_lost": round(seconds_lost(took, (at_speed - k_last) * pace, skipped,
+                                               pace), 3),
+            "back_to_full_world_s": round(full, 3), "back_to_speed_s": round(speed_s, 3),
+            "lost_steps": recomputed(steps), "skipped_batches": skipped,
+            "reduced_world_steps": short, "k_last": k_last, "at_speed_step": at_speed,
+            "pace_s": round(pace, 4),
+            "seconds_lost_vs_reference": round(seconds_lost(span, ref_span, skipped,
+                                                            ref_step_s), 3),
+            "span_s": round(span, 3), "reference_span_s": round(ref_span, 3),
+            "reference_step_s": round(ref_step_s, 4)}
+
+
+def reanalyse(json_path: Path, out_dir: Path | None = None) -> dict:
+    """A bench's peers.json again from its runs' records (each run's run_dir and t_kill, each
+    system's reference_dir), with the analysis as it is now: for a change to the yardstick,
+    without running the crashes again. Writes peers.json and peers.png to `out_dir` (by
+    default next to `json_path`); returns the summary."""
+    old = json.loads(Path(json_path).read_text())
+    cfg = Config(**old["config"])
+    last = cfg.epochs * STEPS_PER_EPOCH - 1
+    results = {}
+    for system, rec in old["systems"].items():
+        if "reference_dir" not in rec:
+            results[system] = rec
+            continue
+        ref_dir = Path(rec["reference_dir"])
+        ref, ref_steps = params(ref_dir), bench_steps(ref_dir)
+        runs = []
+        for run in rec["runs"]:
+            if "t_kill" not in run:
+                runs.append(run)
+                continue
+            run_dir = Path(run["run_dir"])
+            try:
+                new = analyse(system, bench_steps(run_dir), ref_steps, run["t_kill"], last,
+                              controller_events(run_dir))
+            except Exception as exc:  # noqa: BLE001 - as in measure
+                new = {"error": _error(exc)}
+            keep = ("bitwise_equal", "moment", "t_kill", "after_step", "fraction", "run_dir")
+            runs.append({**new, **{k: run[k] for k in keep if k in run}})
+        results[system] = {**rec, **summarise(runs),
+                           "reference_equal_across_ranks": len(set(ref.values())) == 1}
+    load = old.get("load_avg_1_5_15")
+    return write(Path(out_dir or Path(json_path).parent), results, cfg, old["quick"],
+                 Path(old["work_dir"]), old["wall_s"],
+                 load=(load["before"], load["after"]) if load else None)
 
 
 def params(run_dir: Path) -> dict[int, str]:
-    """Every rank's final parameters digest; an HpctError naming the first missing one."""
-    return {r: res["params_sha256"] for r, res in collect(run_dir, ACTIVE).items()}
+    """Every result's final parameters digest (torchft: one per replica group that ended the
+    run); an HpctError when fewer than the 4 data shards' worth wrote one."""
+    files = sorted((run_dir / "results").glob("rank*.json"))
+    if len(files) < ACTIVE:
+        raise HpctError(f"{len(files)} of {ACTIVE} ranks wrote a result in {run_dir}/results")
+    return {int(f.stem[4:]): json.loads(f.read_text())["params_sha256"]
+            for f in files}
+
+
+def summarise(runs: Sequence[dict]) -> dict:
+    """Median and [min, max] of each metric over the runs that produced numbers."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict = {"runs": list(runs), "crashes": len(runs), "failed_runs": len(runs) - len(ok)}
+    if not ok:
+        out["error"] = "; ".join(sorted({r["error"] for r in runs})) or "no runs"
+        return out
+    for key in METRICS:
+        vals = [r[key] for r in ok]
+        out[f"{key}_median"] = round(statistics.median(vals), 3)
+        out[f"{key}_range"] = [min(vals), max(vals)]
+    out["bitwise_equal"] = all(r["bitwise_equal"] for r in ok)
+    out["bitwise_equal_runs"] = sum(r["bitwise_equal"] for r in ok)
+    return out
+
+
+def ratios(systems: dict[str, dict], base: str = "hpct-slurm") -> dict[str, float]:
+    """Each peer's median seconds lost per failure over `base`'s (the headline)."""
+    mine = systems.get(base, {}).get("seconds_lost_median")
+    if not mine or mine <= 0:
+        return {}
+    return {name: round(s["seconds_lost_median"] / mine, 2) for name, s in systems.items()
+            if name != base and "seconds_lost_median" in s}
 
 
 # ---- running the systems -----------------------------------------------------------------
 
 def _submit(cluster: LocalCluster, system: str, run_dir: Path, cfg: Config) -> int:
     if system == "hpct-slurm":
-        return submit(cluster, run_dir, TEMPLATE, [sys.executable, "-m",
-                                                   "hpct_slurm.examples.adopted_inline",
+        run_dir.mkdir(parents=True, exist_ok=True)
+        script = run_dir / "hpct_inline.py"
+        script.write_text(script_text(system))
+        return submit(cluster, run_dir, TEMPLATE, [sys.executable, str(script),
                                                    *cfg.script_args()])
     script_args = cfg.script_args()
-    if system == "nvrx":
+    if system.startswith("torchft"):
+        script_args += ["--timeout", str(cfg.torchft_timeout_s)]
+    else:
         script_args += ["--ckpt-every", str(cfg.ckpt_every)]
+    if system == "nvrx":
+        script_args += ["--gloo-timeout", str(cfg.gloo_timeout_s),
+                        "--heartbeat", str(cfg.nvrx_heartbeat_s)]
     return submit(cluster, run_dir, peers_driver.batch_script(run_dir),
                   ["--system", system, "--run-dir", str(run_dir), "--active", str(ACTIVE),
                    "--heartbeat-ms", str(cfg.heartbeat_ms), "--", *script_args])
 
 
+def crash_at_moment(cluster: LocalCluster, run_dir: Path, crash: Crash, step_s: float,
+                    timeout: float) -> tuple[float, float]:
+    """Hard-crash VICTIM `crash.fraction` of a step after some rank logged `crash.after_step`;
+    the time of the first SIGKILL and the moment it came at (a share of `step_s`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = [e["t"] for e in bench_steps(run_dir) if e["step"] >= crash.after_step]
+        if seen:
+            break
+        if time.monotonic() > deadline:
+            raise HpctError(f"training never reached step {crash.after_step} within "
+                            f"{timeout:.0f} s; see {run_dir}")
+        time.sleep(0.01)
+    t0 = min(seen)
+    pids = cluster.node_pids(VICTIM)  # a /proc scan: before the moment, not in it
+    time.sleep(max(0.0, t0 + crash.fraction * step_s - time.time()))
+    t = time.time()
+    cluster.kill_node(VICTIM, pids)
+    return t, round((t - t0) / step_s, 3)
+
+
 def _run(cluster: LocalCluster, system: str, run_dir: Path, cfg: Config,
-         crash: bool) -> float | None:
+         crash: Crash | None = None, step_s: float = 0.0) -> tuple[float, float] | None:
+    cluster.heal()
     jid = _submit(cluster, system, run_dir, cfg)
     try:
-        t_kill = crash_at(cluster, run_dir, cfg.kill_at, cfg.timeout_s) if crash else None
+        kill = crash_at_moment(cluster, run_dir, crash, step_s, cfg.timeout_s) if crash \
+            else None
         wait_finished(cluster, jid, cfg.timeout_s, f"{system} job {jid}")
     except BaseException:
         cancel(cluster, jid)
         raise
-    return t_kill
+    return kill
+
+
+def _error(exc: Exception) -> str:
+    return exc.message if isinstance(exc, HpctError) else f"{type(exc).__name__}: {exc}"
 
 
 def measure(cluster: LocalCluster, system: str, work: Path, cfg: Config) -> dict:
-    """One system: its fault-free reference, then the crash; the record the summary shows."""
+    """One system: its fault-free reference, then every crash of the schedule."""
     ver = version(system)
-    lines = script_changes(system)
-    ref_dir, run_dir = work / system / "reference", work / system / "crash"
-    cluster.heal()
-    _run(cluster, system, ref_dir, cfg, crash=False)
-    ref = params(ref_dir)
-    cluster.heal()
-    t_kill = _run(cluster, system, run_dir, cfg, crash=True)
-    assert t_kill is not None
-    got = params(run_dir)
-    steps, ref_steps = step_events(run_dir), step_events(ref_dir)
-    took, k_last = yardstick(system, run_dir, steps, t_kill)
     last = cfg.epochs * STEPS_PER_EPOCH - 1
-    short, skipped = reduced([e for e in steps if e["t"] > t_kill], ACTIVE)
-    return {"back_to_speed_s": round(took, 3), "lost_steps": recomputed(steps),
-            "reduced_world_steps": short, "skipped_batches": skipped,
-            "bitwise_equal": got == ref,
-            "goodput": round(goodput(steps, ref_steps, k_last, t_kill, last, ACTIVE), 4),
-            "changed_lines": lines, "version": ver, "k_last": k_last,
-            # the fault-free run's mean step time: the steady-state cost, which goodput (each
-            # system against its own fault-free run) leaves out
-            "reference_step_s": round((finished_at(ref_steps, last)
-                                       - finished_at(ref_steps, 0)) / last, 4),
-            "replicas_equal": len(set(got.values())) == 1,
+    ref_dir = work / system / "reference"
+    _run(cluster, system, ref_dir, cfg)
+    ref, ref_steps = params(ref_dir), bench_steps(ref_dir)
+    ref_step_s = step_time(ref_steps, last)
+    runs = []
+    for i, crash in enumerate(schedule(cfg)):
+        run_dir = work / system / f"crash{i}"
+        _say(f"[peers] {system}: crash {i}: {crash}")
+        try:
+            t_kill, moment = _run(cluster, system, run_dir, cfg, crash, ref_step_s)
+            got = params(run_dir)
+            rec = analyse(system, bench_steps(run_dir), ref_steps, t_kill, last,
+                          controller_events(run_dir))
+            rec.update(bitwise_equal=len(set(got.values())) == 1 and
+                       set(got.values()) == set(ref.values()), moment=moment, t_kill=t_kill)
+        except Exception as exc:  # noqa: BLE001 - one failed run is recorded, not fatal
+            rec = {"error": _error(exc)}
+        rec.update(after_step=crash.after_step, fraction=crash.fraction, run_dir=str(run_dir))
+        _say(f"[peers] {system}: crash {i}: {rec}")
+        runs.append(rec)
+    return {**summarise(runs), "version": ver, "changed_lines": script_changes(system),
+            "given": configuration(cfg)[system], "reference_step_s": round(ref_step_s, 4),
             "reference_equal_across_ranks": len(set(ref.values())) == 1,
-            "run_dir": str(run_dir), "reference_dir": str(ref_dir)}
+            "reference_dir": str(ref_dir)}
 
 
-def configuration(cfg: Config) -> dict[str, str]:
-    """What each system was given (the docs repeat it)."""
+def configuration(cfg: Config) -> dict[str, dict[str, str]]:
+    """What each system was given, setting by setting, with the document each comes from
+    (docs/benchmarks.md cites the same)."""
+    tft = "github.com/pytorch/torchft"
+    nvrx = "github.com/NVIDIA/nvidia-resiliency-ext v0.4.1"
+    lighthouse = (f"torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 "
+                  f"--join_timeout_ms 10000 on the batch host [{tft} README.md, Lighthouse]")
+    heartbeat = (f"--heartbeat_timeout_ms {cfg.heartbeat_ms} (default 5000): a dead group "
+                 f"leaves the quorum once its last heartbeat is older [{tft} "
+                 f"src/lighthouse.rs quorum_compute]; the Manager beats every 100 ms "
+                 f"[torchft/manager.py Manager(heartbeat_interval)]")
+    timeouts = (f"Manager(timeout={cfg.torchft_timeout_s:g} s), ProcessGroupGloo(timeout="
+                f"{cfg.torchft_timeout_s:g} s) [{tft} train_ddp.py: Gloo 5 s on CPU]")
+    injob = (f"ft_launcher --nnodes=4:4 --nproc-per-node=1 --max-restarts=3 "
+             f"--rdzv-backend=c10d --monitor-interval=0.1 --ft-initial-rank-heartbeat-timeout"
+             f"=60 --ft-rank-heartbeat-timeout=30, one per node, the spare's waiting in the "
+             f"rendezvous [{nvrx} examples/fault_tolerance/run_inprocess_injob_example.sh, "
+             f"train_ddp_heartbeats_api.py]")
+    ckpt = (f"torch.save of model, optimizer, schedule, RNG and step every {cfg.ckpt_every} "
+            f"step(s) on the shared run dir, loaded by every rank at a restart [{nvrx} "
+            f"examples/fault_tolerance/in_job_and_in_process_example.py]")
+    beat = cfg.nvrx_heartbeat_s
     return {
-        "hpct-slurm": "the shipped sbatch template (templates/train.sbatch), defaults: "
-                      "4 active + 1 warm spare, HPCT_HEARTBEAT_S 0.5, in-memory snapshots",
-        "torchft": f"torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 "
-                   f"--join_timeout_ms 10000 --heartbeat_timeout_ms {cfg.heartbeat_ms} on the "
-                   f"batch host (the Slurm README's flags; heartbeat below its 5000 ms "
-                   f"default); Manager(min_replica_size=1, timeout=10 s, "
-                   f"ProcessGroupGloo(timeout=10 s)), HTTP live healing; one replica group "
-                   f"per node, its own job step; a lost group relaunched onto the warm spare "
-                   f"node as soon as its step ends or its slurmd stops answering (0.3 s "
-                   f"polls)",
-        "nvrx": f"ft_launcher --nnodes=4:4 --nproc-per-node=1 --max-restarts=3 "
-                f"--rdzv-backend=c10d --monitor-interval=0.1 "
-                f"--ft-initial-rank-heartbeat-timeout=60 --ft-rank-heartbeat-timeout=30, one "
-                f"per node (5: the spare waits in the rendezvous), a standalone TCPStore on "
-                f"the batch host as the rendezvous endpoint; in-job restart of every rank from "
-                f"a torch.save checkpoint on the shared run dir every {cfg.ckpt_every} steps "
-                f"(model, optimizer, schedule, RNG, data position)",
+        "hpct-slurm": {
+            "launch": "the shipped sbatch template (templates/train.sbatch), defaults: 4 "
+                      "active + 1 warm spare, HPCT_HEARTBEAT_S 0.5, in-memory snapshots "
+                      "[docs/admin.md]"},
+        "torchft": {
+            "mode": "Manager(world_size_mode=WorldSizeMode.FIXED_WITH_SPARES, "
+                    "min_replica_size=4), 5 replica groups (one a live spare contributing "
+                    "zero gradients), data shard = participating_rank() "
+                    "[torchft/manager.py 0.2.0, WorldSizeMode]",
+            "lighthouse": lighthouse, "heartbeat": heartbeat, "timeouts": timeouts,
+            "healing": "HTTP live healing (the default transport) [torchft/manager.py]"},
+        "torchft-relaunch": {
+            "mode": "Manager(min_replica_size=1) (WorldSizeMode.DYNAMIC), 4 replica groups, "
+                    "data shard = group id; the lost group relaunched onto the warm spare "
+                    "node once its step ends or its slurmd stops answering (0.3 s polls) "
+                    f"[{tft} torchft/examples/slurm/README.md, runner.py]",
+            "lighthouse": lighthouse, "heartbeat": heartbeat, "timeouts": timeouts},
+        "nvrx": {
+            "mode": "inprocess.Wrapper over the training function, 5 ranks, "
+                    "rank_assignment=Compose(MaxActiveWorldSize(4), ShiftRanks()): the fifth "
+                    "an initialised reserve [" + nvrx + " docs/source/inprocess/"
+                    "usage_guide.rst, Rank assignment]",
+            "intervals": f"monitor_thread/monitor_process/heartbeat/progress_watchdog "
+                         f"intervals {beat:g} s, heartbeat_timeout {4 * beat:g} s, "
+                         f"soft/hard timeouts 30/45 s (defaults 1 s, 30 s, 60/90 s) "
+                         f"[{nvrx} inprocess/wrap.py Wrapper]",
+            "gloo_timeout": f"init_process_group('gloo', timeout={cfg.gloo_timeout_s:g} s): "
+                            f"Gloo collectives cannot be aborted, a short timeout is the "
+                            f"workaround [{nvrx} usage_guide.rst, Known issues]",
+            "stores": "model, optimizer and a TCPStore made once per process; the Wrapper's "
+                      "store at MASTER_PORT+1, the training's at +2, a PrefixStore per "
+                      f"restart [{nvrx} examples/inprocess/optimal_example.py]",
+            "checkpoint": ckpt},
+        "nvrx-injob": {"launcher": injob, "checkpoint": ckpt},
     }
 
 
@@ -280,23 +544,25 @@ def _plot(path: Path, systems: dict[str, dict], quick: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = (("back_to_speed_s", "s to full world and speed"),
-               ("lost_steps", "steps recomputed"),
-               ("reduced_world_steps", "steps at reduced world"),
-               ("goodput", "goodput (window after the crash)"))
+    labels = {"seconds_lost": "s lost per failure (headline)",
+              "back_to_full_world_s": "s to full world", "back_to_speed_s": "s to full speed",
+              "lost_steps": "steps recomputed", "skipped_batches": "batches skipped"}
     names = list(systems)
-    colors = ["#4c72b0", "#dd8452", "#55a868"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.8))
-    for ax, (key, label) in zip(axes, metrics):
-        vals = [systems[n].get(key) if "error" not in systems[n] else 0 for n in names]
-        bars = ax.bar(names, [v or 0 for v in vals], color=colors[:len(names)])
-        ax.bar_label(bars, labels=["error" if "error" in systems[n] else f"{v or 0:.3g}"
-                                   for n, v in zip(names, vals)])
+    colors = ["#4c72b0", "#dd8452", "#f0b27a", "#55a868", "#a9d18e"]
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 4.2))
+    for ax, (key, label) in zip(axes, labels.items()):
+        med = [systems[n].get(f"{key}_median", 0) for n in names]
+        lo_hi = [systems[n].get(f"{key}_range", [m, m]) for n, m in zip(names, med)]
+        err = [[m - lh[0] for m, lh in zip(med, lo_hi)], [lh[1] - m for m, lh in zip(med, lo_hi)]]
+        bars = ax.bar(names, med, yerr=err, capsize=3, color=colors[:len(names)])
+        ax.bar_label(bars, labels=["error" if "error" in systems[n] else f"{m:.3g}"
+                                   for n, m in zip(names, med)])
         ax.set_title(label, fontsize=10)
-    fig.suptitle(f"node {VICTIM} hard-crashed, 4 active nodes + 1 spare"
-                 f"{' (--quick)' if quick else ''}")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(f"node {VICTIM} hard-crashed at random moments, 4 active nodes + 1 spare: "
+                 f"median and range{' (--quick)' if quick else ''}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -306,21 +572,22 @@ def _say(msg: str) -> None:
 
 def compare(cluster: LocalCluster, work: Path, cfg: Config,
             systems: Sequence[str] = SYSTEMS) -> dict[str, dict]:
-    """Every system of `systems` one after another on `cluster`: its record, or {"error": the
-    exact message} for a system that is not installed or whose run failed."""
+    """Every system of `systems` one after another on `cluster`: its record, or one with
+    `error` (the exact message) for a system that is not installed or whose reference run
+    failed."""
     results: dict[str, dict] = {}
     for system in systems:
-        _say(f"[peers] {system}: reference, then node {VICTIM} crashed at step {cfg.kill_at}")
+        _say(f"[peers] {system}: reference, then {cfg.crashes} crashes of node {VICTIM}")
         try:
             results[system] = measure(cluster, system, work, cfg)
         except Exception as exc:  # noqa: BLE001 - recorded with its exact message
-            results[system] = {"error": exc.message if isinstance(exc, HpctError)
-                               else f"{type(exc).__name__}: {exc}"}
+            results[system] = {"error": _error(exc), "given": configuration(cfg)[system]}
             with contextlib.suppress(Exception):
                 results[system]["version"] = version(system)
             with contextlib.suppress(Exception):
                 results[system]["changed_lines"] = script_changes(system)
-        _say(f"[peers] {system}: {results[system]}")
+        _say(f"[peers] {system}: " + str({k: v for k, v in results[system].items()
+                                          if k != "runs"}))
     cluster.heal()
     return results
 
@@ -332,6 +599,7 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT, down: bool 
     cfg = QUICK if quick else FULL
     out_dir = Path(out_dir)
     t_start = time.monotonic()
+    load_before = os.getloadavg()
     work = fresh_work_dir(root, "bench-peers")
     cluster = ready_cluster(root, NODES, who="bench peers")
     try:
@@ -340,19 +608,24 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT, down: bool 
     finally:
         if down:
             cluster.down()
-    return write(out_dir, results, cfg, quick, work, time.monotonic() - t_start)
+    return write(out_dir, results, cfg, quick, work, time.monotonic() - t_start,
+                 load=(load_before, os.getloadavg()))
 
 
 def write(out_dir: Path, results: dict[str, dict], cfg: Config, quick: bool, work: Path,
-          wall_s: float) -> dict:
+          wall_s: float, load: tuple[Sequence[float], Sequence[float]] | None = None) -> dict:
     """peers.json and peers.png under `out_dir`; the summary (the command's last line)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / f"{NAME}.png"
     _plot(png, results, quick)
+    load_avg = {"before": [round(x, 2) for x in load[0]],
+                "after": [round(x, 2) for x in load[1]], "cpus": os.cpu_count()} if load \
+        else None
     path = write_result(out_dir, NAME, {
-        "systems": results, "quick": quick, "config": asdict(cfg),
-        "given": configuration(cfg), "world": ACTIVE, "victim": VICTIM,
+        "systems": results, "seconds_lost_ratio": ratios(results), "quick": quick,
+        "config": asdict(cfg), "schedule": [asdict(c) for c in schedule(cfg)],
+        "world": ACTIVE, "victim": VICTIM, "load_avg_1_5_15": load_avg,
         "work_dir": str(work), "wall_s": round(wall_s, 1),
         "method": __doc__, "when": datetime.datetime.now(datetime.timezone.utc).isoformat()})
-    return {"bench": NAME, "systems": results, "json": str(path), "png": str(png)}
+    return {"bench": NAME, "systems": results, "seconds_lost_ratio": ratios(results), "json": str(path), "png": str(png)}

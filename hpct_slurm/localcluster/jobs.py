@@ -339,14 +339,15 @@ def group_after(controller: Sequence[dict], t_kill: float,
 
 
 def back_at(steps: Sequence[dict], k_last: int, ranks: Iterable[int],
-            new: Callable[[dict], bool]) -> float:
+            new: Callable[[dict], bool], event: str = "rank.step") -> float:
     """When every one of `ranks` completed, in the group after the crash (`new(event)`), a
     step after `k_last`: the latest of each rank's first such completion. A rank missing is an
-    error, never a rank that drops out of the yardstick."""
+    error, never a rank that drops out of the yardstick. `event`: the step record read (the
+    peers bench reads its own, `bench.step`)."""
     want = set(ranks)
     firsts: dict[int, float] = {}
     for e in steps:
-        if e["event"] == "rank.step" and e["step"] > k_last and new(e):
+        if e["event"] == event and e["step"] > k_last and new(e):
             firsts[e["rank"]] = min(firsts.get(e["rank"], e["t"]), e["t"])
     missing = sorted(want - set(firsts))
     if missing or not want:

@@ -158,8 +158,8 @@ def script_changes(system: str) -> int:
     return changed_lines(_code(PLAIN), _code(SCRIPTS[system]))
 
 
-HPCT_IMPORT = "from hpct_slurm.bench.steplog import log_step  # bench"
-HPCT_LOG = "log_step(rank, job.step, loss.item(), world, generation=job.generation)  # bench"
+STEPLOG_IMPORT = "from hpct_slurm.bench.steplog import log_step  # bench"
+STEPLOG_LINE = "log_step(rank, job.step, loss.item(), world, generation=job.generation)  # bench"
 
 
 def script_text(system: str) -> str:
@@ -176,8 +176,8 @@ def script_text(system: str) -> str:
         raise HpctError(f"{SCRIPTS[system]}: expected one `opt.step()` line and an import from "
                         f"hpct_slurm to place the bench's step record")
     indent = lines[at[0]][:len(lines[at[0]]) - len(lines[at[0]].lstrip())]
-    lines.insert(at[0] + 1, indent + HPCT_LOG)
-    lines.insert(imp[0], HPCT_IMPORT)
+    lines.insert(at[0] + 1, indent + STEPLOG_LINE)
+    lines.insert(imp[0], STEPLOG_IMPORT)
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import random
-import resource
 import sys
 import time
 from collections import Counter
@@ -31,6 +30,7 @@ from collections import Counter
 from .. import config as C
 from .. import protocol as P
 from ..controller.pacing import should_report
+from ..fdlimit import raise_nofile
 from ..relay.coalesce import Coalescer
 
 # Connections being opened at once by one process: the controller drops the oldest
@@ -39,11 +39,9 @@ CONNECTING = 192
 
 
 def raise_fd_limit() -> int:
-    """Soft open-files limit up to the hard one, for this process only."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
+    """Soft open-files limit up to the hard one, for this process only (fdlimit.py, as the
+    ranks and the controller do); the soft limit it leaves."""
+    return raise_nofile()[1]
 
 
 class Sim:

@@ -280,9 +280,10 @@ class Generation:
         if self.late or self.replicate_given is None:
             self._say_mode(spec.replicate)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
-        # Refused now, before the first step, not at the first snapshot or fault
-        check_placements(self.model)
+        # Refused before the first step, not at the first snapshot or fault. Once: every later
+        # build (a recovery's, on its path) lays out the same model the same way.
         if self.standing.generation == 0:  # every rank of the first formation: one collective
+            check_placements(self.model)
             check_replicas_agree(spec, self.model)
 
     def _say_mode(self, replicate: tuple[str, ...] | None) -> None:

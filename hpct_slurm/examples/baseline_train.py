@@ -116,13 +116,19 @@ def sharded(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(ckpt / "state"))
             torch.save(sched.state_dict(), ckpt / f"sched{rank}.pt")
-            dist.barrier()
-            if rank == 0:
-                tmp = ckpt / "step.tmp"
-                tmp.write_text(str(step))
-                os.replace(tmp, ckpt / "step.txt")
+            commit_step(ckpt, rank, step)
     write_result(run_dir, rank, st.LocalShards(model), losses)
     dist.destroy_process_group()
+
+
+def commit_step(ckpt: Path, rank: int, step: int) -> None:
+    """Once every rank saved its part of step `step`'s checkpoint, rank 0 names it the one to
+    restart from (`step.txt`, replaced whole: a crash amid a save leaves the last one)."""
+    dist.barrier()
+    if rank == 0:
+        tmp = ckpt / "step.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, ckpt / "step.txt")
 
 
 def three_d(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog) -> None:
@@ -189,11 +195,7 @@ def three_d(args: argparse.Namespace, rank: int, run_dir: Path, events: EventLog
                                 "optimizer": local, "sched": sched.state_dict(),
                                 "lr": [g["lr"] for g in opt.param_groups]},
                                ckpt / f"rank{rank}-step{step}.pt")
-                    dist.barrier()
-                    if rank == 0:
-                        tmp = ckpt / "step.tmp"
-                        tmp.write_text(str(step))
-                        os.replace(tmp, ckpt / "step.txt")
+                    commit_step(ckpt, rank, step)
             step += 1
     save_full_result(str(run_dir), rank, model)
     dist.destroy_process_group()

@@ -208,10 +208,7 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
                    on_no_spare=on_no_spare, active=active, persist_every=persist_every,
                    pool_spares=pool_spares, pool_reservation=pool_reservation,
                    progress_timeout_s=progress_timeout_s, want_spares=want_spares,
-                   on_few_spares=on_few_spares, restart_count=env.restart_count,
-                   # the job's own timeouts (the settings table's; each step gets them from here)
-                   collective_timeout_s=C.read(os.environ, C.COLLECTIVE_TIMEOUT_S),
-                   init_timeout_s=C.read(os.environ, C.INIT_TIMEOUT_S))
+                   on_few_spares=on_few_spares, restart_count=env.restart_count)
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

@@ -197,10 +197,7 @@ def test_a_formation_the_network_breaks_is_requeued_not_the_scripts_error(cluste
     run = tmp_path / "run"
     jid = submit(cluster, run, TEMPLATE, [sys.executable, "-m", "hpct_slurm.examples.train",
                                           "--steps", "40", "--step-sleep", "0.1",
-                                          "--fail-at", "10", "--fault-rank", "1"],
-                 # each broken formation waits out the init timeout: 8 s, not 30, keeps the
-                 # three of them (and the test) short
-                 env={"HPCT_INIT_TIMEOUT_S": "8"})
+                                          "--fail-at", "10", "--fault-rank", "1"])
     try:
         wait_step(run, 3, timeout=180)
         _cut_pair(cluster, "n2", "n3", on=True)

@@ -205,3 +205,14 @@ def test_cli_bad_input_names_the_flag_and_the_value(capsys, flag, value):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: {value!r}" in err, err
+
+
+def test_the_detector_defaults_are_the_settings_the_controller_runs_with():
+    import json
+    from importlib import resources
+
+    from hpct_slurm import config as C
+    fs = json.loads(resources.files("hpct_slurm.goodput").joinpath("defaults.json")
+                    .read_text())["failslow"]
+    assert fs["window_steps"] == C.BY_NAME[C.SLOW_WINDOW].default
+    assert fs["threshold"] == C.BY_NAME[C.SLOW_RATIO].default

@@ -319,8 +319,9 @@ SETTINGS: tuple[Setting, ...] = (
        "`off`: nothing", choices=("move", "report", "off"), scope="controller"),
     _s(SLOW_RATIO, "ratio", 1.2, (USER, ADMIN), "controller", "how many times the other "
        "nodes' median a node's own time per step must be to count as slow", scope="controller"),
-    _s(SLOW_WINDOW, "int", 50, (USER, ADMIN), ("controller", _RANK), "steps a rank's own "
-       "time is the median over; a node is judged only on full windows of every rank",
+    _s(SLOW_WINDOW, "int", 50, (USER, ADMIN, CONTROLLER), ("controller", _RANK), "steps a "
+       "rank's own time is the median over; a node is judged only on full windows of every "
+       "rank (the controller hands its value to the steps it launches)",
        lo=5, hi=100_000, scope="controller"),
     # ---- the hooks (admin settings baked into the hook scripts) and the node cache -------
     _s(SHM_ROOT, "path", "/dev/shm/hpct", ADMIN, ("hooks", "cache"), "root of the jobs' shm "

@@ -8,6 +8,7 @@ import datetime
 import torch
 
 from hpct_slurm.recovery.gradients import chunk_layout
+from hpct_slurm.recovery.own_time import OwnTime
 
 from _ranks import gloo_processes
 
@@ -26,8 +27,9 @@ def test_layout_groups_consecutive_tensors_of_one_kind_up_to_the_chunk_size():
     assert chunk_layout([]) == []
 
 
-class _Client:
+class _Client:  # what the hook uses of a rank's CoordinationClient
     state = "running"
+    own = OwnTime(50)
 
 
 def _model() -> torch.nn.Module:

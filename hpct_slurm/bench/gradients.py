@@ -51,9 +51,11 @@ def _rank(rank: int, port: int, rounds: int, block: int, q: Any) -> None:
 
     from ..examples.torchrun_ddp import TinyLM, token_data
     from ..recovery.generation import _canonical_allreduce, _CanonicalReduce
+    from ..recovery.own_time import OwnTime
 
-    class _Client:
+    class _Client:  # what the hook uses of a rank's CoordinationClient
         state = "running"
+        own = OwnTime(50)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -14,7 +14,7 @@ from hpct_slurm import protocol as P
 from hpct_slurm.controller.connections import Conn, refusal
 from hpct_slurm.controller.slowness import Figure, drain_reason, find_slow, node_figures
 from hpct_slurm.events import RankState
-from hpct_slurm.recovery.own_time import OwnTime
+from hpct_slurm.recovery.own_time import DeviceOwnTime, OwnTime
 from hpct_slurm.spares.pool import loop_stage, slow_drained
 from test_controller_fast import FakeCluster, run
 from test_lifecycle_fast import node
@@ -75,6 +75,42 @@ def test_nested_waits_count_once():
     m.wait_ends(0.6)  # an unmatched end (a wait from before the window) subtracts nothing
     m.step_ends(0, 1.0)
     assert m.figure == (pytest.approx(0.6), 1)
+
+
+class MockCudaEvent:
+    """A stand-in for torch.cuda.Event(enable_timing=True), at the GPU boundary this machine
+    lacks: `record()` stamps the time the GPU will reach it (`gpu`: the test's schedule of
+    the queue), `query()` says whether it has by `MockCudaEvent.now`."""
+
+    now = 0.0
+    queue: list[float] = []
+
+    def record(self) -> None:
+        self.at = MockCudaEvent.queue.pop(0)
+
+    def query(self) -> bool:
+        return self.at <= MockCudaEvent.now
+
+    def elapsed_time(self, other: "MockCudaEvent") -> float:
+        return (other.at - self.at) * 1000.0
+
+
+def test_on_a_gpu_the_events_time_a_step_once_the_gpu_reached_its_end():
+    MockCudaEvent.now, MockCudaEvent.queue = 0.0, []
+    m = DeviceOwnTime(window=5, event=MockCudaEvent)
+    # the GPU's schedule: a step of 0.2 s own work then a 0.5 s wait, twice; host time unused
+    MockCudaEvent.queue = [0.0, 0.2, 0.7, 0.7, 0.9, 1.4, 1.4]
+    m.step_ends(0, 99.0)                          # generation 0's first step ends (t=0)
+    m.wait_begins(99.1), m.wait_ends(99.2)        # around the collective: 0.2 -> 0.7
+    m.step_ends(0, 99.3)                          # the GPU has not reached 0.7 yet
+    assert m.figure == (-1.0, 0)
+    MockCudaEvent.now = 1.4
+    m.wait_begins(99.4), m.wait_ends(99.5)        # 0.9 -> 1.4
+    m.step_ends(0, 99.6)                          # both steps are read now
+    assert m.figure == (pytest.approx(0.2), 2)
+    MockCudaEvent.queue = [5.0]
+    m.step_ends(1, 99.7)                          # a new generation: nothing pending is read
+    assert m.figure == (-1.0, 0) and not m._pending
 
 
 # ---- which node is slow -------------------------------------------------------------------

@@ -146,3 +146,29 @@ def test_restores_into_a_survivor_and_a_newcomer_are_bit_identical_and_stay_on_t
     _train(model, opt, 2)
     _train(fresh, fresh_opt, 2)
     assert _equal(_flat(model, opt), _flat(fresh, fresh_opt))
+
+
+def test_a_ranks_own_time_on_the_gpu_leaves_out_its_waits():
+    """Fail-slow (issue 47): on a GPU the own time per step is timed with CUDA events, the
+    GPU's busy time outside the waits, not the host's (which runs ahead of the GPU)."""
+    from hpct_slurm.recovery.own_time import DeviceOwnTime
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10**7)
+    b.record()
+    torch.cuda.synchronize()
+    cycles = int(10**7 * 20 / a.elapsed_time(b))  # ~20 ms of the GPU spinning
+    m = DeviceOwnTime(window=5)
+    m.step_ends(0, 0.0)
+    for _ in range(6):
+        torch.cuda._sleep(cycles)          # its own work
+        m.wait_begins(0.0)
+        torch.cuda._sleep(3 * cycles)      # "waiting" for a peer: three times as long
+        m.wait_ends(0.0)
+        m.step_ends(0, 0.0)
+    torch.cuda.synchronize()
+    m.step_ends(0, 0.0)                    # reads every step the GPU has finished
+    own, n = m.figure
+    assert n == 5
+    assert 0.01 < own < 0.04, own          # ~20 ms: its own work only, not the 60 ms wait

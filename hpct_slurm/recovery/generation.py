@@ -32,6 +32,7 @@ from .client import CoordinationClient
 from .gradients import average_gradients, parameter_gradients
 from .layout_check import check_placements, check_replicas_agree
 from .layout_rules import MeshSpec, infer_replicate, model_mesh, resolve_shape
+from .own_time import DeviceOwnTime
 from .seeds import seed_everything
 from .state import TrainState
 
@@ -177,6 +178,8 @@ class Generation:
             if client.stop_event.is_set():
                 interrupt()  # the STOP arrived before the hook was in place
             backend, device_id = self.backend()
+            if backend == "nccl" and not isinstance(client.own, DeviceOwnTime):
+                client.own = DeviceOwnTime(client.own.window)  # time on the GPU (own_time.py)
             pg.init(info, store, backend, shard=shard, device_id=device_id,
                     init_timeout=datetime.timedelta(seconds=info.init_timeout_s),
                     collective_timeout=datetime.timedelta(seconds=s.collective_timeout_s),

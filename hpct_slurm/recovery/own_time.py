@@ -16,13 +16,25 @@ new generation starts a new window: a survivor that took over a lost rank's data
 more work per step, and the controller compares only full windows. A rank that computes several
 data shards per step reports its time per shard.
 
-Pure apart from the clock the caller passes in; the training thread writes, the heartbeat thread
-reads `figure` (one tuple, replaced whole).
+On a GPU (an NCCL job) the host's clock says nothing: the host enqueues a collective and goes
+on, and waits later wherever it syncs, for its own kernels and its peers' alike. There
+`DeviceOwnTime` times the same intervals on the GPU: CUDA events recorded on the current stream
+at each step's end and around each wait (the compute stream idles from the event before a
+collective to the one after it, which completes once the collective has), read once the
+step's last event has happened, a step or two later.
+
+Pure apart from the clock the caller passes in (or the events it records); the training thread
+writes, the heartbeat thread reads `figure` (one tuple, replaced whole).
 """
 from __future__ import annotations
 
 import collections
 import statistics
+from typing import Any, Callable
+
+# Steps whose events the GPU has not reached yet, at most: a host further ahead than this is
+# not measured for the steps it dropped (a median over a window does not need every step).
+PENDING_MAX = 16
 
 
 class OwnTime:
@@ -52,11 +64,69 @@ class OwnTime:
     def step_ends(self, generation: int, now: float, shards: int = 1) -> None:
         """A step of `generation` completed at `now`, with `shards` data shards computed."""
         if generation != self._generation:
-            self._generation = generation
-            self._samples.clear()
-            self.figure = (-1.0, 0)
+            self._restart(generation)
         elif self._last_end is not None:
-            own = max(0.0, now - self._last_end - self._waited) / max(1, shards)
-            self._samples.append(own)
-            self.figure = (statistics.median(self._samples), len(self._samples))
+            self._add(max(0.0, now - self._last_end - self._waited) / max(1, shards))
         self._last_end, self._waited, self._depth = now, 0.0, 0
+
+    def _restart(self, generation: int) -> None:
+        self._generation = generation
+        self._samples.clear()
+        self.figure = (-1.0, 0)
+
+    def _add(self, own: float) -> None:
+        self._samples.append(own)
+        self.figure = (statistics.median(self._samples), len(self._samples))
+
+
+class DeviceOwnTime(OwnTime):
+    """The same figure for a rank on a GPU, from CUDA events (see the module docstring).
+    `event`: makes a timing event (torch.cuda.Event(enable_timing=True)): recorded on the
+    current stream by `record()`, `query()` once the GPU reached it, `elapsed_time(other)` in
+    milliseconds."""
+
+    def __init__(self, window: int, event: Callable[[], Any] | None = None):
+        super().__init__(window)
+        if event is None:
+            import torch
+
+            def event() -> Any:
+                return torch.cuda.Event(enable_timing=True)
+        self._event = event
+        self._open: Any = None                      # the event before the current wait
+        self._waits: list[tuple[Any, Any]] = []     # this step's (before, after) wait events
+        self._end: Any = None                       # the step before's end event
+        self._pending: collections.deque[tuple[Any, Any, list, int]] = collections.deque()
+
+    def _mark(self) -> Any:
+        e = self._event()
+        e.record()
+        return e
+
+    def wait_begins(self, now: float) -> None:
+        if self._depth == 0:
+            self._open = self._mark()
+        self._depth += 1
+
+    def wait_ends(self, now: float) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self._open is not None:
+            self._waits.append((self._open, self._mark()))
+            self._open = None
+
+    def step_ends(self, generation: int, now: float, shards: int = 1) -> None:
+        end = self._mark()
+        if generation != self._generation:
+            self._restart(generation)
+            self._pending.clear()
+        elif self._end is not None:
+            if len(self._pending) >= PENDING_MAX:
+                self._pending.popleft()
+            self._pending.append((self._end, end, self._waits, shards))
+        self._end, self._waits, self._depth, self._open = end, [], 0, None
+        while self._pending and self._pending[0][1].query():
+            start, stop, waits, n = self._pending.popleft()
+            ms = start.elapsed_time(stop) - sum(b.elapsed_time(a) for b, a in waits)
+            self._add(max(0.0, ms / 1000.0) / max(1, n))

@@ -29,6 +29,7 @@ from ..rendezvous.store import make_store, serve_shard
 from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import CoordinationClient
+from .fsdp_waits import time_fsdp_waits
 from .gradients import average_gradients, parameter_gradients
 from .layout_check import check_placements, check_replicas_agree
 from .layout_rules import MeshSpec, infer_replicate, model_mesh, resolve_shape
@@ -260,6 +261,9 @@ class Generation:
         inline form (`late`) the mesh is the one its DTensor parameters live on; a model
         without any is plain data parallelism."""
         self.bind(model, optimizer, lr_scheduler)
+        client = self.standing.client
+        if client is not None:  # its waits in FSDP's collectives are not its own time
+            time_fsdp_waits(model, lambda: _collective(client))
         if self.late:
             # the mesh of this run of main(), read afresh: the last run's is gone (a mesh
             # made here as well would advance torch's group numbering past the names a

@@ -294,3 +294,10 @@ def test_report_names_the_node_only_and_off_does_nothing(tmp_path, monkeypatch, 
             assert len(c.events("node.slow")) == (mode == "report")
             assert await c.finish() == 0
     run(scenario)
+
+
+def test_a_job_of_pipeline_stages_measures_nothing():
+    m = OwnTime(window=3)
+    m.off = True  # generation.adopt_built: a mesh with a stage dimension above 1
+    steps(m, [0.2] * 5, wait=0.1)
+    assert m.figure == (-1.0, 0)

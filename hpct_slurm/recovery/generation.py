@@ -288,6 +288,11 @@ class Generation:
         if self.late or self.replicate_given is None:
             self._say_mode(spec.replicate)
         self.state.mesh, self.state.replicate = self.mesh, spec.replicate
+        if client is not None and any(
+                spec.shape[i] > 1 for i, n in enumerate(spec.names) if n in spec.stages):
+            # pipeline stages differ in work by design and their sends are not seen: such a
+            # job is not judged for fail-slow (own_time.py)
+            client.own.off = True
         # Refused before the first step, not at the first snapshot or fault. Once: every later
         # build (a recovery's, on its path) lays out the same model the same way.
         if self.standing.generation == 0:  # every rank of the first formation: one collective

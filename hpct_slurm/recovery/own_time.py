@@ -48,6 +48,9 @@ class OwnTime:
         self._since = 0.0
         # (median own seconds over the window, samples in it); (-1.0, 0): nothing measured yet
         self.figure: tuple[float, int] = (-1.0, 0)
+        # A job whose ranks differ in work by design (pipeline stages) measures nothing: its
+        # figure stays (-1.0, 0) and the controller never judges it
+        self.off = False
 
     def wait_begins(self, now: float) -> None:
         if self._depth == 0:
@@ -75,6 +78,8 @@ class OwnTime:
         self.figure = (-1.0, 0)
 
     def _add(self, own: float) -> None:
+        if self.off:
+            return
         self._samples.append(own)
         self.figure = (statistics.median(self._samples), len(self._samples))
 

@@ -64,6 +64,28 @@ def test_a_node_slowed_to_1_5x_is_moved_out_within_50_steps_bit_identical(cluste
     assert "DRAIN" in cluster.client().show_node("n2").flags
 
 
+def test_a_slow_node_of_an_fsdp_job_is_moved_out_bit_identical(cluster, tmp_path):
+    # FSDP2 on 4 ranks: its own all-gathers and reduce-scatters are where the others wait for
+    # the slow node (recovery/fsdp_waits.py); the spare takes n2's shard from n2 itself
+    args = [sys.executable, "-m", "hpct_slurm.examples.sharded_train", "--parallel", "fsdp",
+            "--steps", "90", "--step-sleep", "0.1", "--position"]
+    ref_dir = tmp_path / "reference"
+    wait_job(cluster, submit(cluster, ref_dir, TEMPLATE, [*args, *UNPACED], nodes=4,
+                             env={"HPCT_SPARE_NODES": "0"}), ref_dir, 240, label="reference")
+    run = tmp_path / "slow"
+    jid = submit(cluster, run, TEMPLATE, [*args, "--slow-node", "n2", "--slow-factor", "1.5",
+                                          "--slow-from", "10"])
+    wait_job(cluster, jid, run, 300, label="fsdp slow n2")
+    [slow] = events(run, "node.slow")
+    assert slow["node"] == "n2" and slow["ratio"] > 1.2 and slow["step"] - 10 <= WINDOW
+    [done] = events(run, "move.done")
+    assert done["taken"] == {"n2": "n5"} and done["lost_steps"] == 0
+    assert events(run, "fault.detected") == []
+    got = collect(run, 4)
+    assert got[1]["node"] == "n5" and bitwise_equal(collect(ref_dir, 4), got, run)
+    assert recomputed_steps(run) == 0
+
+
 def test_a_job_wide_slowdown_moves_nothing(cluster, tmp_path):
     run = tmp_path / "all-slow"
     # every node loads its data 2 x slower from step 20: the job slows down, no node drags it

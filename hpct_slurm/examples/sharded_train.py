@@ -18,6 +18,7 @@ import time
 import torch
 from torch.distributed.fsdp import fully_shard
 
+from hpct_slurm.examples import slowdown
 from hpct_slurm.examples.train import DataPosition, write_result
 from hpct_slurm.recovery import Job  # hpct
 
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--shard-major", action="store_true",
                     help="hsdp: order the mesh (shard, replicate), so the two holders of a "
                          "shard are neighbours in the node order (ranks 2k and 2k+1)")
+    slowdown.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -79,6 +81,7 @@ def main() -> None:
         if step == args.hang_at and job.generation == 0 and job.rank == args.fault_rank:
             threading.Event().wait()
         position.advance(job.rank, args.batch)
+        slowdown.load_delay(args, job.node, step, args.step_sleep)
         return one_step(job.model, job.optimizer, job.lr_scheduler,  # hpct
                         args.batch, args.step_sleep)
 

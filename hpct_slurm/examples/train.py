@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from hpct_slurm.examples import slowdown
 from hpct_slurm.recovery import Job  # hpct
 
 
@@ -79,13 +80,7 @@ def main() -> None:
                     help="test: every rank sleeps --slow-s in this step, after moving its data "
                          "position and before the collective (a window to crash a node in)")
     ap.add_argument("--slow-s", type=float, default=2.0)
-    ap.add_argument("--slow-node", default=None, metavar="NODE",
-                    help="fail-slow: the ranks on this Slurm node spend (--slow-factor - 1) x "
-                         "--step-sleep longer loading each step's data, from --slow-from on "
-                         "(a real delay in their own time, not a flag anyone reads); ALL: every "
-                         "node (a job-wide slowdown)")
-    ap.add_argument("--slow-factor", type=float, default=1.5, metavar="F")
-    ap.add_argument("--slow-from", type=int, default=0, metavar="STEP")
+    slowdown.add_arguments(ap)
     ap.add_argument("--fail-before-start", action="store_true",
                     help="test: raise before building the Job, on every rank (a script error)")
     ap.add_argument("--position", action="store_true",
@@ -135,15 +130,9 @@ def main() -> None:
         later = args.later_step_sleep
         return args.step_sleep if later is None or job.generation == 0 else later
 
-    def load_delay(step: int) -> None:
-        """--slow-node's data loading: a node dragging the job (a failing disk, a noisy
-        neighbour) while every other node keeps its pace."""
-        if args.slow_node in (job.node, "ALL") and step >= args.slow_from:
-            time.sleep(max(0.0, args.slow_factor - 1.0) * step_sleep())
-
     def train_step(step: int) -> float:  # hpct: one optimizer step
         inject(step)
-        load_delay(step)
+        slowdown.load_delay(args, job.node, step, step_sleep())
         position.advance(job.rank, args.batch)
         if step == args.slow_at and job.generation == 0:
             time.sleep(args.slow_s)

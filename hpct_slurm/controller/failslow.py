@@ -6,8 +6,8 @@ slow from the ranks' heartbeats. For a slow node, once per job:
 * HPCT_FAILSLOW=move (the default): the node is drained in Slurm with a reason that says why
   ("hpct: fail-slow: 1.31 x job median over 50 steps"), so the site sees it in `sinfo -R`, and
   its ranks move onto a ready warm spare by the planned move (lifecycle.py): a step boundary,
-  nothing recomputed. Without a ready spare the node trains on, drained, and the Slurm poll
-  moves it once a spare is ready (a drained member always moves: lifecycle.drained). A moved
+  nothing recomputed. Without a ready spare (or while another round runs) the node trains on,
+  drained, and moves once a spare is ready: asked again at every sweep. A moved
   node never comes back into this job (lifecycle._release), and `spares check` leaves a node
   drained for slowness to the admin (spares/pool.py): a probe that it runs `true` says
   nothing about its speed;
@@ -59,10 +59,17 @@ class FailSlow:
         self.ratio: float = C.read(environ, C.SLOW_RATIO)
         self.window: int = C.read(environ, C.SLOW_WINDOW)
         self.said: set[str] = set()  # nodes named slow (once each)
+        # slow nodes whose move has not started (a round ran, no spare was ready): asked
+        # again at every sweep, whether or not Slurm took the drain
+        self.moving: dict[str, str] = {}
         self.tasks: list[asyncio.Task] = []
 
     def check(self) -> None:
         c = self.ctl
+        for node, why in list(self.moving.items()):
+            if node not in c.world.members or node in c.lifecycle.requested or \
+                    c.lifecycle.request_move(node, why):
+                del self.moving[node]
         if self.mode == "off" or c.recovering or c.pending_faults or c.finished.is_set():
             return
         current = [x for n in c.world.members for x in c._live(n)
@@ -97,5 +104,6 @@ class FailSlow:
         except HpctError as exc:
             # the move goes on: the site then reads why in the events and the job's comment
             c.events.emit(Ev.SLURM_ERROR, node=s.node, error=describe(exc))
-        # at once where a spare is ready; else the Slurm poll asks again (the node is drained)
-        c.lifecycle.request_move(s.node, why)
+        # at once where a spare is ready; else at a later sweep (check)
+        if not c.lifecycle.request_move(s.node, why) and s.node not in c.lifecycle.requested:
+            self.moving[s.node] = why

@@ -50,6 +50,9 @@ _DECIMAL_RE = re.compile(r"[0-9]{1,10}(?:\.[0-9]{0,20})?|\.[0-9]{1,20}")
 # A seconds setting's upper bound where the table gives none: a week is past any timeout a job
 # could want, and far inside what timedelta, socket and thread timeouts take (1e10 s is not).
 SECONDS_MAX = 7 * 24 * 3600
+# A ratio setting's upper bound (HPCT_SLOW_RATIO): a node 100 x slower than its peers has
+# stopped, which the progress timeout finds.
+RATIO_MAX = 100.0
 _SPACE = " \t\r\n"
 
 
@@ -73,7 +76,7 @@ class _Refused(ValueError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kind: str             # int | seconds | fraction | choice | flag | str | path | ranks | job_id
+    kind: str             # int | seconds | fraction | ratio | choice | flag | str | path | ranks | job_id
     default: Any
     set_by: tuple[str, ...]
     read_by: tuple[str, ...]
@@ -95,6 +98,8 @@ class Setting:
             return f"seconds {lo}, at most {self.seconds_max()}"
         if self.kind == "fraction":
             return "a number in (0, 1]"
+        if self.kind == "ratio":
+            return f"a number > 1, at most {RATIO_MAX:g}"
         if self.kind in ("choice", "flag"):
             return " \\| ".join(self.choices)
         if self.kind == "ranks":
@@ -157,6 +162,9 @@ SPARES = "HPCT_SPARES"
 PROGRESS_TIMEOUT_S = "HPCT_PROGRESS_TIMEOUT_S"
 ON_FENCED = "HPCT_ON_FENCED"
 SPARE_WAIT_S = "HPCT_SPARE_WAIT_S"
+FAILSLOW = "HPCT_FAILSLOW"
+SLOW_RATIO = "HPCT_SLOW_RATIO"
+SLOW_WINDOW = "HPCT_SLOW_WINDOW"
 # hooks and the node cache
 SHM_ROOT = "HPCT_SHM_ROOT"
 SHM_FRACTION = "HPCT_SHM_FRACTION"
@@ -300,6 +308,21 @@ SETTINGS: tuple[Setting, ...] = (
        "covers a spare's Python and torch start on a cold filesystem, a pool companion's "
        "scheduling and a stopped slurmstepd's 10 s cancel; a requeue costs far more (a "
        "restart from the last persisted snapshot). 0: never wait", lo=0, scope="controller"),
+    # Fail-slow (issue 47, controller/slowness.py): 1.2 x over 50 steps. A median over 50
+    # steps ignores up to 24 slow ones (a checkpoint, a hiccup); 20 % is past the step-to-step
+    # spread of a healthy job (a few %, docs/benchmarks.md) and costs a 1,000-node job 200
+    # node-equivalents while it lasts, against a planned move's second.
+    _s(FAILSLOW, "choice", "move", (USER, ADMIN), "controller", "a node whose own time per "
+       "step stays above HPCT_SLOW_RATIO x the other nodes' median over HPCT_SLOW_WINDOW "
+       "steps: `move` says so (node.slow), drains it with the reason and moves its ranks onto "
+       "a ready warm spare (without one it trains on, drained); `report`: the event only; "
+       "`off`: nothing", choices=("move", "report", "off"), scope="controller"),
+    _s(SLOW_RATIO, "ratio", 1.2, (USER, ADMIN), "controller", "how many times the other "
+       "nodes' median a node's own time per step must be to count as slow", scope="controller"),
+    _s(SLOW_WINDOW, "int", 50, (USER, ADMIN, CONTROLLER), ("controller", _RANK), "steps a "
+       "rank's own time is the median over; a node is judged only on full windows of every "
+       "rank (the controller hands its value to the steps it launches)",
+       lo=5, hi=100_000, scope="controller"),
     # ---- the hooks (admin settings baked into the hook scripts) and the node cache -------
     _s(SHM_ROOT, "path", "/dev/shm/hpct", ADMIN, ("hooks", "cache"), "root of the jobs' shm "
        "dirs (absolute, root-owned)", scope="hooks"),
@@ -388,6 +411,9 @@ def _decimal_refused(s: Setting, value: float | None, raw: str, text: str) -> _R
     if s.kind == "fraction":
         return _fail(raw, "a number in (0, 1]") if value is None or not 0.0 < value <= 1.0 \
             else None
+    if s.kind == "ratio":
+        return _fail(raw, f"a number > 1, at most {RATIO_MAX:g}") \
+            if value is None or not 1.0 < value <= RATIO_MAX else None
     # (NaN compares false both ways: `not value > 0` refuses it)
     if value is None or (not value >= s.lo if s.lo is not None else not value > 0):
         return _fail(raw, "a positive number of seconds" if s.lo is None
@@ -427,7 +453,7 @@ def check_value(s: Setting, value: Any, name: str) -> None:
             refused = _fail(str(value), "an integer")
         else:
             refused = _int_refused(s, value, str(value), str(value))
-    elif s.kind in ("seconds", "fraction"):
+    elif s.kind in ("seconds", "fraction", "ratio"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             refused = _fail(str(value), "a number")
         else:
@@ -464,6 +490,7 @@ def _parse_job_id(s: Setting, raw: str) -> int:
 
 _PARSERS: dict[str, Callable[[Setting, str], Any]] = {
     "int": _parse_int, "seconds": _parse_decimal, "fraction": _parse_decimal,
+    "ratio": _parse_decimal,
     "choice": _parse_choice, "flag": _parse_choice, "ranks": _parse_ranks,
     "job_id": _parse_job_id, "str": lambda s, raw: raw, "path": lambda s, raw: raw,
 }
@@ -552,7 +579,7 @@ def flag_help(name: str, lead: str | None = None, environ: bool = False,
     default = default or _default_text(s)
     if environ:
         default = f"${name}, else {default}"
-    allowed = f"{s.allowed()}; " if s.kind in ("int", "seconds", "fraction") else ""
+    allowed = f"{s.allowed()}; " if s.kind in ("int", "seconds", "fraction", "ratio") else ""
     return f"{lead or s.doc} ({allowed}default {default})".replace("%", "%%")
 
 

@@ -92,6 +92,7 @@ class Ev(_Name):
     GROW_DONE = "grow.done"
     SLURM_COMMENT = "slurm.comment"
     NODE_REBOOT = "node.reboot"
+    NODE_SLOW = "node.slow"
 
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"

@@ -57,6 +57,7 @@ class FakeRank:
         self.transfer_port = next(_PORTS)
         self.rank = self.generation = self.step = -1
         self.state = "registering"
+        self.own_time = (-1.0, 0)  # its heartbeat's own time per step (median, window fill)
         self.own: list[int] = []  # steps of its snapshot, what Holdings reports
         # What it does on a STOP: "ready" (Holdings, then a ready heartbeat), "ignore" (a hung
         # process: keeps heartbeating "running"), "die" (its node crashes), or a coroutine
@@ -94,7 +95,8 @@ class FakeRank:
 
     async def heartbeat(self, generation: int | None = None, state: str | None = None) -> None:
         await self.send(P.Heartbeat(self.rank, self.generation if generation is None
-                                    else generation, self.step, state or self.state))
+                                    else generation, self.step, state or self.state,
+                                    *self.own_time))
 
     async def train(self, upto: int) -> None:
         """Steps up to `upto`, each reported; the snapshot keeps the last two."""
@@ -277,7 +279,10 @@ class FakeSlurmRunner:
                 c.state[node_arg] = "DOWN+REBOOT_REQUESTED"
                 return ""
             case ["scontrol", "update", node_arg, "State=DRAIN", reason]:
-                c.reason[node_arg.removeprefix("NodeName=")] = reason.removeprefix("Reason=")
+                name = node_arg.removeprefix("NodeName=")
+                c.reason[name] = reason.removeprefix("Reason=")
+                if "DRAIN" not in c.state[name]:  # as slurmctld: drained from now on
+                    c.state[name] += "+DRAIN"
                 return ""
         return None
 

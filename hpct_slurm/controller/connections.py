@@ -12,6 +12,7 @@ without a socket (tests/test_controller_rooms.py).
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ class Conn:
     rank_state: bool = False
     shard_keys: list[int] = field(default_factory=list)
     error: str = ""
+    # Its heartbeat's own time per step (recovery/own_time.py): the median over `own_n` steps
+    # of its generation, for fail-slow detection (slowness.py)
+    own_s: float = -1.0
+    own_n: int = 0
     # The node relay this rank's messages travel through (None: its own connection, whose
     # writer and chan are above; relayed, they are the relay's).
     link: "Link | None" = None
@@ -139,6 +144,10 @@ def refusal(conn: Conn, msg) -> tuple[str, str] | None:
             return "state", f"{msg.state!r:.40} is not one of {sorted(HEARTBEAT_STATES)}"
         if msg.step < -1:
             return "step", f"{msg.step} is below -1"
+        if not (math.isfinite(msg.own_s) and (msg.own_s >= 0 or msg.own_s == -1.0)):
+            return "own_s", f"{msg.own_s!r:.40} is not a number of seconds (or -1)"
+        if msg.own_n < 0:
+            return "own_n", f"{msg.own_n} is below 0"
         return _not_current(conn, msg)
     if isinstance(msg, P.StepDone):
         if conn.rank < 0:
@@ -335,6 +344,7 @@ class Connections:
         if isinstance(msg, P.Heartbeat):
             previous = conn.state
             conn.state, conn.step = RankState(msg.state), msg.step
+            conn.own_s, conn.own_n = msg.own_s, msg.own_n
             if conn.state == RankState.DONE:
                 self._maybe_finish(conn)
             elif conn.state in (RankState.READY, RankState.UNHEALTHY):

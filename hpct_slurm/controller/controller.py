@@ -45,6 +45,7 @@ from .detection import IN_PROCESS, IN_PROCESS_GRACE_S, Detection
 from .ending import (EXIT_FAILED, EXIT_OK, EXIT_RETRY, EXIT_TERMINATED, Ending,
                      ScriptError)
 from .fencing import Fencing, slurmd_reachable
+from .failslow import FailSlow
 from .lifecycle import Lifecycle
 from .options import Options
 from .pacing import pace, relayed
@@ -134,6 +135,7 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         # intact persisted snapshot instead of step 0.
         self.initial_restore = self._persisted_step()
         self.lifecycle = Lifecycle(self)  # planned moves, growing back, the Slurm record
+        self.failslow = FailSlow(self)  # a node that drags the job moves out (failslow.py)
         if opts.store == "tcpstore":
             # Stock TCPStore has no authentication: say so where the admin and the user look.
             warning = ("the tcpstore rendezvous is not authenticated: any host that reaches "

@@ -16,6 +16,7 @@ from ..events import Ev, RankState, Role
 from ..fault_count import CountingLog
 from ..slurm.client import SlurmClient
 from .connections import Conn
+from .failslow import FailSlow
 from .lifecycle import Lifecycle
 from .options import Options
 from .pacing import Pacing
@@ -46,6 +47,7 @@ class Detection:
     recovering: bool
     finished: asyncio.Event
     lifecycle: Lifecycle  # planned moves and growing back, from the same Slurm poll
+    failslow: FailSlow  # a node that drags the job (failslow.py), judged at every sweep
 
     def _fault(self, node: str, reason: str) -> None:
         # once the job's end is written its ranks leave: their exits are no fault
@@ -90,6 +92,7 @@ class Detection:
                     self._fault(first.node, IN_PROCESS)
             for c in reported:
                 c.reported_at = None
+            self.failslow.check()
 
     async def _poll_slurm(self) -> None:
         """Slurm's view, throttled: a node it marks DOWN or NOT_RESPONDING (its slurmd silent

@@ -15,7 +15,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .. import config as C
 from ..errors import HpctError
@@ -24,6 +24,9 @@ from ..slurm.client import SlurmClient, SlurmCommandError, srun_argv
 from .options import Options
 from .pacing import Pacing
 from .policy import World
+
+if TYPE_CHECKING:
+    from .failslow import FailSlow
 
 NODE_FAILURE_RE = re.compile(r"Node failure on (\S+)")
 # The last line of a Python traceback (`FileNotFoundError: ...`), or an hpct error line.
@@ -62,6 +65,7 @@ class Steps:
     pacing: Pacing
     relayed: bool
     data_world: int
+    failslow: "FailSlow"
     steps: dict[str, asyncio.subprocess.Process]
     heard_from: set[str]
     dead_nodes: set[str]
@@ -89,6 +93,8 @@ class Steps:
             C.PERSIST_EVERY: str(self.o.persist_every),
             # the data-parallel world, for a DistributedSampler built before job.run
             C.WORLD_SIZE: str(self.data_world),
+            # the window a rank's own time per step is the median over (fail-slow)
+            C.SLOW_WINDOW: str(self.failslow.window),
         })
         env.update(self.pacing.env())
         if self.relayed:

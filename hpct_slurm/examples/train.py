@@ -82,7 +82,8 @@ def main() -> None:
     ap.add_argument("--slow-node", default=None, metavar="NODE",
                     help="fail-slow: the ranks on this Slurm node spend (--slow-factor - 1) x "
                          "--step-sleep longer loading each step's data, from --slow-from on "
-                         "(a real delay in their own time, not a flag anyone reads)")
+                         "(a real delay in their own time, not a flag anyone reads); ALL: every "
+                         "node (a job-wide slowdown)")
     ap.add_argument("--slow-factor", type=float, default=1.5, metavar="F")
     ap.add_argument("--slow-from", type=int, default=0, metavar="STEP")
     ap.add_argument("--fail-before-start", action="store_true",
@@ -137,8 +138,7 @@ def main() -> None:
     def load_delay(step: int) -> None:
         """--slow-node's data loading: a node dragging the job (a failing disk, a noisy
         neighbour) while every other node keeps its pace."""
-        if args.slow_node is not None and job.node == args.slow_node and \
-                step >= args.slow_from:
+        if args.slow_node in (job.node, "ALL") and step >= args.slow_from:
             time.sleep(max(0.0, args.slow_factor - 1.0) * step_sleep())
 
     def train_step(step: int) -> float:  # hpct: one optimizer step

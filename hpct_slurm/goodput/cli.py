@@ -3,8 +3,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
+
+# flag -> the key of defaults.json's failslow section it sets
+FAILSLOW_FLAGS = {"failslow_per_node_hour": "per_node_hour", "failslow_slowdown": "slowdown",
+                  "failslow_undetected_hours": "undetected_hours", "step_s": "step_s",
+                  "failslow_window_steps": "window_steps",
+                  "failslow_threshold": "threshold", "move_pause_s": "move_pause_s"}
+
+
+def _bounded(lo: float, strict: bool, why: str, integer: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= lo (> lo if strict). argparse prefixes the flag to
+    the message, so a bad value reads `argument --flag: 'value' must be ...: why`."""
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if integer else 'a number'}") from None
+        if not math.isfinite(value) or value < lo or (strict and value == lo):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be a finite number {'>' if strict else '>='} {lo:g}: {why}")
+        return value
+    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +54,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hpct-ckpt-interval-min", type=float, default=None,
                    help="hpct-slurm's fallback checkpoint interval (default: Young/Daly for "
                         "the fallback rate)")
+    fs = p.add_argument_group("fail-slow", "a node that keeps working but paces the whole job")
+    fs.add_argument("--failslow-per-node-hour", type=_bounded(0, False, "a rate of episodes"),
+                    default=None, help="fail-slow episodes per node-hour (0: no fail-slow term)")
+    fs.add_argument("--failslow-slowdown",
+                    type=_bounded(1, False, "the job's step time x this while a node is slow"),
+                    default=None, help="the job's step time x this during an episode (>= 1)")
+    fs.add_argument("--failslow-undetected-hours",
+                    type=_bounded(0, True, "an episode lasts some time"), default=None,
+                    help="how long an episode lasts when nothing moves the node out")
+    fs.add_argument("--step-s", type=_bounded(0, True, "a step takes some time"), default=None,
+                    help="the job's healthy step time, seconds (sets the detection time)")
+    fs.add_argument("--failslow-window-steps", default=None,
+                    type=_bounded(1, False, "the detector needs a step", integer=True),
+                    help="steps the detector watches before it moves a node")
+    fs.add_argument("--failslow-threshold",
+                    type=_bounded(1, False, "a ratio to the job's median"), default=None,
+                    help="the detector's ratio to the job's median")
+    fs.add_argument("--move-pause-s", type=_bounded(0, False, "a pause is never negative"),
+                    default=None, help="the planned move's pause, seconds")
     p.add_argument("--phases", action="append", default=[], metavar="FILE",
                    help="measured costs laid over the defaults, in order: a file shaped "
                         "like defaults.json, or `bench rendezvous` / `bench replication` / "
-                        "`bench recovery` / `bench scale` output (repeatable)")
+                        "`bench recovery` / `bench scale` / `bench move` output (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", type=Path, default=None, help="write goodput vs GPUs to a PNG")
     p.set_defaults(func=run)
@@ -48,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         ckpt_stall_s=args.ckpt_stall_s, spares=args.spares,
         spare_refill_hours=args.spare_refill_hours,
         replication_overhead=args.replication_overhead,
-        hpct_ckpt_interval_min=args.hpct_ckpt_interval_min)
+        hpct_ckpt_interval_min=args.hpct_ckpt_interval_min,
+        failslow={key: getattr(args, flag) for flag, key in FAILSLOW_FLAGS.items()})
     results = [evaluate(args.gpus, params)] if args.gpus is not None else sweep(params)
     if args.plot is not None:
         from .plot import plot_goodput
@@ -66,15 +110,19 @@ def run(args: argparse.Namespace) -> int:
                          "ckpt_restart_rendezvous": asdict(params.ckpt_restart.rendezvous),
                          "replication_overhead": params.replication_overhead,
                          "node_fail_per_hour": params.node_fail_per_hour,
-                         "ckpt_interval_min": params.ckpt_interval_min}
+                         "ckpt_interval_min": params.ckpt_interval_min,
+                         "failslow": asdict(params.failslow)}
         print(json.dumps(doc))
         return 0
-    print(f"{'GPUs':>7} {'fail/h':>7} {'ckpt-restart':>12} {'recov':>8} "
-          f"{'hpct':>7} {'recov':>7} {'spares':>6} {'fallback':>8}")
+    # slow: the fraction of wall time fail-slow episodes cost each scheme
+    print(f"{'GPUs':>7} {'fail/h':>7} {'ckpt-restart':>12} {'recov':>8} {'slow':>6} "
+          f"{'hpct':>7} {'recov':>7} {'slow':>6} {'spares':>6} {'fallback':>8}")
     for r in results:
         print(f"{r.gpus:>7} {r.failures_per_hour:>7.3f} {r.ckpt_restart_goodput:>12.1%} "
-              f"{r.ckpt_restart_recovery_s / 60:>6.1f} m {r.hpct_goodput:>7.1%} "
-              f"{r.hpct_recovery_s:>5.0f} s {r.hpct_spares:>6} {r.hpct_fallback_fraction:>8.2%}")
+              f"{r.ckpt_restart_recovery_s / 60:>6.1f} m {r.ckpt_restart_failslow_loss:>6.2%} "
+              f"{r.hpct_goodput:>7.1%} {r.hpct_recovery_s:>5.0f} s {r.hpct_failslow_loss:>6.2%} "
+              f"{r.hpct_spares:>6} {r.hpct_fallback_fraction:>8.2%}")
+    print(_failslow_line(params))
     if args.gpus is not None:
         print(f"hpct-slurm recovery at {args.gpus} GPUs, term by term:")
         for t in recovery_budget(args.gpus, params):
@@ -82,3 +130,19 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"plot: {args.plot}")
     return 0
+
+
+def _failslow_line(params) -> str:
+    """One line saying what a fail-slow episode costs each scheme, and why."""
+    fs = params.failslow
+    if fs.per_node_hour == 0:
+        return "fail-slow: off (--failslow-per-node-hour 0)"
+    head = (f"fail-slow: {fs.per_node_hour:g}/node-hour at {fs.slowdown:g}x; per episode "
+            f"ckpt-restart loses {fs.undetected_lost_s():.0f} s ({fs.undetected_hours:g} h "
+            f"until noticed), hpct-slurm ")
+    if not fs.moved():
+        return head + (f"the same: not moved (slowdown <= threshold {fs.threshold:g}, or over "
+                       f"before {fs.window_steps} steps)")
+    src = params.measured.get("failslow.move_pause_s", "defaults.json")
+    return head + (f"{fs.moved_lost_s():.1f} s with a spare (found in {fs.window_steps} steps "
+                   f"= {fs.detect_s():.0f} s, move {fs.move_pause_s:g} s from {src})")

@@ -13,10 +13,14 @@ loss per hour approaches one hour, and there goodput is near zero anyway). With
     L_fail  wall time lost per failure (recovery + recompute),
     c/tau   checkpoint stall per unit of compute,
     r       replication overhead per unit of compute (hpct-slurm only),
+    mu      job fail-slow episodes per hour (a node that keeps working but paces the job),
+    L_slow  wall time lost per episode (see FailSlow),
 
-wall = W (1 + c/tau)(1 + r) + lam * wall * L_fail, hence
+wall = W (1 + c/tau)(1 + r) + lam * wall * L_fail + mu * wall * L_slow, hence
 
-    goodput = W / wall = (1 - lam * L_fail) / ((1 + c/tau)(1 + r)).
+    goodput = W / wall = (1 - lam * L_fail - mu * L_slow) / ((1 + c/tau)(1 + r)).
+
+With mu = 0 the fail-slow term vanishes and every result is exactly the one without it.
 
 Every constant comes from `defaults.json` (each with its source) or from measured results
 passed with `--phases`; nothing here is a hidden number.
@@ -140,6 +144,69 @@ class HpctCosts:
 
 
 @dataclass(frozen=True)
+class FailSlow:
+    """Fail-slow episodes: a node that keeps working but slower, so that the whole synchronous
+    job waits for it at every collective. The defaults here switch the term off.
+
+    per_node_hour     episodes per node-hour (a rate; the job's rate is nodes x this)
+    slowdown          the job's step time is x this while one node is slow (>= 1)
+    undetected_hours  how long an episode lasts when nothing moves the node out: until a
+                      person notices or the node fails outright (checkpoint-restart's case)
+    step_s            the job's healthy step time, seconds
+    window_steps, threshold  hpct-slurm's detector: a node above threshold x the job's median
+                      for window_steps steps is moved onto a warm spare
+    move_pause_s      the planned move's pause (measured: `hpct-slurm bench move`)
+    """
+
+    per_node_hour: float = 0.0
+    slowdown: float = 1.0
+    undetected_hours: float = 1.0
+    step_s: float = 1.0
+    window_steps: int = 50
+    threshold: float = 1.2
+    move_pause_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [("per_node_hour", self.per_node_hour >= 0), ("slowdown", self.slowdown >= 1),
+                  ("undetected_hours", self.undetected_hours > 0), ("step_s", self.step_s > 0),
+                  ("window_steps", self.window_steps >= 1), ("threshold", self.threshold >= 1),
+                  ("move_pause_s", self.move_pause_s >= 0)]
+        for name, ok in checks:
+            # `not ok` also catches NaN, which compares false with everything
+            if not ok or not math.isfinite(getattr(self, name)):
+                raise HpctError(f"goodput parameter failslow.{name} = {getattr(self, name)!r} "
+                                f"is out of range")
+
+    def job_rate(self, nodes: int) -> float:
+        """Episodes per hour of a job on `nodes` nodes: any node can be the slow one."""
+        return nodes * self.per_node_hour
+
+    def _lost_per_wall_s(self) -> float:
+        # While slow, a second of wall time does 1/slowdown of a second's work.
+        return 1.0 - 1.0 / self.slowdown
+
+    def undetected_lost_s(self) -> float:
+        """Wall time an episode costs when it runs its whole course (checkpoint-restart)."""
+        return self.undetected_hours * 3600 * self._lost_per_wall_s()
+
+    def detect_s(self) -> float:
+        """Wall time until hpct-slurm's detector names the node: its window of steps, each
+        taking the slowed step time."""
+        return self.window_steps * self.step_s * self.slowdown
+
+    def moved(self) -> bool:
+        """Whether hpct-slurm moves the node out: the job's slowdown stands for the node's own
+        ratio to the median (the node's compute is slowed at least as much as the job's step,
+        so this errs towards not detecting), and the episode must outlast the window."""
+        return self.slowdown > self.threshold and self.detect_s() < self.undetected_hours * 3600
+
+    def moved_lost_s(self) -> float:
+        """Wall time an episode costs when the node is moved out: slowed steps until
+        detection, then the planned move's pause; nothing is recomputed."""
+        return self.detect_s() * self._lost_per_wall_s() + self.move_pause_s
+
+
+@dataclass(frozen=True)
 class Params:
     """Everything the model needs besides the GPU count."""
 
@@ -155,8 +222,9 @@ class Params:
     spare_refill_hours: float
     spares: int | None = None
     hpct_ckpt_interval_min: float | None = None
+    failslow: FailSlow = field(default_factory=FailSlow)
     provenance: dict[str, str] = field(default_factory=dict, compare=False)
-    # overlay key (under "hpct") -> the --phases file it was measured in
+    # overlay key (under "hpct", or failslow.<key>) -> the --phases file it was measured in
     measured: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +262,13 @@ class Result:
     hpct_lost_per_failure_s: float
     hpct_goodput: float
     hpct_goodput_incl_spares: float
+    # Fail-slow: the job's episodes per hour, the wall time each costs, and the fraction of
+    # wall time they cost together (the term subtracted from 1 in the goodput's numerator).
+    failslow_per_hour: float
+    ckpt_restart_failslow_lost_s: float
+    ckpt_restart_failslow_loss: float
+    hpct_failslow_lost_s: float
+    hpct_failslow_loss: float
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,9 +312,10 @@ def young_daly_interval_min(stall_s: float, rate_per_hour: float) -> float:
     return math.sqrt(2 * (stall_s / 60) * (60 / rate_per_hour))
 
 
-def _goodput(rate_per_hour: float, lost_per_failure_s: float, stall_fraction: float,
-             replication_overhead: float) -> float:
-    useful = 1.0 - rate_per_hour * lost_per_failure_s / 3600
+def _goodput(rate_per_hour: float, lost_per_failure_s: float, slow_loss: float,
+             stall_fraction: float, replication_overhead: float) -> float:
+    # slow_loss = 0.0 leaves `useful` bit for bit what it was without the fail-slow term
+    useful = 1.0 - rate_per_hour * lost_per_failure_s / 3600 - slow_loss
     return max(0.0, useful) / ((1 + stall_fraction) * (1 + replication_overhead))
 
 
@@ -255,14 +331,23 @@ def evaluate(gpus: int, p: Params) -> Result:
     # half an interval of steps recomputed (the failure lands uniformly between checkpoints).
     cr_recovery = p.ckpt_restart.recovery_s(gpus)
     cr_lost = cr_recovery + tau_s / 2
-    cr = _goodput(rate, cr_lost, p.ckpt_stall_s / tau_s, 0.0)
+    # A slow node is not a failure: nothing restarts until a person notices, so the job runs
+    # the whole episode at 1/slowdown of its speed.
+    fs = p.failslow
+    slow_rate = fs.job_rate(nodes)
+    cr_slow_lost = fs.undetected_lost_s()
+    cr_slow = slow_rate * cr_slow_lost / 3600
+    cr = _goodput(rate, cr_lost, cr_slow, p.ckpt_stall_s / tau_s, 0.0)
 
     # hpct-slurm: a failure that finds a spare costs only the checkpointless recovery, nothing
     # recomputed; one that finds none escalates to the same restart cascade from the last
     # durable snapshot. Those snapshots back only the fallback, so they are written at the
     # Young/Daly optimum for the fallback rate (never more often than the baseline's).
     spares = spares_for(nodes, p)
-    q = spare_exhaustion_probability(rate, p.spare_refill_hours, spares)
+    # A move takes a spare as a recovery does (the slow node is drained and away as long as a
+    # failed one), so the episodes hpct-slurm moves share the pool with the failures.
+    moves = slow_rate if fs.moved() else 0.0
+    q = spare_exhaustion_probability(rate + moves, p.spare_refill_hours, spares)
     if p.hpct_ckpt_interval_min is not None:
         h_tau_min = p.hpct_ckpt_interval_min
     else:
@@ -272,7 +357,11 @@ def evaluate(gpus: int, p: Params) -> Result:
     h_tau_s = h_tau_min * 60
     h_recovery = p.hpct.recovery_s(gpus)
     h_lost = (1 - q) * h_recovery + q * (cr_recovery + h_tau_s / 2)
-    h = _goodput(rate, h_lost, p.ckpt_stall_s / h_tau_s, p.replication_overhead)
+    # A slow node is moved out when the detector sees it and a spare is there; otherwise (no
+    # spare: only the event and the drain reason) the episode runs its course as above.
+    h_slow_lost = (1 - q) * fs.moved_lost_s() + q * cr_slow_lost if fs.moved() else cr_slow_lost
+    h_slow = slow_rate * h_slow_lost / 3600
+    h = _goodput(rate, h_lost, h_slow, p.ckpt_stall_s / h_tau_s, p.replication_overhead)
     return Result(
         gpus=gpus, nodes=nodes, failures_per_hour=rate,
         ckpt_restart_recovery_s=cr_recovery, ckpt_restart_lost_per_failure_s=cr_lost,
@@ -280,7 +369,10 @@ def evaluate(gpus: int, p: Params) -> Result:
         hpct_fallback_fraction=q, hpct_ckpt_interval_min=h_tau_min,
         hpct_lost_per_failure_s=h_lost, hpct_goodput=h,
         # The spares are GPUs paid for but idle: charge them for a cluster-level view.
-        hpct_goodput_incl_spares=h * nodes / (nodes + spares))
+        hpct_goodput_incl_spares=h * nodes / (nodes + spares),
+        failslow_per_hour=slow_rate, ckpt_restart_failslow_lost_s=cr_slow_lost,
+        ckpt_restart_failslow_loss=cr_slow, hpct_failslow_lost_s=h_slow_lost,
+        hpct_failslow_loss=h_slow)
 
 
 def sweep(p: Params, gpus: Sequence[int] = SWEEP_GPUS) -> list[Result]:
@@ -328,7 +420,9 @@ def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
       not depend on GPUs or the fabric: detection, and stop + fence + survivors' teardown and
       health check (as stop_s). The state transfer (state size over the fabric) and the first
       step (NCCL communicators, warm-up) stay the documented GPU-cluster assumptions: a CPU
-      machine cannot measure them."""
+      machine cannot measure them;
+    * `hpct-slurm bench move` output (`bench: move`): the planned move's pause, which the
+      fail-slow term charges per node moved out."""
     if "sizes" in doc:
         # The benchmark runs every rank as a process on one machine; past `cores` ranks they
         # queue for the same CPUs, so wall time grows with ranks/cores even where each rank's
@@ -352,6 +446,11 @@ def overlay_from_result(doc: Mapping[str, Any]) -> dict[str, Any]:
                              "stop_s": float(ph["stop"] + ph["fence"] + ph["survivors_ready"])}}
         except (KeyError, TypeError) as exc:
             raise HpctError(f"recovery result lacks summary.phases.hpct ({exc})") from None
+    if doc.get("bench") == "move":
+        try:
+            return {"failslow": {"move_pause_s": float(doc["move_pause_s_median"])}}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HpctError(f"move result lacks move_pause_s_median ({exc})") from None
     return {k: v for k, v in doc.items() if k != "provenance"}
 
 
@@ -386,7 +485,7 @@ def _overlay_from_scale(doc: Mapping[str, Any]) -> dict[str, Any]:
 def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
     """Build Params from a defaults-shaped document; `overrides` (CLI flags) win."""
     try:
-        cr, h, sp = doc["ckpt_restart"], doc["hpct"], doc["spares"]
+        cr, h, sp, fs = doc["ckpt_restart"], doc["hpct"], doc["spares"], doc["failslow"]
         p = Params(
             gpus_per_node=int(doc["gpus_per_node"]),
             node_fail_per_hour=float(doc["node_fail_per_hour"]),
@@ -410,6 +509,11 @@ def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
             replication_overhead=float(doc["replication_overhead"]),
             spare_fraction=float(sp["fraction"]), min_spares=int(sp["min"]),
             spare_refill_hours=float(sp["refill_hours"]),
+            failslow=FailSlow(
+                per_node_hour=float(fs["per_node_hour"]), slowdown=float(fs["slowdown"]),
+                undetected_hours=float(fs["undetected_hours"]), step_s=float(fs["step_s"]),
+                window_steps=int(fs["window_steps"]), threshold=float(fs["threshold"]),
+                move_pause_s=float(fs["move_pause_s"])),
             provenance=dict(doc.get("provenance", {})))
     except (KeyError, TypeError, ValueError) as exc:
         raise HpctError(f"goodput parameters lack or mistype {exc}: compare with "
@@ -417,8 +521,10 @@ def params_from_doc(doc: Mapping[str, Any], **overrides: Any) -> Params:
     return replace(p, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def load_params(phase_files: Sequence[str | Path] = (), **overrides: Any) -> Params:
-    """defaults.json, then each measured file in order, then CLI overrides."""
+def load_params(phase_files: Sequence[str | Path] = (),
+                failslow: Mapping[str, Any] | None = None, **overrides: Any) -> Params:
+    """defaults.json, then each measured file in order, then CLI overrides (`failslow`: keys
+    of defaults.json's failslow section)."""
     doc = default_doc()
     measured: dict[str, str] = {}
     for path in phase_files:
@@ -430,7 +536,12 @@ def load_params(phase_files: Sequence[str | Path] = (), **overrides: Any) -> Par
             raise HpctError(f"phases file {str(path)!r} is not a JSON object")
         over = overlay_from_result(extra)
         measured.update({k: str(path) for k in (over.get("hpct") or {})})
+        measured.update({f"failslow.{k}": str(path) for k in (over.get("failslow") or {})})
         doc = _merge(doc, over)
+    by_hand = {k: v for k, v in (failslow or {}).items() if v is not None}
+    for key in by_hand:
+        measured.pop(f"failslow.{key}", None)  # a flag given by hand is no measurement
+    doc = _merge(doc, {"failslow": by_hand})
     return replace(params_from_doc(doc, **overrides), measured=measured)
 
 

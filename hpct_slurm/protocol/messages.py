@@ -38,6 +38,11 @@ class Heartbeat:
     generation: int
     step: int
     state: str
+    # The rank's own time per step (recovery/own_time.py): the median over its last `own_n`
+    # steps of this generation, in seconds; -1 / 0: none measured yet. Fail-slow detection
+    # compares it between nodes (controller/slowness.py).
+    own_s: float = -1.0
+    own_n: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from .. import protocol as P
 from ..protocol.pacing import set_keepalive, should_report
 from ..errors import HpctError
 from ..events import Ev, EventLog
+from .own_time import OwnTime
 from .sever import sever
 
 HEARTBEAT_S = 0.5
@@ -93,6 +94,8 @@ class CoordinationClient:
         self.heartbeat_s = C.read(os.environ, C.HEARTBEAT_S) or HEARTBEAT_S
         self.step_report_s = C.read(os.environ, C.STEP_REPORT_S) or 0.0
         self._last_report: tuple[int, float] | None = None
+        # Its own time per step, which the heartbeat carries (own_time.py: fail-slow)
+        self.own = OwnTime(C.read(os.environ, C.SLOW_WINDOW))
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="hpct-coord-rx")
         self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="hpct-coord-hb")
 
@@ -142,7 +145,9 @@ class CoordinationClient:
             self.closed.set()
 
     def heartbeat_now(self) -> None:
-        self._send_or_close(P.Heartbeat(self.rank, self.generation, self.step, self.state))
+        own_s, own_n = self.own.figure
+        self._send_or_close(P.Heartbeat(self.rank, self.generation, self.step, self.state,
+                                        round(own_s, 6), own_n))
 
     def report_holdings(self, msg: "P.Holdings") -> None:
         self._send_or_close(msg)
@@ -203,9 +208,10 @@ class CoordinationClient:
         self.close(reason)
         os._exit(3)  # the stuck native thread would hold up a normal interpreter exit
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, shards: int = 1) -> None:
         self.step = step
         now = time.monotonic()
+        self.own.step_ends(self.generation, now, shards)
         if should_report(step, self.generation, self._last_report, now, self.step_report_s):
             self._last_report = (self.generation, now)
             self._send_or_close(P.StepDone(self.rank, self.generation, step))

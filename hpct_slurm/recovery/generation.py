@@ -13,6 +13,7 @@ import faulthandler
 import gc
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -476,10 +477,12 @@ class _collective:
         self.client = client
 
     def __enter__(self) -> None:
+        self.client.own.wait_begins(time.monotonic())  # not its own time (own_time.py)
         if self.client.state == "running":
             self.client.state = "collective"
 
     def __exit__(self, *exc: Any) -> None:
+        self.client.own.wait_ends(time.monotonic())
         if self.client.state == "collective":
             self.client.state = "running"
 

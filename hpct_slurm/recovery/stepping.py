@@ -78,7 +78,7 @@ class Stepping:
         if isinstance(out, (int, float)):
             self._losses[step] = float(out)
         self._policy.end_step(step)
-        self.client.step_done(step)
+        self.client.step_done(step, len(self.data_ranks))
         self.events.emit(Ev.RANK_STEP, rank=self.rank, generation=self.generation,
                          step=step, loss=self._losses.get(step), data_ranks=self.data_ranks)
         self._integrity.after_step(step)

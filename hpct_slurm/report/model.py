@@ -595,6 +595,10 @@ def _notes(ctl: list[dict]) -> list[str]:
         elif ev == Ev.ESCALATE_FAIL:
             notes.append(f"ended: infrastructure failure, not requeued (--on-no-spare fail): "
                          f"{why}")
+        elif ev == Ev.NODE_SLOW:
+            notes.append(f"slow node {e['node']}: {e['ratio']:.2f} x the other nodes' median "
+                         f"own time per step over {e['window']} steps (at step "
+                         f"{e.get('step', '?')}): {e.get('action', '')}")
         elif ev == Ev.CONTROLLER_SPARES_SHORT:
             notes.append(f"warning: asked for {e.get('wanted')} warm spare(s), the allocation "
                          f"gave {e.get('got')}")

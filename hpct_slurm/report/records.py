@@ -48,6 +48,8 @@ FIELDS: dict[str, dict[str, tuple[str, bool]]] = {
                       "restore_s": (NUM, True), "source": (STR, False)},
     Ev.RANK_FAULT: {"generation": (INT, True)},
     Ev.RANK_READY: {"teardown_s": (NUM, False)},
+    Ev.NODE_SLOW: {"node": (STR, True), "ratio": (NUM, True), "window": (INT, True),
+                   "step": (INT, False), "action": (STR, False)},
 }
 
 

@@ -103,6 +103,16 @@ def drained_by_hpct(node: NodeInfo) -> bool:
     return taken_out and (node.reason or "").startswith(REASON_PREFIX)
 
 
+# A node drained for slowness (controller/failslow.py): `spares check`'s probe (it runs `true`)
+# says nothing about speed, so the sweep leaves it to the admin, who returns it by hand
+# (`spares return NODE`) once it is fast again, or whose own health check resumes it.
+FAIL_SLOW = "fail-slow:"
+
+
+def slow_drained(node: NodeInfo) -> bool:
+    return "DRAIN" in node.flags and FAIL_SLOW in (node.reason or "")
+
+
 def passive_health(node: NodeInfo) -> str | None:
     """Why slurmctld's own view rules the node out, or None if it may be probed."""
     if node.lost:
@@ -125,6 +135,12 @@ def loop_stage(node: NodeInfo, in_pool: bool) -> tuple[str, str]:
     if node.lost:
         return ("fenced: down" if ours else "down"), \
             "`scontrol reboot ASAP nextstate=RESUME reason=\"hpct: ...\" NODE` or repair it"
+    if slow_drained(node):
+        stage = "fail-slow: drained"
+        if node.state in ("ALLOCATED", "MIXED"):
+            return stage + " (jobs still running)", "wait for its jobs to end"
+        return stage, ("find why it is slow; then `hpct-slurm spares return NODE` (`spares "
+                       "check` leaves it drained)")
     if "DRAIN" in node.flags:
         if "moved its ranks to" in reason:
             stage = "moved off: drained"
@@ -240,7 +256,10 @@ class SparePool:
         members, and all of them with `to_pool`, to the pool)."""
         nodes, _ = self.snapshot()
         self._sync_labels(nodes, self.members())
-        return [self._check_one(n, to_pool) for n in nodes if drained_by_hpct(n)]
+        return [Outcome(n.name, "left drained", False, f"{n.reason}: a node drained for "
+                        f"slowness returns by hand (`spares return {n.name}`)")
+                if slow_drained(n) else self._check_one(n, to_pool)
+                for n in nodes if drained_by_hpct(n)]
 
     def return_node(self, name: str, to_pool: bool = False) -> Outcome:
         """Probe one drained or down node, whatever wrote its reason, and return it."""

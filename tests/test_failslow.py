@@ -1,0 +1,260 @@
+"""Fail-slow (issue 47) without Slurm: a rank's own time per step (recovery/own_time.py), the
+rule that names a slow node (controller/slowness.py), the controller acting on its ranks'
+heartbeats (the real Controller with test_controller_fast's in-process fake ranks), the spare
+pool leaving a node drained for slowness to the admin, and the settings' bad values."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from hpct_slurm import config as C
+from hpct_slurm import protocol as P
+from hpct_slurm.controller.connections import Conn, refusal
+from hpct_slurm.controller.slowness import Figure, drain_reason, find_slow, node_figures
+from hpct_slurm.events import RankState
+from hpct_slurm.recovery.own_time import OwnTime
+from hpct_slurm.spares.pool import loop_stage, slow_drained
+from test_controller_fast import FakeCluster, run
+from test_lifecycle_fast import node
+
+
+# ---- a rank's own time --------------------------------------------------------------------
+
+def steps(meter: OwnTime, own: list[float], wait: float, generation: int = 0,
+          t0: float = 100.0, first: bool = True) -> float:
+    """Steps of `own` seconds of own work, each followed by `wait` seconds in a collective,
+    from `t0`; `first`: the generation's first step ends at t0 (else the step before did)."""
+    t = t0
+    if first:
+        meter.step_ends(generation, t)
+    for o in own:
+        t += o
+        meter.wait_begins(t)
+        t += wait
+        meter.wait_ends(t)
+        meter.step_ends(generation, t)
+    return t
+
+
+def test_own_time_is_the_step_less_its_waits_and_a_median_over_the_window():
+    m = OwnTime(window=5)
+    assert m.figure == (-1.0, 0)
+    t = steps(m, [0.2, 0.2, 0.2, 3.0, 0.2], wait=0.5)
+    med, n = m.figure
+    assert n == 5 and med == pytest.approx(0.2)  # the waits are not its own; one slow step
+    steps(m, [0.4] * 5, wait=0.1, t0=t, first=False)  # moves no median
+    assert m.figure[0] == pytest.approx(0.4) and m.figure[1] == 5  # the window slides
+
+
+def test_a_new_generation_starts_a_new_window_and_its_first_step_is_not_measured():
+    m = OwnTime(window=4)
+    steps(m, [0.2] * 4, wait=0.0)
+    assert m.figure[1] == 4
+    m.step_ends(1, 500.0)  # the new generation's first step: formation and restore
+    assert m.figure == (-1.0, 0)
+    steps(m, [0.3], wait=0.0, generation=1, t0=500.0, first=False)
+    assert m.figure == (pytest.approx(0.3), 1)
+
+
+def test_a_rank_computing_several_shards_reports_its_time_per_shard():
+    m = OwnTime(window=3)
+    m.step_ends(0, 0.0)
+    m.step_ends(0, 0.6, shards=2)
+    assert m.figure == (pytest.approx(0.3), 1)
+
+
+def test_nested_waits_count_once():
+    m = OwnTime(window=3)
+    m.step_ends(0, 0.0)
+    m.wait_begins(0.1)
+    m.wait_begins(0.2)
+    m.wait_ends(0.3)
+    m.wait_ends(0.5)
+    m.wait_ends(0.6)  # an unmatched end (a wait from before the window) subtracts nothing
+    m.step_ends(0, 1.0)
+    assert m.figure == (pytest.approx(0.6), 1)
+
+
+# ---- which node is slow -------------------------------------------------------------------
+
+def figs(per_node: dict[str, list[float]], n: int = 50) -> list[Figure]:
+    return [Figure(node, s, n) for node, ranks in per_node.items() for s in ranks]
+
+
+def test_a_node_above_the_ratio_of_the_others_median_is_slow():
+    [s] = find_slow(figs({"a": [0.10], "b": [0.10, 0.102], "c": [0.15], "d": [0.099]}),
+                    1.2, 50)
+    assert (s.node, s.window) == ("c", 50)
+    assert s.ratio == pytest.approx(0.15 / 0.10) and s.job_s == pytest.approx(0.10)
+    assert drain_reason(s) == "fail-slow: 1.50 x job median over 50 steps"
+
+
+def test_one_slow_rank_makes_its_node_slow():
+    [s] = find_slow(figs({"a": [0.10, 0.10], "b": [0.10, 0.14], "c": [0.10, 0.10]}), 1.2, 50)
+    assert s.node == "b" and s.node_s == pytest.approx(0.14)
+
+
+def test_a_job_wide_slowdown_names_no_node():
+    assert find_slow(figs({"a": [0.30], "b": [0.31], "c": [0.29], "d": [0.30]}), 1.2, 50) == []
+
+
+def test_two_nodes_compare_with_each_other_and_the_faster_is_never_slow():
+    [s] = find_slow(figs({"a": [0.10], "b": [0.13]}), 1.2, 50)
+    assert s.node == "b"
+
+
+def test_below_the_ratio_or_without_a_full_window_nothing_is_slow():
+    assert find_slow(figs({"a": [0.10], "b": [0.10], "c": [0.119]}), 1.2, 50) == []
+    part = [Figure("a", 0.1, 50), Figure("b", 0.1, 50), Figure("c", 0.2, 49)]
+    assert find_slow(part, 1.2, 50) == []
+    # one rank of a node without a full window leaves the whole node out
+    assert "c" not in node_figures(part + [Figure("c", 0.2, 50)], 50)
+    assert find_slow([Figure("a", 0.1, 50), Figure("c", 0.3, 50)], 1.2, 50) != []
+
+
+def test_tiny_steps_and_non_numbers_are_not_judged():
+    assert find_slow(figs({"a": [0.0002], "b": [0.0002], "c": [0.0009]}), 1.2, 50) == []
+    assert find_slow(figs({"a": [0.1], "b": [0.1], "c": [math.nan]}), 1.2, 50) == []
+    assert find_slow(figs({"a": [0.1], "b": [0.1], "c": [-1.0]}), 1.2, 50) == []
+
+
+def test_a_single_slow_step_on_one_node_moves_no_median():
+    meters = {n: OwnTime(50) for n in "abcd"}
+    for n, m in meters.items():
+        own = [0.1] * 60
+        if n == "c":
+            own[40] = 5.0  # one step 50 x slower: a hiccup
+        steps(m, own, wait=0.05)
+    assert find_slow([Figure(n, *m.figure) for n, m in meters.items()], 1.2, 50) == []
+
+
+# ---- what the controller takes from a heartbeat -------------------------------------------
+
+def conn(generation: int = 0, rank: int = 0) -> Conn:
+    return Conn("a", 0, "active", 1, "10.0.0.1", 1, None, None, rank=rank,  # type: ignore
+                generation=generation, state=RankState.RUNNING)
+
+
+@pytest.mark.parametrize("own_s,own_n,field", [(math.nan, 5, "own_s"), (math.inf, 5, "own_s"),
+                                               (-0.5, 5, "own_s"), (0.1, -1, "own_n")])
+def test_a_heartbeat_with_a_bad_own_time_is_refused_naming_the_field(own_s, own_n, field):
+    got = refusal(conn(), P.Heartbeat(0, 0, 3, "running", own_s, own_n))
+    assert got is not None and got[0] == field
+
+
+def test_a_heartbeat_without_an_own_time_is_a_rank_that_measured_nothing():
+    hb = P.Heartbeat(0, 0, 3, "running")
+    assert (hb.own_s, hb.own_n) == (-1.0, 0) and refusal(conn(), hb) is None
+
+
+# ---- settings -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,value", [(C.SLOW_RATIO, "1"), (C.SLOW_RATIO, "0.9"),
+                                        (C.SLOW_RATIO, "nan"), (C.SLOW_RATIO, "1e3"),
+                                        (C.SLOW_WINDOW, "4"), (C.SLOW_WINDOW, "fifty"),
+                                        (C.FAILSLOW, "drain")])
+def test_bad_fail_slow_settings_are_refused_naming_the_variable(name, value):
+    with pytest.raises(C.SettingError, match=name):
+        C.read({name: value}, name)
+
+
+def test_fail_slow_defaults():
+    assert (C.read({}, C.FAILSLOW), C.read({}, C.SLOW_RATIO), C.read({}, C.SLOW_WINDOW)) == \
+        ("move", 1.2, 50)
+
+
+# ---- the spare pool -----------------------------------------------------------------------
+
+def test_the_pool_leaves_a_node_drained_for_slowness_to_the_admin():
+    slow = node("n2", "IDLE+DRAIN", "hpct: fail-slow: 1.50 x job median over 50 steps; "
+                                    "hpct: job 7 moved its ranks to n5")
+    assert slow_drained(slow)
+    stage, then = loop_stage(slow, in_pool=False)
+    assert stage == "fail-slow: drained" and "spares return NODE" in then
+    assert not slow_drained(node("n3", "IDLE+DRAIN", "hpct: job 7 moved its ranks to n5"))
+    assert not slow_drained(node("n4", "IDLE", "fail-slow: old"))  # resumed by hand
+
+
+# ---- the controller -----------------------------------------------------------------------
+
+def slow_figures(c: FakeCluster, per_node: dict[str, float], n: int = 50) -> None:
+    for name, own in per_node.items():
+        c.rank(name).own_time = (own, n)
+
+
+def test_a_slow_node_is_named_drained_and_moved_onto_the_spare(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 4)
+            slow_figures(c, {"localhost": 0.10, "a1": 0.15, "a2": 0.10})
+            [slow] = await c.until(lambda: c.events("node.slow"), "node.slow")
+            assert (slow["node"], slow["window"], slow["threshold"]) == ("a1", 50, 1.2)
+            assert slow["ratio"] == pytest.approx(1.5, abs=0.02)
+            assert "moving its ranks onto a warm spare" in slow["action"]
+            a = await c.assigned("s1", 1)
+            assert a.members == ["localhost", "s1", "a2"] and a.restore_step == 4
+            await c.train(["localhost", "s1", "a2"], 5)
+            [done] = await c.until(lambda: c.events("move.done"), "move.done")
+            assert done["taken"] == {"a1": "s1"} and done["lost_steps"] == 0
+            await c.until(lambda: "moved its ranks" in c.reason.get("a1", ""), "the reason")
+            assert c.reason["a1"] == ("hpct: fail-slow: 1.50 x job median over 50 steps; "
+                                      "hpct: job 4242 moved its ranks to s1")
+            assert c.events("fault.detected") == []
+            assert len(c.events("node.slow")) == 1  # said once
+            assert await c.finish() == 0
+            assert "a1" in c.ctl.dead_nodes and "a1" not in c.ctl.world.spares
+    run(scenario)
+
+
+def test_without_a_spare_the_slow_node_is_drained_and_trains_on(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2"], spares=0) as c:
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 2)
+            slow_figures(c, {"localhost": 0.10, "a1": 0.10, "a2": 0.20})
+            [slow] = await c.until(lambda: c.events("node.slow"), "node.slow")
+            assert slow["node"] == "a2" and "no warm spare ready" in slow["action"]
+            await c.until(lambda: "fail-slow" in c.reason.get("a2", ""), "the drain")
+            assert c.reason["a2"] == "hpct: fail-slow: 2.00 x job median over 50 steps"
+            await c.until(lambda: c.events("move.skipped"), "move.skipped")
+            assert c.rank("a2").stops == []
+            await c.train(["localhost", "a1", "a2"], 4)
+            assert await c.finish() == 0
+    run(scenario)
+
+
+def test_a_job_wide_slowdown_or_part_windows_move_nothing(tmp_path):
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 2)
+            slow_figures(c, {"localhost": 0.30, "a1": 0.31, "a2": 0.30})  # all slower
+            slow_figures(c, {"a2": 0.9}, n=49)  # and one not judged yet
+            await c.train(["localhost", "a1", "a2"], 3)
+            await asyncio.sleep(1.5)  # several watchdog sweeps and Slurm polls
+            assert c.events("node.slow") == [] and c.events("move.requested") == []
+            assert "a2" not in c.reason
+            assert await c.finish() == 0
+    run(scenario)
+
+
+@pytest.mark.parametrize("mode", ["report", "off"])
+def test_report_names_the_node_only_and_off_does_nothing(tmp_path, monkeypatch, mode):
+    monkeypatch.setenv(C.FAILSLOW, mode)
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            slow_figures(c, {"localhost": 0.10, "a1": 0.30})
+            if mode == "report":
+                [slow] = await c.until(lambda: c.events("node.slow"), "node.slow")
+                assert slow["action"] == "reported only (HPCT_FAILSLOW=report)"
+            await asyncio.sleep(1.5)
+            assert c.events("move.requested") == [] and "a1" not in c.reason
+            assert len(c.events("node.slow")) == (mode == "report")
+            assert await c.finish() == 0
+    run(scenario)

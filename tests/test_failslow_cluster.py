@@ -1,0 +1,98 @@
+"""Fail-slow (issue 47) on the real local cluster: one node really slowed (its ranks spend
+longer loading each step's data: examples/train.py --slow-node) is found, drained with a reason
+that says why, and moved onto the warm spare with nothing recomputed and the result
+bit-identical; a job-wide slowdown moves nothing; without a spare the node is drained and the
+job trains on. Defaults throughout: HPCT_SLOW_RATIO 1.2 over HPCT_SLOW_WINDOW 50 steps."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hpct_slurm.cli import main
+
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events, recomputed_steps, submit,
+                                          wait_job)
+from hpct_slurm.spares.pool import SparePool, slow_drained
+
+pytestmark = pytest.mark.cluster
+
+SLOW_FROM = 20
+WINDOW = 50
+
+
+def train(steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpct_slurm.examples.train", "--steps", str(steps),
+            "--step-sleep", "0.1", "--position", *extra]
+
+
+def events(run_dir, name: str) -> list[dict]:
+    return [e for e in controller_events(run_dir) if e["event"] == name]
+
+
+def test_a_node_slowed_to_1_5x_is_moved_out_within_50_steps_bit_identical(cluster, tmp_path):
+    args = train(160)
+    ref_dir = tmp_path / "reference"
+    wait_job(cluster, submit(cluster, ref_dir, TEMPLATE, [*args, *UNPACED]), ref_dir, 240,
+             label="reference")
+    run = tmp_path / "slow"
+    jid = submit(cluster, run, TEMPLATE, [*args, "--slow-node", "n2", "--slow-factor", "1.5",
+                                          "--slow-from", str(SLOW_FROM)])
+    wait_job(cluster, jid, run, 300, label="slow n2")
+
+    [slow] = events(run, "node.slow")
+    assert slow["node"] == "n2" and slow["window"] == WINDOW and slow["ratio"] > 1.2
+    # found within 50 steps of the slowdown (each rank's window fills by step 51)
+    assert slow["step"] - SLOW_FROM <= WINDOW, slow
+    assert "moving its ranks onto a warm spare" in slow["action"]
+    [done] = events(run, "move.done")
+    assert done["taken"] == {"n2": "n5"} and done["lost_steps"] == 0
+    assert events(run, "fault.detected") == []
+    got = collect(run, 4)
+    assert got[1]["node"] == "n5"
+    assert bitwise_equal(collect(ref_dir, 4), got, run)
+    assert recomputed_steps(run) == 0
+    # the site sees why in Slurm, and the pool leaves the node to the admin
+    node = cluster.client().show_node("n2")
+    assert "DRAIN" in node.flags and slow_drained(node)
+    assert node.reason.startswith("hpct: fail-slow: ") and \
+        node.reason.endswith(f"x job median over {WINDOW} steps; hpct: job {jid} moved its "
+                             f"ranks to n5")
+    [left] = [o for o in SparePool(cluster.client()).check() if o.node == "n2"]
+    assert left.action == "left drained" and not left.changed
+    assert "DRAIN" in cluster.client().show_node("n2").flags
+
+
+def test_a_job_wide_slowdown_moves_nothing(cluster, tmp_path):
+    run = tmp_path / "all-slow"
+    # every node loads its data 2 x slower from step 20: the job slows down, no node drags it
+    jid = submit(cluster, run, TEMPLATE, train(110, "--slow-node", "ALL", "--slow-factor", "2",
+                                               "--slow-from", str(SLOW_FROM)))
+    wait_job(cluster, jid, run, 300, label="all slow")
+    assert events(run, "job.done")
+    assert events(run, "node.slow") == [] and events(run, "move.requested") == []
+    assert [collect(run, 4)[r]["node"] for r in range(4)] == ["n1", "n2", "n3", "n4"]
+    assert not any("DRAIN" in cluster.client().show_node(n).flags for n in ("n1", "n2", "n3",
+                                                                           "n4"))
+
+
+def test_without_a_spare_the_slow_node_is_drained_and_the_job_runs_on(cluster, tmp_path,
+                                                                    capsys):
+    run = tmp_path / "no-spare"
+    jid = submit(cluster, run, TEMPLATE, train(100, "--slow-node", "n3", "--slow-factor", "1.5",
+                                               "--slow-from", "10"),
+                 nodes=4, env={"HPCT_SPARE_NODES": "0"})
+    wait_job(cluster, jid, run, 300, label="no spare")
+    [slow] = events(run, "node.slow")
+    assert slow["node"] == "n3" and "no warm spare ready: it trains on" in slow["action"]
+    assert [e["node"] for e in events(run, "move.skipped")] == ["n3"]
+    assert events(run, "move.requested") == [] and events(run, "job.done")
+    got = collect(run, 4)
+    assert got[2]["node"] == "n3"  # it trained to the end
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0
+    assert "slow node n3: " in capsys.readouterr().out
+    node = cluster.client().show_node("n3")
+    assert "DRAIN" in node.flags and node.reason.startswith("hpct: fail-slow: ") and \
+        node.reason.endswith(f" x job median over {WINDOW} steps")

@@ -208,9 +208,9 @@ def _train(cfg: Config, factor: float | None) -> list[str]:
 def _env(cfg: Config, detection: bool) -> dict[str, str]:
     env = {config.ACTIVE_NODES: str(ACTIVE), config.SPARE_NODES: str(SPARES)}
     if cfg.window is not None:
-        env["HPCT_SLOW_WINDOW"] = str(cfg.window)
+        env[config.SLOW_WINDOW] = str(cfg.window)
     if not detection:
-        env["HPCT_FAILSLOW"] = "off"
+        env[config.FAILSLOW] = "off"
     return env
 
 
@@ -244,11 +244,11 @@ def one_run(cluster, run_dir: Path, cfg: Config, factor: float | None, detection
 
 
 def _settings(cfg: Config) -> dict:
-    """The fail-slow settings the 'on' runs ran with: the table's defaults, the window
-    overridden by --quick."""
-    return {"HPCT_FAILSLOW": config.read({}, "HPCT_FAILSLOW"),
-            "HPCT_SLOW_RATIO": config.read({}, "HPCT_SLOW_RATIO"),
-            "HPCT_SLOW_WINDOW": cfg.window or config.read({}, "HPCT_SLOW_WINDOW")}
+    """The fail-slow settings the 'on' runs ran with: the table's defaults (the window, the
+    config's where it sets one); the 'off' runs had HPCT_FAILSLOW=off."""
+    env = _env(cfg, True)
+    return {name: config.read(env, name)
+            for name in (config.FAILSLOW, config.SLOW_RATIO, config.SLOW_WINDOW)}
 
 
 def _load() -> dict:

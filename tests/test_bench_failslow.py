@@ -63,6 +63,7 @@ def test_a_detected_and_moved_run_phases_detection_pause_and_goodput():
     assert (a["ratio"], a["window"], a["action"]) == (2.0, 20, "move")
     assert a["move_pause_s"] == pytest.approx(PAUSE + 0.1) and a["lost_steps"] == 0
     assert a["move_step"] == MOVE and a["move_done_step"] == MOVE + 1
+    assert a["move_step_s"] == pytest.approx(FAST + PAUSE)  # the step that holds the move
     # the first step after the move (it holds the pause) is in no phase
     assert a["step_s"] == pytest.approx({"before": FAST, "during": SLOW, "after": FAST})
     assert a["false_detections"] == 0 and a["node_slow_events"] == 1
@@ -122,6 +123,7 @@ def test_side_by_side_reads_on_against_off():
     assert row["on_after_over_before"] == pytest.approx(1.0)
     assert row["off_during_over_before"] == pytest.approx(SLOW / FAST)
     assert row["steps_to_detection"] == DETECT - SLOW_FROM and row["bit_identical"]
+    assert row["move_step_s"] == pytest.approx(FAST + PAUSE)
     # a failed run (its record is an error) leaves its side empty, never a crash
     failed = F.side_by_side(1.25, {"error": "boom"}, off)
     assert failed["goodput_on"] is None and failed["goodput_on_over_off"] is None

@@ -22,6 +22,9 @@ Read from each run's events (pure, `analyse_run`):
   steps to detection     node.slow's step - slow_from;
   move pause             move.done's recovery_s (STOP to the first step every rank completed),
                          and its lost_steps; recomputed (rank, step) pairs from the rank logs;
+                         the job's time for the first step after the move (`move_step_s`:
+                         the pause less the work it overlapped: the step in progress at the
+                         STOP is completed, the first step after it computed);
   goodput                (steps trained x the reference's median step time) / the training's
                          wall time (first to last completed step): 1.0 is the unslowed pace.
 """
@@ -152,9 +155,13 @@ def analyse_run(controller: Sequence[dict], steps: Sequence[dict], slow_from: in
     if done is not None:
         last_slow = assign.get("newest_done", _step_at(ends, requested["t"]))
         after = _median(times, assign["restore_step"] + 2, None)
-        out.update(move_pause_s=done["recovery_s"], lost_steps=done.get("lost_steps"),
-                   move_step=assign["restore_step"], taken=assign.get("taken"),
-                   move_done_step=_step_at(ends, done["t"]))
+        # move.done's pause runs from the STOP: it holds the rest of the step in progress
+        # and the whole first step after the move. What the job's clock lost to the move is
+        # that first step's time less an ordinary step's (`move_step_s` - step_s.after).
+        out.update(move_pause_s=done["recovery_s"], move_phases=done.get("phases"),
+                   lost_steps=done.get("lost_steps"), move_step=assign["restore_step"],
+                   move_step_s=times.get(assign["restore_step"] + 1),
+                   taken=assign.get("taken"), move_done_step=_step_at(ends, done["t"]))
     before_end = (slow_from if slow_from is not None else max(ends) + 1) - 1
     out["step_s"] = {
         "before": _median(times, warmup, before_end),
@@ -178,7 +185,8 @@ def side_by_side(factor: float, on: dict, off: dict) -> dict:
     return {
         "factor": factor,
         "detected": get(on, "detected"), "steps_to_detection": get(on, "steps_to_detection"),
-        "move_pause_s": get(on, "move_pause_s"), "lost_steps": get(on, "lost_steps"),
+        "move_pause_s": get(on, "move_pause_s"), "move_step_s": get(on, "move_step_s"),
+        "lost_steps": get(on, "lost_steps"),
         "goodput_on": get(on, "goodput"), "goodput_off": get(off, "goodput"),
         "goodput_on_over_off": ratio(get(on, "goodput"), get(off, "goodput")),
         "train_wall_on_over_off": ratio(get(on, "train_wall_s"), get(off, "train_wall_s")),
@@ -339,7 +347,8 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
         "bench": NAME, "reference_step_s": ref_step_s,
         "reference_false_detections": ref["false_detections"],
         "per_factor": {str(r["factor"]): {k: r[k] for k in (
-            "detected", "steps_to_detection", "move_pause_s", "lost_steps", "goodput_on",
+            "detected", "steps_to_detection", "move_pause_s", "move_step_s", "lost_steps",
+            "goodput_on",
             "goodput_off", "goodput_on_over_off", "bit_identical")} for r in rows},
         "all_bit_identical": all(r["bit_identical"] for r in rows),
         "failed_runs": sum("error" in r[s] for r in rows for s in ("on", "off")),

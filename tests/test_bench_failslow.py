@@ -136,3 +136,9 @@ def test_the_command_is_registered_as_a_cluster_benchmark():
     proc = subprocess.run([HPCT_SLURM, "bench", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and "failslow" in proc.stdout
+
+
+def test_the_meters_cost_per_step_is_measured():
+    from hpct_slurm.bench.failslow import meter_cost_us
+    cost = meter_cost_us(2000)
+    assert 0.0 < cost < 1000.0  # microseconds per step: a clock read or three and a median

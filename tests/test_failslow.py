@@ -301,3 +301,9 @@ def test_a_job_of_pipeline_stages_measures_nothing():
     m.off = True  # generation.adopt_built: a mesh with a stage dimension above 1
     steps(m, [0.2] * 5, wait=0.1)
     assert m.figure == (-1.0, 0)
+
+
+def test_a_node_found_slow_reads_its_slowdown_not_half_of_it():
+    m = OwnTime(window=50)
+    steps(m, [0.1] * 25 + [0.2] * 25, wait=0.05)  # the first moment half the window is slow
+    assert m.figure == (pytest.approx(0.2), 50)    # 2 x, where a plain median said 1.5 x

@@ -308,6 +308,21 @@ def _with_times(run: dict) -> dict:
     return run
 
 
+def meter_cost_us(steps: int = 200_000) -> float:
+    """What the measurement costs a rank per step, in microseconds: one wait marked around a
+    collective and one step's end (own_time.py), timed in a loop here. bench replication's
+    headline is a ratio of variants that both pay it, so it cannot show it (issue 47)."""
+    from ..recovery.own_time import OwnTime
+
+    m = OwnTime(50)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        m.wait_begins(time.monotonic())
+        m.wait_ends(time.monotonic())
+        m.step_ends(0, time.monotonic())
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
 def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
         down: bool = False) -> dict:
     """Reference run, then each factor with detection on and off; writes failslow.json and
@@ -352,6 +367,7 @@ def run(out_dir: Path, quick: bool = False, root: Path = BENCH_ROOT,
             "goodput_off", "goodput_on_over_off", "bit_identical")} for r in rows},
         "all_bit_identical": all(r["bit_identical"] for r in rows),
         "failed_runs": sum("error" in r[s] for r in rows for s in ("on", "off")),
+        "meter_us_per_step": round(meter_cost_us(), 2),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(out_dir / f"{NAME}.png", cfg, ref, rows)

@@ -9,8 +9,9 @@ fixed-order DDP hook and `job.allreduce_gradients`). Under DDP that is exactly t
 first waits on its peers plus its update: a node that computes or loads 1.3 x slower shows
 1.3 x here, while its peers show their own pace (their wait grew instead).
 
-It keeps the last `window` of them and the median (one slow step moves no median), which its
-heartbeat carries (client.py); the controller compares nodes (controller/slowness.py). A
+It keeps the last `window` of them and their upper median (`median_high`: a sample, never the
+mean of the two middle ones, so a node found slow reads its slowdown, not half of it; one slow
+step moves no median), which its heartbeat carries (client.py); the controller compares nodes (controller/slowness.py). A
 generation's first step is not measured (it begins with the formation and the restore), and a
 new generation starts a new window: a survivor that took over a lost rank's data shards does
 more work per step, and the controller compares only full windows. A rank that computes several
@@ -81,7 +82,7 @@ class OwnTime:
         if self.off:
             return
         self._samples.append(own)
-        self.figure = (statistics.median(self._samples), len(self._samples))
+        self.figure = (statistics.median_high(self._samples), len(self._samples))
 
 
 class DeviceOwnTime(OwnTime):

@@ -40,8 +40,14 @@ def test_a_flipped_bit_is_found_at_the_next_full_commit_rolled_back_and_moved_ou
     assert all(e["step"] == detected and e["diverged"] == [1] and e["rollback_to"] ==
                detected - EVERY for e in diverged)
     ctl = controller_events(run)
-    assigns = [e for e in ctl if e["event"] == "recovery.assign"]
-    assert [e["restore_step"] for e in assigns] == [detected - EVERY]
+    # the rollback is the first round's: the in-place round every rank's report starts, or,
+    # where the controller read the rank's move request before that round began (its Slurm
+    # poll against the 0.5 s grace, seen once in CI), the move itself, which then restores
+    # the agreed step as it moves the node out (one round instead of two)
+    rounds = [e for e in ctl if e["event"] in ("recovery.assign", "move.assign")]
+    assert rounds and rounds[0]["restore_step"] == detected - EVERY
+    assert [e["restore_step"] for e in rounds if e["event"] == "recovery.assign"] in \
+        ([detected - EVERY], [])
     # the steps after the last agreeing commit, recomputed on every rank and counted
     assert recomputed_steps(run) == WORLD * (EVERY - 1)
     moves = [e for e in ctl if e["event"] == "move.done"]

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.cluster
 
 SLOW_FROM = 20
 WINDOW = 50
+MOVE = {"HPCT_FAILSLOW": "move"}  # the product's default; the local cluster's is report
 
 
 def train(steps: int, *extra: str) -> list[str]:
@@ -38,7 +39,7 @@ def test_a_node_slowed_to_1_5x_is_moved_out_within_50_steps_bit_identical(cluste
              label="reference")
     run = tmp_path / "slow"
     jid = submit(cluster, run, TEMPLATE, [*args, "--slow-node", "n2", "--slow-factor", "1.5",
-                                          "--slow-from", str(SLOW_FROM)])
+                                          "--slow-from", str(SLOW_FROM)], env=MOVE)
     wait_job(cluster, jid, run, 300, label="slow n2")
 
     [slow] = events(run, "node.slow")
@@ -74,7 +75,7 @@ def test_a_slow_node_of_an_fsdp_job_is_moved_out_bit_identical(cluster, tmp_path
                              env={"HPCT_SPARE_NODES": "0"}), ref_dir, 240, label="reference")
     run = tmp_path / "slow"
     jid = submit(cluster, run, TEMPLATE, [*args, "--slow-node", "n2", "--slow-factor", "1.5",
-                                          "--slow-from", "10"])
+                                          "--slow-from", "10"], env=MOVE)
     wait_job(cluster, jid, run, 300, label="fsdp slow n2")
     [slow] = events(run, "node.slow")
     assert slow["node"] == "n2" and slow["ratio"] > 1.2 and slow["step"] - 10 <= WINDOW
@@ -90,7 +91,7 @@ def test_a_job_wide_slowdown_moves_nothing(cluster, tmp_path):
     run = tmp_path / "all-slow"
     # every node loads its data 2 x slower from step 20: the job slows down, no node drags it
     jid = submit(cluster, run, TEMPLATE, train(110, "--slow-node", "ALL", "--slow-factor", "2",
-                                               "--slow-from", str(SLOW_FROM)))
+                                               "--slow-from", str(SLOW_FROM)), env=MOVE)
     wait_job(cluster, jid, run, 300, label="all slow")
     assert events(run, "job.done")
     assert events(run, "node.slow") == [] and events(run, "move.requested") == []
@@ -104,7 +105,7 @@ def test_without_a_spare_the_slow_node_is_drained_and_the_job_runs_on(cluster, t
     run = tmp_path / "no-spare"
     jid = submit(cluster, run, TEMPLATE, train(100, "--slow-node", "n3", "--slow-factor", "1.5",
                                                "--slow-from", "10"),
-                 nodes=4, env={"HPCT_SPARE_NODES": "0"})
+                 nodes=4, env={**MOVE, "HPCT_SPARE_NODES": "0"})
     wait_job(cluster, jid, run, 300, label="no spare")
     [slow] = events(run, "node.slow")
     assert slow["node"] == "n3" and "no warm spare ready: it trains on" in slow["action"]

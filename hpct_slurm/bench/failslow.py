@@ -217,8 +217,8 @@ def _env(cfg: Config, detection: bool) -> dict[str, str]:
     env = {config.ACTIVE_NODES: str(ACTIVE), config.SPARE_NODES: str(SPARES)}
     if cfg.window is not None:
         env[config.SLOW_WINDOW] = str(cfg.window)
-    if not detection:
-        env[config.FAILSLOW] = "off"
+    # the local cluster only reports by default (localcluster/jobs.LOCAL_DEFAULTS)
+    env[config.FAILSLOW] = "move" if detection else "off"
     return env
 
 

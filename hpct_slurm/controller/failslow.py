@@ -48,8 +48,6 @@ class Host(Protocol):
 
     def _live(self, node: str) -> list[Conn]: ...
 
-    def _node_ready(self, node: str) -> bool: ...
-
 
 class FailSlow:
     def __init__(self, ctl: Host, environ: Any = None):
@@ -85,7 +83,7 @@ class FailSlow:
         c = self.ctl
         if self.mode == "report":
             action = "reported only (HPCT_FAILSLOW=report)"
-        elif any(c._node_ready(sp) for sp in c.world.spares):
+        elif c.lifecycle._ready_spares():  # what request_move itself asks
             action = "drained; moving its ranks onto a warm spare"
         else:
             action = "drained; no warm spare ready: it trains on until one is"

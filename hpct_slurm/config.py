@@ -207,12 +207,16 @@ SETTINGS: tuple[Setting, ...] = (
        "rendezvous store; `sbatch --hpct-rendezvous=` (the SPANK plugin exports it, with "
        "plugstack.conf default_rendezvous), `controller --store`; the controller hands its "
        "choice to the ranks", choices=("rootless", "tcpstore"), scope="job"),
+    # the controller's flag, not the variable: the SPANK plugin exports a plain srun step's
+    # values (120 / 600) into every job, so a variable read by the controller would be those
     _s(COLLECTIVE_TIMEOUT_S, "seconds", 10.0, CONTROLLER, (_RANK, "rendezvous"),
-       "a collective whose peer is gone fails after this long (a plain srun step's "
-       "rendezvous env: 120)", scope="job"),
+       "a collective whose peer is gone fails after this long; `controller "
+       "--collective-timeout` sets it for a job's ranks (a plain srun step's rendezvous "
+       "env: 120)", scope="job"),
     _s(INIT_TIMEOUT_S, "seconds", 30.0, CONTROLLER, (_RANK, "rendezvous"),
-       "forming a generation's process group gives up after this long (a plain srun "
-       "step's rendezvous env: 600)", scope="job"),
+       "forming a generation's process group gives up after this long; `controller "
+       "--init-timeout` sets it for a job's ranks (raise it where thousands of ranks take "
+       "longer to form a group; a plain srun step's rendezvous env: 600)", scope="job"),
     # on by default: a requeued job (no spare left, the batch host lost, the time limit) and a
     # shard whose every holder is lost resume from these files (the templates' --requeue).
     # 500 steps, a training framework's usual checkpoint interval (torchtitan's): a file of

@@ -173,7 +173,7 @@ def test_options_and_the_controllers_flags_share_one_rule_per_field():
 
     dests = {a.option_strings[-1]: a for a in _controller_parser()._actions if a.option_strings}
     for flag, name in ctl_cli.MIRRORS.items():
-        field = dests[flag].dest + ("_s" if flag == "--progress-timeout" else "")
+        field = dests[flag].dest + ("_s" if flag.endswith("-timeout") else "")
         assert RULES[field] is C.BY_NAME[name], flag
     assert dests["--heartbeat-timeout"].type.setting is RULES["heartbeat_timeout_s"]
     _options()  # the defaults pass
@@ -230,3 +230,40 @@ def test_disk_persistence_has_one_default_and_it_is_on():
         assert "--persist-every" not in text  # the controller's default, the table's
         if template == "train.sbatch":
             assert "#SBATCH --requeue" in text and "persisted snapshot" in text
+
+
+def test_the_timeouts_a_controller_is_given_reach_its_ranks_and_the_variables_do_not(
+        monkeypatch):
+    """`controller --init-timeout/--collective-timeout` set what every step the controller
+    launches runs with (the ranks read HPCT_INIT_TIMEOUT_S / HPCT_COLLECTIVE_TIMEOUT_S from it);
+    the variables in the controller's own environment are not read: the SPANK plugin exports a
+    plain srun step's values (120 / 600) into every job."""
+    from hpct_slurm.controller import controller as ctl
+    seen = {}
+
+    class Caught(Exception):
+        pass
+
+    def capture(opts):
+        seen["opts"] = opts
+        raise Caught
+
+    monkeypatch.setattr(ctl, "Controller", capture)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setenv(C.INIT_TIMEOUT_S, "600")  # what the SPANK plugin exports
+    monkeypatch.setenv(C.COLLECTIVE_TIMEOUT_S, "120")
+    args = _controller_parser().parse_args(["--init-timeout", "12.5", "--collective-timeout",
+                                            "4", "--", "true"])
+    with pytest.raises(Caught):
+        args.func(args)
+    opts = seen["opts"]
+    assert (opts.init_timeout_s, opts.collective_timeout_s) == (12.5, 4.0)
+    args = _controller_parser().parse_args(["--", "true"])
+    with pytest.raises(Caught):
+        args.func(args)
+    assert (seen["opts"].init_timeout_s, seen["opts"].collective_timeout_s) == (
+        C.BY_NAME[C.INIT_TIMEOUT_S].default, C.BY_NAME[C.COLLECTIVE_TIMEOUT_S].default)
+    with pytest.raises(SystemExit):
+        _controller_parser().parse_args(["--init-timeout", "nan", "--", "true"])

@@ -22,6 +22,7 @@ MIRRORS: dict[str, str] = {
     "--on-few-spares": C.ON_FEW_SPARES,
     "--active": C.ACTIVE_NODES, "--want-spares": C.SPARE_NODES,
     "--tasks-per-node": C.TASKS_PER_NODE,
+    "--collective-timeout": C.COLLECTIVE_TIMEOUT_S, "--init-timeout": C.INIT_TIMEOUT_S,
 }
 # ... whose default on the command line is None: `run` reads the variable, then the table
 # (config.py's precedence rule: the flag, the sbatch option the SPANK plugin exports, the table)
@@ -79,6 +80,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "--on-few-spares refuse")
     mirror("--on-few-spares", "fewer spares than --want-spares on a first start: warn, or "
                               "refuse to start (a requeued job always starts)")
+    mirror("--collective-timeout", "seconds before a collective whose peer is gone fails, "
+                                   "on every rank")
+    mirror("--init-timeout", "seconds a generation's process group may take to form before "
+                             "the round gives up (raise it for thousands of ranks)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 
@@ -140,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
                          args.heartbeat_timeout, args.on_no_spare, args.active,
                          persist_every, args.pool_spares, args.pool_reservation,
                          progress_timeout_s=progress_timeout,
-                         want_spares=args.want_spares, on_few_spares=args.on_few_spares)
+                         want_spares=args.want_spares, on_few_spares=args.on_few_spares,
+                         collective_timeout_s=args.collective_timeout,
+                         init_timeout_s=args.init_timeout)
 
 
 def defaults_from_spank(spares: int | None, store: str | None,

@@ -195,7 +195,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
                   active: int | None = None, persist_every: int = 500,
                   pool_spares: int = 0, pool_reservation: str = "hpct_spares",
                   progress_timeout_s: float = 300.0, want_spares: int | None = None,
-                  on_few_spares: str = "warn") -> int:
+                  on_few_spares: str = "warn", collective_timeout_s: float = 10.0,
+                  init_timeout_s: float = 30.0) -> int:
     from ..slurm.env import SlurmEnv
 
     env = SlurmEnv.from_environ()
@@ -210,7 +211,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
                    on_no_spare=on_no_spare, active=active, persist_every=persist_every,
                    pool_spares=pool_spares, pool_reservation=pool_reservation,
                    progress_timeout_s=progress_timeout_s, want_spares=want_spares,
-                   on_few_spares=on_few_spares, restart_count=env.restart_count)
+                   on_few_spares=on_few_spares, restart_count=env.restart_count,
+                   collective_timeout_s=collective_timeout_s, init_timeout_s=init_timeout_s)
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

@@ -21,7 +21,8 @@ RULES: dict[str, C.Setting] = {
     "progress_timeout_s": C.BY_NAME[C.PROGRESS_TIMEOUT_S],
     "want_spares": C.BY_NAME[C.SPARE_NODES], "on_few_spares": C.BY_NAME[C.ON_FEW_SPARES],
     "heartbeat_timeout_s": _SECONDS, "ready_timeout_s": _SECONDS,
-    "collective_timeout_s": _SECONDS, "init_timeout_s": _SECONDS, "node_poll_s": _SECONDS,
+    "collective_timeout_s": C.BY_NAME[C.COLLECTIVE_TIMEOUT_S],
+    "init_timeout_s": C.BY_NAME[C.INIT_TIMEOUT_S], "node_poll_s": _SECONDS,
     "job_id": C.number_rule("int", 1), "slurmd_port": C.number_rule("int", 1, 65535),
     "max_stalled_restarts": C.number_rule("int", 1), "restart_count": C.number_rule("int", 0),
 }

@@ -46,16 +46,17 @@ class OwnTime:
         self._last_end: float | None = None
         self._waited = 0.0
         self._depth = 0
-        self._since = 0.0
+        self._since: Any = None  # the outermost open wait's start (a time, or an event)
         # (median own seconds over the window, samples in it); (-1.0, 0): nothing measured yet
         self.figure: tuple[float, int] = (-1.0, 0)
         # A job whose ranks differ in work by design (pipeline stages) measures nothing: its
         # figure stays (-1.0, 0) and the controller never judges it
         self.off = False
 
+    # Waits nest (a hook's reduction inside job.allreduce_gradients): the outermost counts.
     def wait_begins(self, now: float) -> None:
         if self._depth == 0:
-            self._since = now
+            self._since = self._stamp(now)
         self._depth += 1
 
     def wait_ends(self, now: float) -> None:
@@ -63,7 +64,14 @@ class OwnTime:
             return  # a wait that began before the generation's window: nothing to subtract
         self._depth -= 1
         if self._depth == 0:
-            self._waited += now - self._since
+            self._waited_for(self._since, self._stamp(now))
+
+    def _stamp(self, now: float) -> Any:
+        """A point in time: the host clock's reading here, a recorded event on a GPU."""
+        return now
+
+    def _waited_for(self, began: Any, ended: Any) -> None:
+        self._waited += ended - began
 
     def step_ends(self, generation: int, now: float, shards: int = 1) -> None:
         """A step of `generation` completed at `now`, with `shards` data shards computed."""
@@ -99,31 +107,20 @@ class DeviceOwnTime(OwnTime):
             def event() -> Any:
                 return torch.cuda.Event(enable_timing=True)
         self._event = event
-        self._open: Any = None                      # the event before the current wait
         self._waits: list[tuple[Any, Any]] = []     # this step's (before, after) wait events
         self._end: Any = None                       # the step before's end event
         self._pending: collections.deque[tuple[Any, Any, list, int]] = collections.deque()
 
-    def _mark(self) -> Any:
+    def _stamp(self, now: float) -> Any:
         e = self._event()
         e.record()
         return e
 
-    def wait_begins(self, now: float) -> None:
-        if self._depth == 0:
-            self._open = self._mark()
-        self._depth += 1
-
-    def wait_ends(self, now: float) -> None:
-        if self._depth == 0:
-            return
-        self._depth -= 1
-        if self._depth == 0 and self._open is not None:
-            self._waits.append((self._open, self._mark()))
-            self._open = None
+    def _waited_for(self, began: Any, ended: Any) -> None:
+        self._waits.append((began, ended))  # read once the GPU has passed them
 
     def step_ends(self, generation: int, now: float, shards: int = 1) -> None:
-        end = self._mark()
+        end = self._stamp(now)
         if generation != self._generation:
             self._restart(generation)
             self._pending.clear()
@@ -131,7 +128,7 @@ class DeviceOwnTime(OwnTime):
             if len(self._pending) >= PENDING_MAX:
                 self._pending.popleft()
             self._pending.append((self._end, end, self._waits, shards))
-        self._end, self._waits, self._depth, self._open = end, [], 0, None
+        self._end, self._waits, self._depth = end, [], 0
         while self._pending and self._pending[0][1].query():
             start, stop, waits, n = self._pending.popleft()
             ms = start.elapsed_time(stop) - sum(b.elapsed_time(a) for b, a in waits)

@@ -121,3 +121,85 @@ def test_the_whole_wake_is_bounded_when_the_listener_takes_nobody():
         listener.close()
     assert woken == 0, "a connection got through a full backlog"
     assert took < 3.0, f"the wake took {took:.1f} s"
+
+
+# ---- the side that connects: which of this process's connections the STOP resets ----------
+def _row(local: str, remote: str, state: str, inode: str) -> str:
+    return (f"   0: {local} {remote} {state} 00000000:00000000 00:00000000 00000000     0        "
+            f"0 {inode} 1 0000000000000000 100 0 0 10 0")
+
+
+HEAD = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode"
+
+
+def _hex4(host: str, port: int) -> str:
+    word = struct.unpack("=I", socket.inet_aton(host))[0]
+    return f"{word:08X}:{port:04X}"
+
+
+def _hex6(host: str, port: int) -> str:
+    raw = socket.inet_pton(socket.AF_INET6, host)
+    words = struct.unpack("=4I", raw)
+    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+
+
+def test_only_own_connects_in_flight_to_a_members_listener_are_picked():
+    peer = gloo_wake.endpoint("10.0.0.2", 40001)
+    v6 = gloo_wake.endpoint("fd00::2", 40002)
+    tcp = "\n".join([HEAD,
+                     _row(_hex4("10.0.0.1", 5555), _hex4("10.0.0.2", 40001), "02", "101"),
+                     # another process's connect to the same listener: not ours to reset
+                     _row(_hex4("10.0.0.1", 5556), _hex4("10.0.0.2", 40001), "02", "999"),
+                     # ours, established: a pair already connected
+                     _row(_hex4("10.0.0.1", 5557), _hex4("10.0.0.2", 40001), "01", "102"),
+                     # ours, in flight, to something else (the store, the controller)
+                     _row(_hex4("10.0.0.1", 5558), _hex4("10.0.0.9", 20000), "02", "103"),
+                     "   garbage"])
+    tcp6 = "\n".join([HEAD, _row(_hex6("fd00::1", 5559), _hex6("fd00::2", 40002), "02", "104"),
+                      # IPv4-mapped: the same listener as its IPv4 address
+                      _row(_hex6("::ffff:10.0.0.2", 5560), _hex6("::ffff:10.0.0.2", 40001),
+                           "02", "105")])
+    inodes = {"101": 11, "102": 12, "103": 13, "104": 14, "105": 15}
+    assert gloo_wake.connecting([tcp, tcp6], inodes, {peer, v6}) == [11, 14, 15]
+    assert gloo_wake.connecting([tcp, tcp6], inodes, set()) == []
+
+
+def test_the_listeners_are_the_other_ranks_readable_addresses():
+    values = [_published("10.0.0.1", 40000, [0, 1, 2]), _published("10.0.0.2", 40001, [0, 1, 2]),
+              b"not gloo's"]
+    assert gloo_wake.listeners(values, 3, rank=0) == {gloo_wake.endpoint("10.0.0.2", 40001)}
+    assert gloo_wake.listeners((), 3, rank=0) == set()
+
+
+def test_a_connect_in_flight_is_reset_and_nothing_else_is():
+    """A real socket of this process in SYN_SENT (to an address that never answers: a
+    listener's backlog full of unaccepted connections drops SYNs) is reset; the established
+    ones and the listener are untouched."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    held = []
+    try:
+        # fill the accept queue (backlog 0 holds one): the next SYN is dropped, not answered
+        for _ in range(8):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            held.append(s)
+        time.sleep(0.2)
+        target = {gloo_wake.endpoint("127.0.0.1", port)}
+        fds = gloo_wake.connecting(gloo_wake._tables(), gloo_wake._own_socket_inodes(), target)
+        assert fds, "no connection stuck in SYN_SENT: the backlog did not fill"
+        assert gloo_wake.reset_connects(target, lambda: True, timeout_s=2.0) == len(fds)
+        for s in held:
+            if s.fileno() in fds:  # the connect ended with the reset, on our own descriptor
+                assert s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        assert gloo_wake.connecting(gloo_wake._tables(), gloo_wake._own_socket_inodes(),
+                                    target) == []
+        # nothing reset while the formation is over
+        assert gloo_wake.reset_connects(target, lambda: False) == 0
+    finally:
+        for s in held:
+            s.close()
+        srv.close()

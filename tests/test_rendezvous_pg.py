@@ -11,6 +11,8 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import socket
+import subprocess
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -356,6 +358,24 @@ def test_init_from_slurm_two_tasks_on_one_node(tmp_path):
 
 # the collective timeout of the dead-member formation test: its survivors wait 5 x this
 FORM_COLLECTIVE_S = 2.0
+# a network namespace (under /run/netns) the formation's workers enter first, where set
+NETNS_ENV = "HPCT_TEST_NETNS"
+NFT = "/usr/sbin/nft"
+
+
+def _enter_test_netns() -> None:
+    name = os.environ.get(NETNS_ENV)
+    if not name:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET, before any socket is made
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
 
 
 def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
@@ -363,6 +383,7 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
     """Full mesh (no lazy pairs), 3 ranks: every rank reads every address (gloo's exchange,
     through the store), then the test kills one before any pair connects: the window of
     issue 30's flaky requeue, where survivors sat 5 x the init timeout in connectFullMesh."""
+    _enter_test_netns()
     os.environ["HPCT_GLOO_LAZY_INIT"] = "0"
     import datetime
     import time
@@ -389,7 +410,7 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
             threading.Timer(0.5, lambda: woken.append(pg.wake_connecting())).start()
         return out
 
-    woken: list[int] = []
+    woken: list[tuple[int, int]] = []
     gather.FormationStore._fetch = fetch_then_hold
     conn.send((node, "ready", None))
     conn.recv()
@@ -433,7 +454,8 @@ def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the
             # 0.5 s after the connect began the STOP woke every pair: each survivor's pair
             # for the dead member took its own wake-up call, and init ended (formed on a
             # closed socket or failed, either way at once); the caller then sees the STOP.
-            assert all(woken == [len(nodes) - 1] for _, _, woken in got.values()), got
+            # (and no connect of theirs was in flight to reset: they listen for the victim)
+            assert all(woken == [(len(nodes) - 1, 0)] for _, _, woken in got.values()), got
             assert not any("Connect timeout" in (f or "") for f, _, _ in got.values()), got
             assert all(seconds < 0.5 + 3 for _, seconds, _ in got.values()), got
             return
@@ -442,6 +464,70 @@ def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the
         # pipe wait above fails first).
         assert all("Connect timeout" in (f or "") for f, _, _ in got.values()), got
         assert all(seconds < 5 * FORM_COLLECTIVE_S + 10 for _, seconds, _ in got.values()), got
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+
+@pytest.fixture
+def netns(monkeypatch):
+    """A network namespace of this test's own (loopback only), which the workers enter."""
+    name = f"hpct-synwake-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=30)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True,
+                       capture_output=True, timeout=30)
+        monkeypatch.setenv(NETNS_ENV, name)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def test_a_pair_whose_connects_the_network_drops_fails_the_formation_at_the_stop(
+        tmp_path, netns):
+    """Every member alive, the network dropping new connections to one rank's gloo listener
+    (test_fence_cluster's broken pair, on loopback): the ranks that connect to it sit in
+    gloo's connect loop, which the listener-side wake cannot reach, for 5 x the pair timeout.
+    The STOP now resets each connect attempt in flight (gloo's first and its 3 retries), so
+    their init ends at once."""
+    nodes = JOB_NODES[:3]
+    conns, procs = _start_nodes(tmp_path, _dies_after_its_address_worker, nodes)
+    try:
+        _collect(conns, nodes, "ready")
+        for n in nodes:
+            conns[n].send("go")
+        ports = _collect(conns, nodes, "fetched")
+        assert all(len(p) == 1 for p in ports.values()), ports
+        # gloo's tcp Device::isInitiator: the side whose port compares lower listens; the
+        # other two both connect to this one
+        target = min(nodes, key=lambda n: socket.htons(ports[n][0]))
+        rules = ("add table inet hpcttest\n"
+                 "add chain inet hpcttest input { type filter hook input priority 0; "
+                 "policy accept; }\n"
+                 f"add rule inet hpcttest input tcp dport {ports[target][0]} ct state new "
+                 "drop\n")
+        subprocess.run(["ip", "netns", "exec", netns, NFT, "-f", "-"], input=rules,
+                       text=True, check=True, capture_output=True, timeout=30)
+        for n in nodes:
+            conns[n].send("connect, then stop")
+        got = _collect(conns, nodes, "failed")
+        resets = 0
+        for node in nodes:
+            failure, seconds, woken = got[node]
+            if node == target:
+                # (its own wake to its listener is dropped by the same rule: every rank here
+                # has one address; the fence test's rule names the peer's): its listening
+                # pairs wait out their timeout, 5 x 2 s
+                assert "Connect timeout" in (failure or ""), got
+                continue
+            # a connector: ended at once, by its own reset or its peer's failure (which may
+            # come before its wake returned: woken then empty); without the reset, 5 x 2 s
+            assert failure and "Connect timeout" not in failure and seconds < 0.5 + 3, got
+            resets += sum(r for _, r in woken)
+        # the first attempt and gloo's 3 retries, each reset, on at least one connector
+        assert 1 <= resets <= 8, got
     finally:
         for p in procs.values():
             if p.is_alive():

@@ -169,10 +169,10 @@ class Generation:
         def interrupt() -> None:
             if abort_store is not None:
                 abort_store()
-            woken = pg.wake_connecting()
-            if woken:
+            woken, reset = pg.wake_connecting()
+            if woken or reset:
                 self.events.emit(Ev.RANK_PAIRS_WOKEN, rank=a.rank, generation=a.generation,
-                                 pairs=woken)
+                                 pairs=woken, connects_reset=reset)
 
         client.on_stop = interrupt
         try:

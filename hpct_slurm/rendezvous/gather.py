@@ -90,6 +90,9 @@ class GatherPlan:
         # What this rank wrote under its last gloo head: its pairs' addresses, which a STOP
         # in the connect phase reads to wake them (gloo_wake.py).
         self.own_gloo_value: bytes | None = None
+        # ... and what every rank wrote there, read back: the listeners this rank's own pairs
+        # connect to, whose connects in flight the STOP resets (gloo_wake.reset_connects).
+        self.gloo_values: tuple[bytes, ...] = ()
         # Heads whose own key was held: written over the shard grid, and read back that way.
         self.grid_heads: set[str] = set()
         self.formation_heads: frozenset[str] = frozenset()  # set by finish()
@@ -147,6 +150,8 @@ class GatherPlan:
             raise dist.DistStoreError(f"multi_get of {len(keys)} keys under '{head}' returned "
                                       f"{len(values)} values")
         self.cache.update(zip(keys, values))
+        if _GLOO_HEAD.search(head):
+            self.gloo_values = tuple(values)
         self.fetched.add(head)
         self.fetches += 1
 

@@ -19,6 +19,16 @@ caller checks the STOP right after init). Pairs already connected are untouched:
 keeps the extra socket unused until the group is destroyed. Only this process's own listener
 is ever contacted, and only for a formation the controller has already stopped.
 
+That reaches the pairs that listen. A pair whose side *connects* waits in gloo's connect
+loop instead: where the network drops its SYNs (a link or a firewall breaking one pair, both
+nodes alive), the kernel retransmits and gloo waits 5x the pair timeout again. So the wake
+also resets this process's own connections still in SYN_SENT to a member's listener
+(`reset_connects`: /proc/self/net/tcp{,6} gives their inodes, /proc/self/fd the descriptors;
+shutdown() of a dup ends the connect with ECONNRESET). gloo retries a failed connect up to 3
+times (`tcp/pair.cc`, retryLimit), each a new socket: every attempt is reset as it appears,
+and the fourth failure fails the formation at once. Measured on loopback with the SYNs to one
+listener dropped (torch 2.13): 20.4 s (5 x a 4 s timeout) before, 0.2 s after the STOP.
+
 What this rank published (gloo's `tcp::Rank::bytes`, read back by `parse`):
   u64 hostname size | hostname | u64 address size | sockaddr_storage (128) + u64 seq (-1) |
   one ssize_t pair sequence number per rank (none when GLOO uses ranks as sequence numbers)
@@ -32,11 +42,12 @@ import collections
 import dataclasses
 import errno
 import ipaddress
+import os
 import selectors
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 _U64 = struct.Struct("=Q")
 _SOCKADDR_STORAGE = 128
@@ -164,3 +175,115 @@ def _deliver(s: socket.socket, seq: int) -> int:
             return 1
         except OSError:
             return 0
+
+
+# ---- the side that connects ----------------------------------------------------------------
+_SYN_SENT = "02"  # the kernel's TCP state number in /proc/net/tcp
+# Between two looks at this process's connections: gloo opens its next attempt within
+# microseconds of a failed one; an empty look repeated once means it has none in flight.
+RESET_POLL_S = 0.01
+Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+
+
+def endpoint(host: str, port: int) -> Endpoint:
+    """A comparable (address, port): an IPv4-mapped IPv6 address is its IPv4 address."""
+    addr = ipaddress.ip_address(host)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr, port
+
+
+def listeners(values: Iterable[bytes], world_size: int, rank: int) -> set[Endpoint]:
+    """The listeners of every other rank's published gloo addresses (`values`, in rank order);
+    one that does not parse is left out (its pair waits out gloo's own timeout)."""
+    out = set()
+    for peer, raw in enumerate(values):
+        if peer == rank:
+            continue
+        try:
+            p = parse(raw, world_size)
+        except ValueError:
+            continue
+        out.add(endpoint(p.host, p.port))
+    return out
+
+
+def _hex_endpoint(text: str) -> Endpoint:
+    """/proc/net/tcp{,6}'s `ADDR:PORT`: the address as 32-bit words in host order, in hex."""
+    addr, _, port = text.partition(":")
+    raw = b"".join(struct.pack("=I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
+    return endpoint(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6,
+                                     raw), int(port, 16))
+
+
+def connecting(tables: Iterable[str], inodes: dict[str, int],
+               targets: set[Endpoint]) -> list[int]:
+    """The descriptors (from `inodes`, socket inode -> this process's fd) of connections in
+    `tables` (/proc/net/tcp and tcp6 texts) still in SYN_SENT to one of `targets`."""
+    fds = []
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            f = line.split()
+            if len(f) < 10 or f[3] != _SYN_SENT or f[9] not in inodes:
+                continue
+            try:
+                remote = _hex_endpoint(f[2])
+            except (ValueError, OSError):
+                continue
+            if remote in targets:
+                fds.append(inodes[f[9]])
+    return fds
+
+
+def _own_socket_inodes() -> dict[str, int]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            out[link[8:-1]] = int(name)
+    return out
+
+
+def _tables() -> list[str]:
+    out = []
+    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(path) as f:
+                out.append(f.read())
+        except OSError:
+            pass  # no IPv6 here
+    return out
+
+
+def _reset(fd: int) -> bool:
+    """End the connect in flight on this process's descriptor `fd` (a dup is shut down: the
+    descriptor itself stays gloo's to close)."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False  # closed meanwhile
+    with s:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
+
+
+def reset_connects(targets: set[Endpoint], forming: Callable[[], bool],
+                   timeout_s: float = WAKE_S) -> int:
+    """Reset this process's connections in SYN_SENT to `targets` as they appear, while
+    `forming()` and within `timeout_s`, until two looks in a row find none; how many."""
+    if not targets:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    reset = idle = 0
+    while forming() and idle < 2 and time.monotonic() < deadline:
+        fds = connecting(_tables(), _own_socket_inodes(), targets)
+        idle = 0 if fds else idle + 1
+        reset += sum(_reset(fd) for fd in fds)
+        time.sleep(RESET_POLL_S)
+    return reset

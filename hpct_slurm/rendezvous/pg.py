@@ -182,23 +182,32 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     return group
 
 
-def wake_connecting() -> int:
+def wake_connecting() -> tuple[int, int]:
     """For the thread that receives a STOP: wake every gloo pair of the formation in progress
-    in this process that still waits in native code for its peer to connect (gloo_wake.py),
-    so that init returns now instead of after 5x the pair timeout. 0 when no formation is in
-    its connect phase here (none in progress, the exchange not done, not gloo's tcp)."""
+    in this process that still waits in native code for its peer (gloo_wake.py), so that
+    init returns now instead of after 5x the pair timeout: the pairs that listen (how many
+    were woken) and the pairs whose connect is in flight (how many attempts were reset: a
+    peer whose SYNs the network drops). (0, 0) when no formation is in its connect phase here
+    (none in progress, the exchange not done, not gloo's tcp)."""
     with _lock:
         forming = _forming
     if forming is None:
-        return 0
-    own = forming.plan.own_gloo_value
+        return 0, 0
+    plan = forming.plan
+    own = plan.own_gloo_value
     if own is None:
-        return 0  # the exchange is not over: the store's abort ends it
+        return 0, 0  # the exchange is not over: the store's abort ends it
     try:
-        published = gloo_wake.parse(own, forming.plan.world_size)
+        published = gloo_wake.parse(own, plan.world_size)
     except ValueError:
-        return 0  # not the gloo this was written for: its own timeout ends the wait
-    return gloo_wake.wake(published, forming.plan.rank, range(forming.plan.world_size))
+        return 0, 0  # not the gloo this was written for: its own timeout ends the wait
+    woken = gloo_wake.wake(published, plan.rank, range(plan.world_size))
+    peers = gloo_wake.listeners(plan.gloo_values, plan.world_size, plan.rank)
+
+    def still_forming() -> bool:
+        with _lock:
+            return _forming is forming
+    return woken, gloo_wake.reset_connects(peers, still_forming)
 
 
 def backend_name() -> str:

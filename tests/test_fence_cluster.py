@@ -6,7 +6,6 @@ taking over) is unaffected and bit-identical to an unfenced run; the Epilogs lea
 behind, and the next Prolog sweeps what a crashed node's missing Epilog left."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -19,8 +18,8 @@ import pytest
 import hpct_slurm
 from hpct_slurm.hooks.install import install_hooks
 from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, VICTIM, bitwise_equal, cancel,
-                                          collect, controller_events, submit, wait_finished,
-                                          wait_job, wait_step)
+                                          collect, controller_events, rank_events, submit,
+                                          wait_finished, wait_job, wait_step)
 from hpct_slurm.localcluster.layout import SUBNET, Hooks
 
 pytestmark = pytest.mark.cluster
@@ -92,6 +91,7 @@ def fenced(cluster, reference, tmp_path):
 
 
 def _events(log: Path, job_id: int, name: str) -> list[dict]:
+    import json
     if not log.exists():
         return []
     return [e for e in map(json.loads, log.read_text().splitlines())
@@ -195,9 +195,8 @@ def test_a_formation_the_network_breaks_is_requeued_not_the_scripts_error(cluste
     job as the script's own error; now each is `formation.broken` and the job is requeued as
     an infrastructure failure."""
     run = tmp_path / "run"
-    # each broken formation ends when n3's connect to n2 gives up, 5x the collective timeout
-    # (gloo's pair, tcp/pair.h; the wake reaches listening pairs, not a connect whose SYNs are
-    # dropped): 6 s instead of the default 10 takes a minute off this test, the same path
+    # each round's fault is a collective that times out (the first formed ranks wait for the
+    # pair that cannot connect): 6 s instead of the default 10, the same path
     text = TEMPLATE.read_text()
     ctl = 'exec "$HPCT_BIN" controller '
     assert text.count(ctl) == 1
@@ -220,10 +219,13 @@ def test_a_formation_the_network_breaks_is_requeued_not_the_scripts_error(cluste
     evs = controller_events(run)
     assert [e for e in evs if e["event"] == "job.failed"] == []
     # the controller's flag reached every rank (the SPANK plugin's 120 did not)
-    registered = [json.loads(line) for f in sorted((run / "events").glob("*.jsonl"))
-                  for line in f.read_text().splitlines() if '"rank.registered"' in line]
+    registered = [e for e in rank_events(run) if e["event"] == "rank.registered"]
     assert len(registered) == 5 and all(e["settings"]["collective_timeout_s"] == 6.0
                                         for e in registered)
+    # the STOP ended each cut formation at once: the rank connecting across the cut reset its
+    # connects in flight (before: it sat 5 x the collective timeout in gloo's connect loop)
+    reset = [e for e in rank_events(run) if e["event"] == "rank.pairs_woken"]
+    assert any(e.get("connects_reset", 0) > 0 for e in reset), reset
     broken = [e for e in evs if e["event"] == "formation.broken"]
     assert broken and broken[-1]["escalates"] and broken[-1]["stalled_restarts"] == 3
     [requeue] = [e for e in evs if e["event"] == "escalate.requeue"]

@@ -217,8 +217,8 @@ def _hex_endpoint(text: str) -> Endpoint:
 
 
 def connecting(tables: Iterable[str], inodes: dict[str, int],
-               targets: set[Endpoint]) -> list[int]:
-    """The descriptors (from `inodes`, socket inode -> this process's fd) of connections in
+               targets: set[Endpoint]) -> list[tuple[int, int]]:
+    """(descriptor, inode) of this process's connections (`inodes`: socket inode -> fd) in
     `tables` (/proc/net/tcp and tcp6 texts) still in SYN_SENT to one of `targets`."""
     fds = []
     for table in tables:
@@ -231,7 +231,7 @@ def connecting(tables: Iterable[str], inodes: dict[str, int],
             except (ValueError, OSError):
                 continue
             if remote in targets:
-                fds.append(inodes[f[9]])
+                fds.append((inodes[f[9]], int(f[9])))
     return fds
 
 
@@ -258,15 +258,18 @@ def _tables() -> list[str]:
     return out
 
 
-def _reset(fd: int) -> bool:
+def _reset(fd: int, inode: int) -> bool:
     """End the connect in flight on this process's descriptor `fd` (a dup is shut down: the
-    descriptor itself stays gloo's to close)."""
+    descriptor itself stays gloo's to close), if it is still socket `inode`: gloo may have
+    closed it since it was listed, and the number may name another socket now."""
     try:
         s = socket.socket(fileno=os.dup(fd))
     except OSError:
         return False  # closed meanwhile
     with s:
         try:
+            if os.fstat(s.fileno()).st_ino != inode:
+                return False
             s.shutdown(socket.SHUT_RDWR)
             return True
         except OSError:
@@ -284,6 +287,6 @@ def reset_connects(targets: set[Endpoint], forming: Callable[[], bool],
     while forming() and idle < 2 and time.monotonic() < deadline:
         fds = connecting(_tables(), _own_socket_inodes(), targets)
         idle = 0 if fds else idle + 1
-        reset += sum(_reset(fd) for fd in fds)
+        reset += sum(_reset(fd, inode) for fd, inode in fds)
         time.sleep(RESET_POLL_S)
     return reset

@@ -34,7 +34,8 @@ esac
 
 # The Slurm-facing tests: the client (recorded output of every release, and live), the hooks,
 # the SPANK plugin, the spare pool, the node lifecycle, the local cluster and the controller's
-# recovery on it. docs/admin.md lists what ran on which release.
+# recovery on it, the Prolog's fence, fail-slow's drains. docs/admin.md lists what ran on which
+# release.
 FILES=(
   tests/test_slurm_recorded.py tests/test_slurm_door.py tests/test_slurm_client_cluster.py
   tests/test_slurmenv.py tests/test_hostlist.py
@@ -43,6 +44,7 @@ FILES=(
   tests/test_spares.py tests/test_spares_cluster.py
   tests/test_lifecycle_fast.py tests/test_lifecycle_cluster.py
   tests/test_localcluster.py tests/test_recovery_cluster.py tests/test_fault_matrix.py
+  tests/test_fence_cluster.py tests/test_failslow_cluster.py
 )
 # HPCT_SLURM_TESTS="tests/a.py tests/b.py::test_x": run those instead
 [ -z "${HPCT_SLURM_TESTS:-}" ] || read -r -a FILES <<<"$HPCT_SLURM_TESTS"
@@ -102,10 +104,10 @@ fi
 ROOT=${HPCT_SLURM_CHROOT:-/srv/hpct-slurm-$codename}
 ARCHIVE=${HPCT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # what the tests need from the chroot: Slurm and munge, the SPANK plugin's toolchain, ip and
-# nsenter/unshare for the local cluster; python3 brings the shared libraries the host's Python
-# links against (ssl, ffi, sqlite, ...)
+# nsenter/unshare for the local cluster, nft for the Prolog's fence; python3 brings the shared
+# libraries the host's Python links against (ssl, ffi, sqlite, ...)
 PKGS=(slurmctld slurmd slurm-client munge libslurm-dev gcc libc6-dev make iproute2 util-linux
-      procps python3)
+      procps nftables python3)
 # sid's Release files are valid for a week; a mirror frozen in time serves expired ones
 APT=(apt-get -o Acquire::Check-Valid-Until=false)
 
@@ -152,6 +154,12 @@ inner() {  # runs in the private mount namespace, as root of it
     if [ -d "$1" ]; then mkdir -p "$ROOT$1"; else mkdir -p "$(dirname "$ROOT$1")"; touch "$ROOT$1"; fi
     mount --bind "$1" "$ROOT$1"
     [ "${2:-}" != ro ] || mount -o remount,bind,ro "$ROOT$1"
+    # every user may pass through its parents, as on this machine: the fence test runs the
+    # venv's python as uid 65534, and the chroot's /root is 0700 (a pyenv interpreter lives
+    # under /root)
+    local d
+    d=$(dirname "$1")
+    while [ "$d" != / ]; do chmod o+x "$ROOT$d"; d=$(dirname "$d"); done
   }
   bind "$REPO"
   bind "$report"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from hpct_slurm.cli import main
 from hpct_slurm.errors import HpctError
@@ -171,11 +171,15 @@ def test_expand_matches_scontrol_hostnames(cluster, data) -> None:
 @pytest.mark.cluster
 @settings(max_examples=60, deadline=None, suppress_health_check=_SHARED_CLUSTER)
 @given(hosts=st.lists(host_names(), min_size=1, max_size=25))
+@example(hosts=["-"])
 def test_compress_agrees_with_scontrol(cluster, hosts: list[str]) -> None:
     ours = compress(hosts)
     # Slurm reads our compressed text back as exactly the hosts ...
     assert _scontrol(cluster, "hostnames", ours).split() == hosts
-    # ... and we read Slurm's own compressed text back as exactly the hosts.
+    # ... and we read Slurm's own compressed text back as exactly the hosts. (26.05's
+    # `scontrol show hostlist -` reads the list from stdin: a lone '-' is not asked)
+    if hosts == ["-"]:
+        return
     theirs = _scontrol(cluster, "hostlist", ",".join(hosts)).strip()
     assert expand(theirs) == hosts
 

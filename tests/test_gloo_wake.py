@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from hpct_slurm import proc_tcp
 from hpct_slurm.rendezvous import gloo_wake
 
 # Rank 0 of a real 3-rank gloo formation over loopback (torch 2.13.0's gloo, FileStore,
@@ -159,7 +160,7 @@ def test_only_own_connects_in_flight_to_a_members_listener_are_picked():
                       # IPv4-mapped: the same listener as its IPv4 address
                       _row(_hex6("::ffff:10.0.0.2", 5560), _hex6("::ffff:10.0.0.2", 40001),
                            "02", "105")])
-    inodes = {"101": 11, "102": 12, "103": 13, "104": 14, "105": 15}
+    inodes = {101: 11, 102: 12, 103: 13, 104: 14, 105: 15}
     assert gloo_wake.connecting([tcp, tcp6], inodes, {peer, v6}) == [(11, 101), (14, 104),
                                                                       (15, 105)]
     assert gloo_wake.connecting([tcp, tcp6], inodes, set()) == []
@@ -190,18 +191,18 @@ def test_a_connect_in_flight_is_reset_and_nothing_else_is():
             held.append(s)
         time.sleep(0.2)
         target = {gloo_wake.endpoint("127.0.0.1", port)}
-        fds = gloo_wake.connecting(gloo_wake._tables(), gloo_wake._own_socket_inodes(), target)
+        fds = gloo_wake.connecting(proc_tcp.tables(), proc_tcp.own_socket_fds(), target)
         assert fds, "no connection stuck in SYN_SENT: the backlog did not fill"
         assert gloo_wake.reset_connects(target, lambda: True, timeout_s=2.0) == len(fds)
         for s in held:
             if s.fileno() in dict(fds):  # the connect ended with the reset, on our own fd
                 assert s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
-        assert gloo_wake.connecting(gloo_wake._tables(), gloo_wake._own_socket_inodes(),
+        assert gloo_wake.connecting(proc_tcp.tables(), proc_tcp.own_socket_fds(),
                                     target) == []
         # nothing reset while the formation is over, nor a descriptor that names another
         # socket than the one listed
         assert gloo_wake.reset_connects(target, lambda: False) == 0
-        assert not gloo_wake._reset(srv.fileno(), fds[0][1])
+        assert not proc_tcp.shut_down(srv.fileno(), fds[0][1])
     finally:
         for s in held:
             s.close()

@@ -5,7 +5,8 @@ import socket
 import threading
 import time
 
-from hpct_slurm.recovery.sever import _decode_addr, sever, socket_inodes_to
+from hpct_slurm.proc_tcp import decode_addr
+from hpct_slurm.recovery.sever import sever, socket_inodes_to
 
 TABLE = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1
@@ -16,10 +17,10 @@ TABLE = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when re
 
 
 def test_decode_proc_net_tcp_addresses():
-    assert _decode_addr("0100007F:1F90") == "127.0.0.1"
-    assert _decode_addr("0D4D0A0A:4E34") == "10.10.77.13"
+    assert decode_addr("0100007F:1F90") == "127.0.0.1"
+    assert decode_addr("0D4D0A0A:4E34") == "10.10.77.13"
     # ::ffff:10.77.0.13 as /proc/net/tcp6 writes it: four host-order 32-bit words
-    assert _decode_addr("0000000000000000FFFF00000D004D0A:1F90") == "10.77.0.13"
+    assert decode_addr("0000000000000000FFFF00000D004D0A:1F90") == "10.77.0.13"
 
 
 def test_only_connections_to_the_lost_addresses_are_selected():

@@ -10,27 +10,9 @@ Only sockets of this process are touched, found through /proc/self.
 from __future__ import annotations
 
 import ipaddress
-import os
-import socket
 from collections.abc import Iterable
 
-# /proc/net/tcp connection states worth cutting: established, SYN sent, close-wait, etc.
-# (0A, listening, is never a connection to a peer)
-_LISTEN = "0A"
-
-
-def _decode_addr(hex_addr: str) -> str:
-    """'0100007F:1F90' (IPv4) or a 32-digit IPv6 address, as /proc/net/tcp* writes them
-    (each 32-bit word in host byte order), to the address text without the port."""
-    host = hex_addr.split(":", 1)[0]
-    raw = bytes.fromhex(host)
-    if len(raw) == 4:
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    if len(raw) == 16:
-        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-        addr = ipaddress.IPv6Address(words)
-        return str(addr.ipv4_mapped or addr)
-    raise ValueError(f"not a /proc/net/tcp address: {hex_addr!r}")
+from ..proc_tcp import LISTEN, decode_addr, decode_port, own_socket_fds, shut_down, tables
 
 
 def socket_inodes_to(table: str, remotes: set[str], outbound: set[str] = frozenset(),
@@ -45,26 +27,14 @@ def socket_inodes_to(table: str, remotes: set[str], outbound: set[str] = frozens
         if len(f) < 10:
             continue
         try:
-            rows.append((f[3], _decode_addr(f[2]), int(f[1].rsplit(":", 1)[1], 16), int(f[9])))
+            rows.append((f[3], decode_addr(f[2]), decode_port(f[1]), int(f[9])))
         except (ValueError, IndexError):
             continue
-    listening = {port for st, _, port, inode in rows if st == _LISTEN and inode in own_inodes}
+    listening = {port for st, _, port, inode in rows if st == LISTEN and inode in own_inodes}
+    # every state but listening: established, SYN sent, close-wait, ...
     return {inode for st, remote, port, inode in rows
-            if st != _LISTEN and inode and (remote in remotes or
+            if st != LISTEN and inode and (remote in remotes or
                                             (remote in outbound and port not in listening))}
-
-
-def _own_socket_fds() -> dict[int, int]:
-    """inode -> fd for every socket this process holds."""
-    fds = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            fds[int(target[8:-1])] = int(name)
-    return fds
 
 
 def sever(addresses: Iterable[str], keep: Iterable[str] = (),
@@ -82,29 +52,10 @@ def sever(addresses: Iterable[str], keep: Iterable[str] = (),
     local = {str(ipaddress.ip_address(a)) for a in outbound}
     if not remotes and not local:
         return 0
-    own = _own_socket_fds()
+    own = own_socket_fds()
     inodes: set[int] = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as f:
-                inodes |= socket_inodes_to(f.read(), remotes, local, set(own))
-        except OSError:
-            continue
-    cut = 0
+    for table in tables():
+        inodes |= socket_inodes_to(table, remotes, local, set(own))
     spared = set(keep_fds)
-    for inode, fd in own.items():
-        if inode not in inodes or fd in spared:
-            continue
-        try:
-            # a duplicate of the fd: shutdown acts on the shared socket, close only on the copy
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-            cut += 1
-        except OSError:
-            pass
-        finally:
-            s.close()
-    return cut
+    return sum(shut_down(fd, inode) for inode, fd in own.items()
+               if inode in inodes and fd not in spared)

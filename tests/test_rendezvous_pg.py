@@ -427,6 +427,17 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
     conn.send((node, "failed", (failure, seconds, woken)))
 
 
+def _exchanged(conns: dict[str, Connection], nodes: list[str]) -> dict[str, object]:
+    """Start the formation of `_dies_after_its_address_worker`s and hold it once every rank
+    has read every address; each one's gloo listener port."""
+    _collect(conns, nodes, "ready")
+    for n in nodes:
+        conns[n].send("go")
+    ports = _collect(conns, nodes, "fetched")
+    assert all(len(p) == 1 for p in ports.values()), ports
+    return ports
+
+
 @pytest.mark.parametrize("stop", [False, True], ids=["no-stop", "stop-wakes-pairs"])
 def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the_collective_timeout(
         tmp_path, stop):
@@ -435,11 +446,7 @@ def test_a_member_dead_after_the_address_exchange_fails_the_formation_within_the
     nodes = JOB_NODES[:3]
     conns, procs = _start_nodes(tmp_path, _dies_after_its_address_worker, nodes)
     try:
-        _collect(conns, nodes, "ready")
-        for n in nodes:
-            conns[n].send("go")
-        ports = _collect(conns, nodes, "fetched")  # every address read by every rank
-        assert all(len(p) == 1 for p in ports.values()), ports
+        ports = _exchanged(conns, nodes)
         # gloo's tcp Device::isInitiator: the side whose port compares lower listens. The
         # victim is the one both others listen for (a refused connect would fail fast).
         import socket
@@ -495,11 +502,7 @@ def test_a_pair_whose_connects_the_network_drops_fails_the_formation_at_the_stop
     nodes = JOB_NODES[:3]
     conns, procs = _start_nodes(tmp_path, _dies_after_its_address_worker, nodes)
     try:
-        _collect(conns, nodes, "ready")
-        for n in nodes:
-            conns[n].send("go")
-        ports = _collect(conns, nodes, "fetched")
-        assert all(len(p) == 1 for p in ports.values()), ports
+        ports = _exchanged(conns, nodes)
         # gloo's tcp Device::isInitiator: the side whose port compares lower listens; the
         # other two both connect to this one
         target = min(nodes, key=lambda n: socket.htons(ports[n][0]))

@@ -130,7 +130,8 @@ def _row(local: str, remote: str, state: str, inode: str) -> str:
             f"0 {inode} 1 0000000000000000 100 0 0 10 0")
 
 
-HEAD = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode"
+HEAD = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+        "timeout inode")
 
 
 def _hex4(host: str, port: int) -> str:

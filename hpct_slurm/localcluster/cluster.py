@@ -106,11 +106,17 @@ def _pids_in_ns(kind: str, inodes: set[int]) -> list[int]:
 
 
 def _kill_pids(pids: Sequence[int], wait_s: float = 5.0) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # Stopped first, all of them, then killed: a node's processes die together, as in a real
+    # crash. Killed one by one, a process killed later could still act on an earlier one's
+    # death (CI: a TP rank of the crashed node saw its partner die and took the STOP, 37 ms
+    # after the fault, before its own SIGKILL came: the test process was preempted between
+    # the kills on a loaded machine).
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.02)

@@ -1,12 +1,13 @@
 """This process's TCP sockets as Linux shows them (/proc/self/net/tcp and tcp6, /proc/self/fd),
 and how another thread ends one: what recovery/sever.py (the connections to a lost node) and
-rendezvous/gloo_wake.py (a stopped formation's connects in flight) both need. The parsing is
-pure; the reads are the two small functions below it."""
+rendezvous/gloo_wake.py (a stopped formation's connects in flight) both need. `rows` and the
+decoders are pure; `tables`, `own_socket_fds` and `shut_down` do the I/O."""
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
+from typing import NamedTuple
 
 # /proc/net/tcp's connection states (the kernel's numbering, in hex)
 SYN_SENT = "02"
@@ -31,6 +32,31 @@ def decode_addr(hex_addr: str) -> str:
 def decode_port(hex_addr: str) -> int:
     """The port of a /proc/net/tcp* 'ADDR:PORT'."""
     return int(hex_addr.rsplit(":", 1)[1], 16)
+
+
+class Row(NamedTuple):
+    """One socket of a /proc/net/tcp* table."""
+    state: str
+    local_port: int
+    remote: str       # address text (decode_addr)
+    remote_port: int
+    inode: int
+
+
+def rows(table: str) -> list[Row]:
+    """The sockets of a /proc/net/tcp or tcp6 `table`'s text; a line that does not read as one
+    is left out."""
+    out = []
+    for line in table.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 10:
+            continue
+        try:
+            out.append(Row(f[3], decode_port(f[1]), decode_addr(f[2]), decode_port(f[2]),
+                           int(f[9])))
+        except (ValueError, IndexError):
+            continue
+    return out
 
 
 def tables() -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-from ..proc_tcp import LISTEN, decode_addr, decode_port, own_socket_fds, shut_down, tables
+from ..proc_tcp import LISTEN, own_socket_fds, rows, shut_down, tables
 
 
 def socket_inodes_to(table: str, remotes: set[str], outbound: set[str] = frozenset(),
@@ -21,20 +21,12 @@ def socket_inodes_to(table: str, remotes: set[str], outbound: set[str] = frozens
     `remotes`, and of those to an address in `outbound` that this process opened: whose local
     port is none of the ports it listens on (`own_inodes`: its sockets' inodes, to tell its
     listeners in the table). Pure: the table's text in, inodes out."""
-    rows = []
-    for line in table.splitlines()[1:]:
-        f = line.split()
-        if len(f) < 10:
-            continue
-        try:
-            rows.append((f[3], decode_addr(f[2]), decode_port(f[1]), int(f[9])))
-        except (ValueError, IndexError):
-            continue
-    listening = {port for st, _, port, inode in rows if st == LISTEN and inode in own_inodes}
+    sockets = rows(table)
+    listening = {r.local_port for r in sockets if r.state == LISTEN and r.inode in own_inodes}
     # every state but listening: established, SYN sent, close-wait, ...
-    return {inode for st, remote, port, inode in rows
-            if st != LISTEN and inode and (remote in remotes or
-                                            (remote in outbound and port not in listening))}
+    return {r.inode for r in sockets
+            if r.state != LISTEN and r.inode and (
+                r.remote in remotes or (r.remote in outbound and r.local_port not in listening))}
 
 
 def sever(addresses: Iterable[str], keep: Iterable[str] = (),

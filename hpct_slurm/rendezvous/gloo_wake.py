@@ -27,8 +27,8 @@ also resets this process's own connections still in SYN_SENT to a member's liste
 read by proc_tcp.py as for sever.py; shutdown() of a dup ends the connect with ECONNRESET).
 gloo retries a failed connect up to 3 times (`tcp/helpers.cc`, ConnectOperation's maxRetries),
 each a new socket: every attempt is reset as it appears, and the fourth failure fails the
-formation at once. Measured on loopback with the SYNs to one
-listener dropped (torch 2.13): 20.4 s (5 x a 4 s timeout) before, 0.2 s after the STOP.
+formation at once. Measured on loopback with the SYNs to one listener dropped (torch 2.13):
+20.4 s (5 x a 4 s timeout) before, 0.2 s after the STOP.
 
 What this rank published (gloo's `tcp::Rank::bytes`, read back by `parse`):
   u64 hostname size | hostname | u64 address size | sockaddr_storage (128) + u64 seq (-1) |
@@ -211,19 +211,9 @@ def connecting(tables: Iterable[str], own: dict[int, int],
                targets: set[Endpoint]) -> list[tuple[int, int]]:
     """(descriptor, inode) of this process's connections (`own`: socket inode -> fd) in
     `tables` (/proc/net/tcp and tcp6 texts) still in SYN_SENT to one of `targets`."""
-    found = []
-    for table in tables:
-        for line in table.splitlines()[1:]:
-            f = line.split()
-            try:
-                if f[3] != proc_tcp.SYN_SENT or int(f[9]) not in own:
-                    continue
-                remote = (proc_tcp.decode_addr(f[2]), proc_tcp.decode_port(f[2]))
-            except (ValueError, IndexError):
-                continue
-            if remote in targets:
-                found.append((own[int(f[9])], int(f[9])))
-    return found
+    return [(own[r.inode], r.inode) for table in tables for r in proc_tcp.rows(table)
+            if r.state == proc_tcp.SYN_SENT and r.inode in own
+            and (r.remote, r.remote_port) in targets]
 
 
 def reset_connects(targets: set[Endpoint], forming: Callable[[], bool],

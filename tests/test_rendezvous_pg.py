@@ -407,10 +407,12 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
         conn.send((node, "fetched", sorted(_listening_ports() - {shard.address[1]})))
         if conn.recv() == "connect, then stop":  # the test has killed the victim: connect
             # the STOP the controller would send a moment later, on the thread that gets it
-            threading.Timer(0.5, lambda: woken.append(pg.wake_connecting())).start()
+            timers.append(threading.Timer(0.5, lambda: woken.append(pg.wake_connecting())))
+            timers[-1].start()
         return out
 
     woken: list[tuple[int, int]] = []
+    timers: list[threading.Timer] = []
     gather.FormationStore._fetch = fetch_then_hold
     conn.send((node, "ready", None))
     conn.recv()
@@ -423,6 +425,10 @@ def _dies_after_its_address_worker(node: str, job_id: int, secret_file: str,
     except RuntimeError as exc:
         failure = str(exc).splitlines()[0]
     seconds = time.monotonic() - t0
+    # init can end while the wake call that ended it is still returning (it woke the pair,
+    # then went on to look for connects to reset): wait for its count before reporting it
+    for timer in timers:
+        timer.join(timeout=30)
     pg.teardown()
     conn.send((node, "failed", (failure, seconds, woken)))
 

@@ -56,9 +56,23 @@ def test_defaults_agree_with_the_code_that_uses_them():
     assert C.BY_NAME[C.PORT_BASE].default == derive.DEFAULT_PORT_BASE
     assert C.BY_NAME[C.PORT_SPAN].default == derive.DEFAULT_PORT_SPAN
     assert C.BY_NAME[C.PORT_SPAN].lo == derive.GENERATION_WINDOW
+    from hpct_slurm.controller.options import RULES
+
     fields = Options.__dataclass_fields__
     assert C.BY_NAME[C.COLLECTIVE_TIMEOUT_S].default == fields["collective_timeout_s"].default
     assert C.BY_NAME[C.INIT_TIMEOUT_S].default == fields["init_timeout_s"].default
+    # every Options field that a setting rules has that setting's default; None in Options
+    # means "the allocation decides" (cli.run fills it in), where the table names a number.
+    # HPCT_TASKS_PER_NODE unset means the step's own; the controller's flag is 1 (above).
+    mirrored = {name: rule for name, rule in RULES.items() if rule.name in C.BY_NAME}
+    assert len(mirrored) >= 12
+    for name, rule in mirrored.items():
+        if name == "tasks_per_node":
+            assert (fields[name].default, rule.default) == (1, None)
+        elif name in ("active", "want_spares"):
+            assert fields[name].default in (None, rule.default), name
+        else:
+            assert fields[name].default == rule.default, name
     hooks = HookConfig.__dataclass_fields__
     assert C.BY_NAME[C.SHM_FRACTION].default == hooks["shm_fraction"].default
     assert C.BY_NAME[C.DEFAULT_CACHE_MB].default == hooks["default_cache_mb"].default

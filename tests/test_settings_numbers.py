@@ -211,7 +211,7 @@ def test_disk_persistence_has_one_default_and_it_is_on():
     """The templates ask for --requeue and promise that a requeued job (no spare left, the
     batch host lost, the time limit) resumes from the persisted snapshot: persistence is on
     unless a user turns it off, and the table, the controller's flag, its Options and
-    main_from_env say the same number."""
+    main_from_env (which leaves what it is not given to Options) say the same number."""
     from hpct_slurm.controller.controller import main_from_env
     from hpct_slurm.controller.options import Options
     from hpct_slurm.templates import __file__ as templates_init
@@ -224,7 +224,7 @@ def test_disk_persistence_has_one_default_and_it_is_on():
     assert C.read({}, C.PERSIST_EVERY) == default
     assert C.read({C.PERSIST_EVERY: "0"}, C.PERSIST_EVERY) == 0
     assert Options.__dataclass_fields__["persist_every"].default == default
-    assert inspect.signature(main_from_env).parameters["persist_every"].default == default
+    assert "persist_every" not in inspect.signature(main_from_env).parameters
     for template in ("train.sbatch", "pool.sbatch"):
         text = (Path(templates_init).parent / template).read_text()
         assert "--persist-every" not in text  # the controller's default, the table's
@@ -267,3 +267,45 @@ def test_the_timeouts_a_controller_is_given_reach_its_ranks_and_the_variables_do
         C.BY_NAME[C.INIT_TIMEOUT_S].default, C.BY_NAME[C.COLLECTIVE_TIMEOUT_S].default)
     with pytest.raises(SystemExit):
         _controller_parser().parse_args(["--init-timeout", "nan", "--", "true"])
+
+
+def test_every_controller_flag_reaches_its_options_field(monkeypatch):
+    """cli.run hands main_from_env each flag by its Options field's name: a value given on the
+    command line is the value the controller runs with, for every flag."""
+    from hpct_slurm.controller import controller as ctl
+    seen = {}
+
+    class Caught(Exception):
+        pass
+
+    def capture(opts):
+        seen["opts"] = opts
+        raise Caught
+
+    monkeypatch.setattr(ctl, "Controller", capture)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-6]")
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    given = {"--spares": ("2", "spares", 2), "--active": ("3", "active", 3),
+             "--persist-every": ("7", "persist_every", 7),
+             "--pool-spares": ("1", "pool_spares", 1),
+             "--pool-reservation": ("other", "pool_reservation", "other"),
+             "--tasks-per-node": ("2", "tasks_per_node", 2),
+             "--store": ("tcpstore", "store", "tcpstore"),
+             "--heartbeat-timeout": ("4.5", "heartbeat_timeout_s", 4.5),
+             "--progress-timeout": ("90", "progress_timeout_s", 90.0),
+             "--on-no-spare": ("fail", "on_no_spare", "fail"),
+             "--want-spares": ("2", "want_spares", 2),
+             "--on-few-spares": ("refuse", "on_few_spares", "refuse"),
+             "--collective-timeout": ("4", "collective_timeout_s", 4.0),
+             "--init-timeout": ("12.5", "init_timeout_s", 12.5)}
+    flags = {a.option_strings[-1] for a in _controller_parser()._actions if a.option_strings}
+    assert flags - set(given) == {"--help", "--run-dir"}
+    argv = [x for flag, (text, _, _) in given.items() for x in (flag, text)]
+    args = _controller_parser().parse_args(argv + ["--run-dir", "/nonexistent/rd", "--", "true"])
+    with pytest.raises(Caught):
+        args.func(args)
+    opts = seen["opts"]
+    for flag, (_, field, value) in given.items():
+        assert getattr(opts, field) == value, flag
+    assert str(opts.run_dir) == "/nonexistent/rd"

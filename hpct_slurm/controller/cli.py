@@ -141,9 +141,11 @@ def run(args: argparse.Namespace) -> int:
     persist_every = args.persist_every
     if persist_every is None:
         persist_every = C.read(os.environ, C.PERSIST_EVERY)
-    return main_from_env(cmd, args.run_dir, spares, args.tasks_per_node, store,
-                         args.heartbeat_timeout, args.on_no_spare, args.active,
-                         persist_every, args.pool_spares, args.pool_reservation,
+    return main_from_env(cmd, args.run_dir, spares=spares, tasks_per_node=args.tasks_per_node,
+                         store=store, heartbeat_timeout_s=args.heartbeat_timeout,
+                         on_no_spare=args.on_no_spare, active=args.active,
+                         persist_every=persist_every, pool_spares=args.pool_spares,
+                         pool_reservation=args.pool_reservation,
                          progress_timeout_s=progress_timeout,
                          want_spares=args.want_spares, on_few_spares=args.on_few_spares,
                          collective_timeout_s=args.collective_timeout,

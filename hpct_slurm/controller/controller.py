@@ -190,13 +190,9 @@ def _resolve(host: str) -> str:
         raise HpctError(f"batch host {host!r} does not resolve: {exc}") from exc
 
 
-def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_per_node: int,
-                  store: str, heartbeat_timeout_s: float, on_no_spare: str,
-                  active: int | None = None, persist_every: int = 500,
-                  pool_spares: int = 0, pool_reservation: str = "hpct_spares",
-                  progress_timeout_s: float = 300.0, want_spares: int | None = None,
-                  on_few_spares: str = "warn", collective_timeout_s: float = 10.0,
-                  init_timeout_s: float = 30.0) -> int:
+def main_from_env(command: list[str], run_dir: str | None, **settings: object) -> int:
+    """Run the controller of the job this process's Slurm environment names. `settings` are
+    `Options` fields (the command line's, cli.run); what is left out takes Options' default."""
     from ..slurm.env import SlurmEnv
 
     env = SlurmEnv.from_environ()
@@ -206,13 +202,8 @@ def main_from_env(command: list[str], run_dir: str | None, spares: int, tasks_pe
     rd = Path(run_dir or C.read(os.environ, C.RUN_DIR) or
               Path(env.submit_dir or os.getcwd()) / f"hpct-{env.job_id}")
     opts = Options(command=command, run_dir=rd, job_id=env.job_id, nodes=env.job_nodelist,
-                   batch_host=batch_host, spares=spares, tasks_per_node=tasks_per_node,
-                   store=store, heartbeat_timeout_s=heartbeat_timeout_s,
-                   on_no_spare=on_no_spare, active=active, persist_every=persist_every,
-                   pool_spares=pool_spares, pool_reservation=pool_reservation,
-                   progress_timeout_s=progress_timeout_s, want_spares=want_spares,
-                   on_few_spares=on_few_spares, restart_count=env.restart_count,
-                   collective_timeout_s=collective_timeout_s, init_timeout_s=init_timeout_s)
+                   batch_host=batch_host, restart_count=env.restart_count,
+                   **settings)  # type: ignore[arg-type]
     try:
         return asyncio.run(Controller(opts).run())
     except KeyboardInterrupt:

@@ -359,6 +359,7 @@ def test_client_waits_for_a_shard_that_starts_late():
     try:
         store.set("k", b"v")
         assert store.get("k") == b"v"
+        timer.join()  # the server answers before the timer's thread has appended it
         assert started[0].stats().connections == 1
     finally:
         timer.join()

@@ -63,7 +63,7 @@ class AcceptPause:
         """Accepting works (again): the next failure waits the shortest time, and what the
         event log held while out of descriptors is written now."""
         self.backoff = 0.0
+        # Paused until what was held is written: the accept that ended the pause took the one
+        # descriptor just freed, so the file may not open yet; every later accept tries again.
         if self.paused:
-            self.paused = False
-            if self._events is not None:
-                self._events.flush()
+            self.paused = self._events is not None and not self._events.flush()

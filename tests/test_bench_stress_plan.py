@@ -108,10 +108,20 @@ class _Controller:
             f.write(json.dumps(e) + "\n")
         return e
 
-    def later(self, delay: float, event: str, **fields) -> threading.Thread:
-        th = threading.Thread(target=lambda: (time.sleep(delay), self.emit(event, **fields)))
+    def later(self, delay: float, event: str, after: list | None = None,
+              **fields) -> threading.Thread:
+        """Emit `event` `delay` s after the first signal is in `after` (the injector's kill:
+        what the controller answers; the injector reads where the log ends before it kills)."""
+        th = threading.Thread(target=lambda: (_first(after), time.sleep(delay),
+                                              self.emit(event, **fields)))
         th.start()
         return th
+
+
+def _first(sent: list | None, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while sent is not None and not sent and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _start(ctl: _Controller) -> S.JobView:
@@ -134,7 +144,7 @@ def test_taker_is_killed_right_after_its_assignment(tmp_path, killed):
     ctl = _Controller(tmp_path / "controller.jsonl")
     v = _start(ctl)
     assert v.generation == 0
-    th = ctl.later(0.3, "recovery.assign", generation=1, restore_step=8,
+    th = ctl.later(0.3, "recovery.assign", after=killed, generation=1, restore_step=8,
                    taken={"n2": "n5"}, members=["n1", "n5", "n3"])
     rec = _injector(tmp_path).inject(S.Fault("taker", 3, 1), v, False)
     th.join()
@@ -152,7 +162,7 @@ def test_formation_kill_waits_for_the_next_generation(tmp_path, killed):
     v = _start(ctl)
     inj = _injector(tmp_path)
     th = threading.Thread(target=lambda: (
-        time.sleep(0.2),
+        _first(killed), time.sleep(0.2),  # the controller answers the trigger's kill
         ctl.emit("generation.start", generation=0, members=["n1", "n2", "n3"]),  # stale
         ctl.emit("recovery.assign", generation=1, taken={"n3": "n4"},
                  members=["n1", "n2", "n4"]),

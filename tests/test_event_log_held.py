@@ -57,3 +57,25 @@ def test_a_log_that_refuses_us_for_another_reason_still_says_so(tmp_path):
     (tmp_path / "d" / "log.jsonl").mkdir()  # a directory where the log goes
     with pytest.raises(Exception, match="cannot be opened|not a regular file"):
         EventLog(tmp_path / "d" / "log.jsonl").emit(Ev.CONTROLLER_START)
+
+
+def test_an_accept_loop_writes_what_was_held_at_the_first_accept_that_can(tmp_path):
+    """The accept that ends a pause takes the descriptor just freed, so the held records may
+    not be writable yet: the loop stays paused, and a later accept writes them (it wrote
+    nothing more once one flush had failed: the accept_failed record was lost)."""
+    from errno import EMFILE
+
+    from hpct_slurm.accept_pause import AcceptPause
+
+    log = EventLog(tmp_path / "server.jsonl")
+    pause = AcceptPause(lambda **f: log.emit(Ev.CONTROLLER_ACCEPT_FAILED, **f), log)
+    with out_of_descriptors():
+        pause.failed(OSError(EMFILE, "Too many open files"))
+        assert log.held == 1
+        pause.accepted()  # accepting works, the log's file does not open yet
+        assert pause.paused and log.held == 1
+    pause.accepted()
+    assert not pause.paused and log.held == 0
+    records = _records(tmp_path / "server.jsonl")
+    assert [r["event"] for r in records] == ["controller.accept_failed", "event_log.delayed"]
+    assert "errno 24" in records[0]["error"]

@@ -720,7 +720,8 @@ def test_the_watchdog_settles_for_a_training_thread_stuck_in_its_step_only():
     stuck = _loss(events, slurm, [], step=25)
     stuck.watch()
     deadline = time.monotonic() + 5
-    while not slurm.requeued and time.monotonic() < deadline:
+    # the watchdog's thread requeues, then records it: wait for the record, written last
+    while not events.named("rank.requeued_job") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert slurm.requeued == [28017]
     assert [e["by"] for e in events.named("rank.requeued_job")] == ["watchdog"]

@@ -227,8 +227,8 @@ def test_lazy_gloos_first_use_of_a_pair_is_one_request(servers):
     store.set(HEAD + "0", b"addr-0")
     store.finish()  # init is over: the held key goes out
     assert peer.get(HEAD + "0") == b"addr-0"
+    before = sum(s.stats().requests for s in servers)  # before the peer can set
     threading.Timer(0.2, peer.set, (HEAD + "1", b"addr-1")).start()  # a late peer
-    before = sum(s.stats().requests for s in servers)
     store.wait([HEAD + "1"])
     assert store.get(HEAD + "1") == b"addr-1"
     # The peer's set and one get (a wait and a get would make 3).

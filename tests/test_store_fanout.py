@@ -111,9 +111,13 @@ def test_writer_sets_every_copy_and_readers_read_their_own_shard(four):
     readers = {h: store(h) for h in range(4)}
     got = {}
     # Readers that come first wait for their own copy (a get parks on the shard).
+    parked = servers[2].stats().requests
     early = threading.Thread(target=lambda: got.update(early=readers[2].get(KEY)))
     early.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # its get has reached its shard (counted) before the set
+    while servers[2].stats().requests == parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
     assert early.is_alive()
     before = _requests(servers)
     writer.set(KEY, b"id")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import socket
+import time
 from dataclasses import replace
 
 import pytest
@@ -98,6 +99,11 @@ def test_corrupted_replica_is_detected_and_the_next_source_used(events, verify_o
     failed = events.named(EV_SOURCE_FAILED)
     assert len(failed) == 1 and failed[0]["source"] == f"{bad.address[0]}:{bad.address[1]}"
     if verify_on_serve:
+        # the bad server's connection thread closes the stream, then discards the copy, then
+        # records it: the fetch from the good source may be done before that thread is
+        deadline = time.monotonic() + 10
+        while not events.named("transfer.serve_corrupt") and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert events.named("transfer.serve_corrupt")[0]["rank"] == 0
         assert replicas.latest(0) is None  # the corrupt copy is never offered again
     else:

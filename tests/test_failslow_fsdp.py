@@ -4,7 +4,6 @@ and a slow rank stands out, on real gloo ranks; the training itself is unchanged
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 
 import torch
@@ -21,7 +20,17 @@ class _Client:
 
     def __init__(self):
         from hpct_slurm.recovery.own_time import OwnTime
+        self.states: list[str] = []  # every state the marker set, in order
         self.state, self.own = "running", OwnTime(50)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        self.states.append(value)
 
 
 def _train(rank: int, timed: bool) -> tuple[tuple[float, int], int, list[bytes], list[str]]:
@@ -32,7 +41,6 @@ def _train(rank: int, timed: bool) -> tuple[tuple[float, int], int, list[bytes],
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    states: list[str] = []
     if rank == 1:  # a slow GPU: its compute between FSDP's collectives takes longer
         model[1].register_forward_hook(lambda *_: time.sleep(DELAY_S))
     for layer in (model[0], model[2]):
@@ -40,14 +48,6 @@ def _train(rank: int, timed: bool) -> tuple[tuple[float, int], int, list[bytes],
     fully_shard(model)
     client = _Client()
     installed = time_fsdp_waits(model, lambda: _collective(client)) if timed else 0
-    seen = threading.Event()
-
-    def watch() -> None:  # what a heartbeat would say while the rank waits in FSDP
-        while not seen.is_set():
-            states.append(client.state)
-            time.sleep(0.005)
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     client.own.step_ends(0, time.monotonic())
     for step in range(STEPS):
@@ -58,10 +58,9 @@ def _train(rank: int, timed: bool) -> tuple[tuple[float, int], int, list[bytes],
         opt.step()
         opt.zero_grad()
         client.own.step_ends(0, time.monotonic())
-    seen.set()
-    watcher.join()
     params = [p.full_tensor().detach().numpy().tobytes() for p in model.parameters()]
-    return client.own.figure, installed, params, sorted(set(states))
+    # what a heartbeat would say while the rank waits in FSDP: every state the marker set
+    return client.own.figure, installed, params, sorted(set(client.states))
 
 
 def _worker(rank: int, port: int, q) -> None:
@@ -80,7 +79,7 @@ def test_fsdp_waits_are_not_own_time_and_a_slow_rank_stands_out():
     assert installed == 2 and n0 == n1 == STEPS  # the two layers (the root holds none)
     # timed: rank 0 waited for rank 1 inside FSDP's collectives, and that is not its own
     assert own1 - own0 > DELAY_S / 2, (own0, own1)
-    assert "collective" in states0
+    assert "collective" in states0 and u0[3] == ["running"]  # set by the timed comms only
     # untimed (as before): both ranks' own time is their whole, common step
     (uown0, _), (uown1, _) = u0[0], u1[0]
     assert abs(uown1 - uown0) < DELAY_S / 2, (uown0, uown1)

@@ -113,6 +113,8 @@ class Ev(_Name):
     RANK_STUCK = "rank.stuck"
     RANK_CONTROLLER_LOST = "rank.controller_lost"
     RANK_REQUEUED_JOB = "rank.requeued_job"
+    RANK_REQUEUE_BEGIN = "rank.requeue_begin"
+    RANK_REQUEUE_SKIPPED = "rank.requeue_skipped"
     RANK_REQUEUE_FAILED = "rank.requeue_failed"
     RANK_SEVERED = "rank.severed"
     RANK_PAIRS_WOKEN = "rank.pairs_woken"

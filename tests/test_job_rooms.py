@@ -20,6 +20,7 @@ from hpct_slurm import protocol as P
 from hpct_slurm.config import JobSettings
 from hpct_slurm.errors import HpctError
 from hpct_slurm.rendezvous import pg
+from hpct_slurm.slurm.client import REQUEUE_BEGIN_S
 from hpct_slurm.recovery import generation as G
 from hpct_slurm.recovery.controller_loss import ControllerLoss
 from hpct_slurm.recovery.generation import Generation, _Stopped, sharded_spec
@@ -580,8 +581,10 @@ class FakeSlurm:
         self.host_asked += 1
         return SimpleNamespace(lost=0 <= self.host_lost_after < self.host_asked)
 
-    def requeue(self, job_id) -> None:
+    def requeue(self, job_id, on_requeued=None) -> None:
         self.requeued.append(job_id)
+        if on_requeued is not None:
+            on_requeued()
 
 
 def test_a_listening_controller_is_not_gone(tmp_path):
@@ -627,9 +630,12 @@ def test_the_ranks_requeue_a_job_whose_controller_died_once(tmp_path):
     ControllerLoss("127.0.0.1:9", env, events.log, _standing(), lambda: slurm).requeue()
     assert slurm.requeued == [env.job_id]
     assert [e["job_id"] for e in events.named("rank.requeued_job")] == ["28017"]
-    already = FakeSlurm(restart_count=1)  # another rank requeued it: left alone
+    assert [e["begin_in_s"] for e in events.named("rank.requeue_begin")] == [REQUEUE_BEGIN_S]
+    already = FakeSlurm(restart_count=1)  # another rank requeued it: left alone, and said
     ControllerLoss("127.0.0.1:9", env, events.log, _standing(), lambda: already).requeue()
     assert already.requeued == []
+    [left] = events.named("rank.requeue_skipped")
+    assert (left["state"], left["restart_count"]) == ("RUNNING", 1) and "another" in left["why"]
     failing = FakeSlurm(fail=True)
     ControllerLoss("127.0.0.1:9", env, events.log, _standing(), lambda: failing).requeue()
     assert [e["error"] for e in events.named("rank.requeue_failed")] == [
@@ -639,7 +645,7 @@ def test_the_ranks_requeue_a_job_whose_controller_died_once(tmp_path):
 class RacedSlurm(FakeSlurm):
     """Another rank's requeue lands between this rank's look and its own requeue."""
 
-    def requeue(self, job_id) -> None:
+    def requeue(self, job_id, on_requeued=None) -> None:
         self.job = SimpleNamespace(state="PENDING", restart_count=1)
         raise HpctError("scontrol requeue 28017 failed (exit 1): Job is pending execution")
 
@@ -649,6 +655,8 @@ def test_a_requeue_refused_after_another_ranks_is_not_a_failure():
     ControllerLoss("127.0.0.1:9", SlurmEnv.from_environ(TASK), events.log, _standing(),
                    lambda: RacedSlurm()).requeue()
     assert events.named("rank.requeue_failed") == [] == events.named("rank.requeued_job")
+    [left] = events.named("rank.requeue_skipped")
+    assert "requeued meanwhile" in left["why"] and "pending execution" in left["error"]
 
 
 def _closed_port() -> int:

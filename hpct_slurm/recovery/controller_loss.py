@@ -190,18 +190,32 @@ class ControllerLoss:
         rank = self.standing.rank
         time.sleep(0.5 * max(rank, 0))
         slurm = make()
+
+        def requeued() -> None:  # the outcome, before anything KillWait may cut short
+            self.events.emit(Ev.RANK_REQUEUED_JOB, rank=rank, job_id=str(self.slurm.job_id),
+                             reason="controller lost", by=by, **why)
         try:
-            if self._this_incarnation_runs(slurm.show_job(self.slurm.job_id)):
-                # the requeue has Slurm signal this process and its scontrol at once: the
-                # command that makes the job eligible early must outlive that
-                with sigterm_ignored():
-                    late = slurm.requeue(self.slurm.job_id)
-                self.events.emit(Ev.RANK_REQUEUED_JOB, rank=rank, job_id=str(self.slurm.job_id),
-                                 reason="controller lost", by=by, **why,
-                                 **({"begin_error": late} if late else
-                                    {"begin_in_s": REQUEUE_BEGIN_S}))
+            job = slurm.show_job(self.slurm.job_id)
+            if not self._this_incarnation_runs(job):
+                self.events.emit(Ev.RANK_REQUEUE_SKIPPED, rank=rank, state=job.state,
+                                 restart_count=job.restart_count,
+                                 why="the job left this run (requeued by another rank or by "
+                                     "Slurm, or ended)")
+                return
+            # the requeue has Slurm signal this process and its scontrol: the command that
+            # makes the job eligible early must outlive that, and so must the record, written
+            # as soon as the requeue is done. Slurm's SIGTERM may come only after the update
+            # (CI: 3 ms after it), and ends this process once SIGTERM is no longer ignored.
+            with sigterm_ignored():
+                late = slurm.requeue(self.slurm.job_id, on_requeued=requeued)
+            self.events.emit(Ev.RANK_REQUEUE_BEGIN, rank=rank,
+                             **({"begin_error": late} if late else
+                                {"begin_in_s": REQUEUE_BEGIN_S}))
         except HpctError as exc:
-            if not self._requeued_by_another(slurm):
+            if self._requeued_by_another(slurm):
+                self.events.emit(Ev.RANK_REQUEUE_SKIPPED, rank=rank, error=exc.message,
+                                 why="refused: the job was requeued meanwhile")
+            else:
                 self.events.emit(Ev.RANK_REQUEUE_FAILED, rank=rank, error=exc.message)
 
     def _this_incarnation_runs(self, job: Any) -> bool:

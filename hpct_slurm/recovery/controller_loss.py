@@ -204,8 +204,9 @@ class ControllerLoss:
                 return
             # the requeue has Slurm signal this process and its scontrol: the command that
             # makes the job eligible early must outlive that, and so must the record, written
-            # as soon as the requeue is done. Slurm's SIGTERM may come only after the update
-            # (CI: 3 ms after it), and ends this process once SIGTERM is no longer ignored.
+            # as soon as the requeue is done: Slurm's SIGTERM may come only after the update
+            # (CI: the update landed 3 ms after the step's cancel, the record after it never
+            # came), and ends this process once SIGTERM is no longer ignored.
             with sigterm_ignored():
                 late = slurm.requeue(self.slurm.job_id, on_requeued=requeued)
             self.events.emit(Ev.RANK_REQUEUE_BEGIN, rank=rank,

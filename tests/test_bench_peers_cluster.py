@@ -13,9 +13,9 @@ import pytest
 from hpct_slurm.bench import peers as P
 
 pytestmark = pytest.mark.cluster
-# 80 steps of about 0.3 s, one crash after step 6-9: the spare group takes the lost one's place
+# 48 steps of about 0.3 s, one crash after step 6-9: the spare group takes the lost one's place
 # at the next quorum, so the run after it need not outlast a relaunch.
-CFG = P.Config(epochs=10, kill_at=6, spread=4, step_sleep=0.2, crashes=1, timeout_s=180)
+CFG = P.Config(epochs=6, kill_at=6, spread=4, step_sleep=0.2, crashes=1, timeout_s=180)
 
 
 def test_bench_peers_runs_torchft_with_a_live_spare_through_the_crash(cluster, tmp_path):

@@ -27,6 +27,29 @@ def _controller_parser() -> argparse.ArgumentParser:
     return sub.choices["controller"]
 
 
+def _controller_options(monkeypatch, argv: list[str]):
+    """The Options that `hpct-slurm controller ARGV -- true` would run a controller with, in a
+    job of six nodes (the controller itself is not started)."""
+    from hpct_slurm.controller import controller as ctl
+    seen = []
+
+    class Caught(Exception):
+        pass
+
+    def capture(opts):
+        seen.append(opts)
+        raise Caught
+
+    monkeypatch.setattr(ctl, "Controller", capture)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-6]")
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    args = _controller_parser().parse_args([*argv, "--", "true"])
+    with pytest.raises(Caught):
+        args.func(args)
+    return seen[0]
+
+
 def _refused(argv: list[str], capsys) -> str:
     """The one error line argparse prints for `hpct-slurm ARGV` (exit 2)."""
     with pytest.raises(SystemExit) as exc:
@@ -238,32 +261,13 @@ def test_the_timeouts_a_controller_is_given_reach_its_ranks_and_the_variables_do
     launches runs with (the ranks read HPCT_INIT_TIMEOUT_S / HPCT_COLLECTIVE_TIMEOUT_S from it);
     the variables in the controller's own environment are not read: the SPANK plugin exports a
     plain srun step's values (120 / 600) into every job."""
-    from hpct_slurm.controller import controller as ctl
-    seen = {}
-
-    class Caught(Exception):
-        pass
-
-    def capture(opts):
-        seen["opts"] = opts
-        raise Caught
-
-    monkeypatch.setattr(ctl, "Controller", capture)
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
-    monkeypatch.setenv("SLURMD_NODENAME", "n1")
     monkeypatch.setenv(C.INIT_TIMEOUT_S, "600")  # what the SPANK plugin exports
     monkeypatch.setenv(C.COLLECTIVE_TIMEOUT_S, "120")
-    args = _controller_parser().parse_args(["--init-timeout", "12.5", "--collective-timeout",
-                                            "4", "--", "true"])
-    with pytest.raises(Caught):
-        args.func(args)
-    opts = seen["opts"]
+    opts = _controller_options(monkeypatch, ["--init-timeout", "12.5", "--collective-timeout",
+                                             "4"])
     assert (opts.init_timeout_s, opts.collective_timeout_s) == (12.5, 4.0)
-    args = _controller_parser().parse_args(["--", "true"])
-    with pytest.raises(Caught):
-        args.func(args)
-    assert (seen["opts"].init_timeout_s, seen["opts"].collective_timeout_s) == (
+    opts = _controller_options(monkeypatch, [])
+    assert (opts.init_timeout_s, opts.collective_timeout_s) == (
         C.BY_NAME[C.INIT_TIMEOUT_S].default, C.BY_NAME[C.COLLECTIVE_TIMEOUT_S].default)
     with pytest.raises(SystemExit):
         _controller_parser().parse_args(["--init-timeout", "nan", "--", "true"])
@@ -272,20 +276,6 @@ def test_the_timeouts_a_controller_is_given_reach_its_ranks_and_the_variables_do
 def test_every_controller_flag_reaches_its_options_field(monkeypatch):
     """cli.run hands main_from_env each flag by its Options field's name: a value given on the
     command line is the value the controller runs with, for every flag."""
-    from hpct_slurm.controller import controller as ctl
-    seen = {}
-
-    class Caught(Exception):
-        pass
-
-    def capture(opts):
-        seen["opts"] = opts
-        raise Caught
-
-    monkeypatch.setattr(ctl, "Controller", capture)
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-6]")
-    monkeypatch.setenv("SLURMD_NODENAME", "n1")
     given = {"--spares": ("2", "spares", 2), "--active": ("3", "active", 3),
              "--persist-every": ("7", "persist_every", 7),
              "--pool-spares": ("1", "pool_spares", 1),
@@ -302,10 +292,7 @@ def test_every_controller_flag_reaches_its_options_field(monkeypatch):
     flags = {a.option_strings[-1] for a in _controller_parser()._actions if a.option_strings}
     assert flags - set(given) == {"--help", "--run-dir"}
     argv = [x for flag, (text, _, _) in given.items() for x in (flag, text)]
-    args = _controller_parser().parse_args(argv + ["--run-dir", "/nonexistent/rd", "--", "true"])
-    with pytest.raises(Caught):
-        args.func(args)
-    opts = seen["opts"]
+    opts = _controller_options(monkeypatch, argv + ["--run-dir", "/nonexistent/rd"])
     for flag, (_, field, value) in given.items():
         assert getattr(opts, field) == value, flag
     assert str(opts.run_dir) == "/nonexistent/rd"

@@ -77,6 +77,9 @@ print("formed", flush=True)
 sys.stdin.readline()  # the attack is over
 t = torch.ones(2); dist.all_reduce(t)
 print("alive", t.tolist(), flush=True)
+# as a rank ends (pg.teardown): a process that exits with the group still up may abort in
+# gloo's destructors ("terminate called without an active exception", CI, after "alive")
+dist.destroy_process_group()
 """
 _ATTACK = """
 import socket, sys

@@ -108,8 +108,7 @@ class _Controller:
             f.write(json.dumps(e) + "\n")
         return e
 
-    def later(self, delay: float, event: str, after: list | None = None,
-              **fields) -> threading.Thread:
+    def later(self, delay: float, event: str, after: list, **fields) -> threading.Thread:
         """Emit `event` `delay` s after the first signal is in `after` (the injector's kill:
         what the controller answers; the injector reads where the log ends before it kills)."""
         th = threading.Thread(target=lambda: (_first(after), time.sleep(delay),
@@ -118,9 +117,9 @@ class _Controller:
         return th
 
 
-def _first(sent: list | None, within_s: float = 30.0) -> None:
+def _first(sent: list, within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
-    while sent is not None and not sent and time.monotonic() < deadline:
+    while not sent and time.monotonic() < deadline:
         time.sleep(0.005)
 
 

@@ -33,6 +33,7 @@ from hpct_slurm.recovery.transfer import FetchResult
 from hpct_slurm.slurm.env import SlurmEnv
 
 from test_hostile_network import Events  # an EventLog into memory, read back by name
+from test_transfer import wait_for
 
 SECRET = b"k" * 32
 TASK = {"SLURM_JOB_ID": "28017", "SLURM_JOB_NODELIST": "localhost",
@@ -727,10 +728,8 @@ def test_the_watchdog_settles_for_a_training_thread_stuck_in_its_step_only():
     events, slurm = Events(), FakeSlurm()
     stuck = _loss(events, slurm, [], step=25)
     stuck.watch()
-    deadline = time.monotonic() + 5
     # the watchdog's thread requeues, then records it: wait for the record, written last
-    while not events.named("rank.requeued_job") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(events, "rank.requeued_job", 5)
     assert slurm.requeued == [28017]
     assert [e["by"] for e in events.named("rank.requeued_job")] == ["watchdog"]
     [stuck] = events.named("rank.stuck")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 
 import torch
 
@@ -22,18 +21,10 @@ from hpct_slurm.recovery.snapshot import SnapshotStore
 from hpct_slurm.recovery.state import TrainState
 from hpct_slurm.recovery.transfer import TransferServer, push_replica
 from test_job_rooms import _group, nothing_formed_after  # noqa: F401  (a fixture)
-from test_transfer import Events
+from test_transfer import Events, wait_for
 
 SECRET = b"k" * 32
 JOB = "77"
-
-
-def wait_for(events: Events, name: str, within_s: float = 10.0) -> list[dict]:
-    """The records named `name` once there are any (a server's thread writes them)."""
-    deadline = time.monotonic() + within_s
-    while not events.named(name) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return events.named(name)
 
 
 def _store() -> SnapshotStore:

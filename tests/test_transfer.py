@@ -35,6 +35,14 @@ class Events:
         return [e for e in map(json.loads, self.stream.getvalue().splitlines()) if e["event"] == name]
 
 
+def wait_for(events: Events, name: str, within_s: float = 10.0) -> list[dict]:
+    """The records named `name` once there are any (a server's thread writes them)."""
+    deadline = time.monotonic() + within_s
+    while not events.named(name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return events.named(name)
+
+
 def trained_state(seed: int = 0, steps: int = 2):
     torch.manual_seed(seed)
     model = torch.nn.Linear(64, 64)
@@ -101,10 +109,7 @@ def test_corrupted_replica_is_detected_and_the_next_source_used(events, verify_o
     if verify_on_serve:
         # the bad server's connection thread closes the stream, then discards the copy, then
         # records it: the fetch from the good source may be done before that thread is
-        deadline = time.monotonic() + 10
-        while not events.named("transfer.serve_corrupt") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert events.named("transfer.serve_corrupt")[0]["rank"] == 0
+        assert wait_for(events, "transfer.serve_corrupt")[0]["rank"] == 0
         assert replicas.latest(0) is None  # the corrupt copy is never offered again
     else:
         assert "digest mismatch" in failed[0]["error"]

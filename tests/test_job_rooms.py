@@ -784,6 +784,52 @@ def test_the_client_reports_a_controller_gone_without_a_goodbye_and_fails_a_sile
             client.close()
 
 
+def test_a_faults_stop_cuts_the_whole_group_and_a_planned_one_only_where_it_must(monkeypatch):
+    """A fault's STOP (a crash, an in-place fault, a hang): the step in progress completes
+    nowhere, so the rank cuts its connections to every host of its group, not only the lost
+    ones (a peer that left the all-reduce on its own error keeps its sockets until its
+    teardown, and a rank reading from it would wait out the collective timeout), and leaves a
+    doomed step at once, lost node or not. A planned STOP (a move: nobody lost) cuts nothing,
+    but where the job says a rank leaving at its boundary can strand a peer mid-step."""
+    import hpct_slurm.recovery.client as C
+
+    cuts: list[tuple[set, set]] = []
+    monkeypatch.setattr(C, "sever", lambda addrs, keep=(), keep_fds=(), outbound=():
+                        cuts.append((set(addrs), set(outbound))) or 0)
+    stops = [P.Stop(0, "n2: step failed", [], fault=True),
+             P.Stop(0, "n3: connection lost", ["10.0.0.3"], fault=True),
+             P.Stop(0, "move n4", []), P.Stop(0, "move n4", [])]
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                chan = P.server_hello(conn, SECRET, "28017", 5)
+                chan.recv(conn)  # the Register
+                for stop in stops:
+                    chan.send(conn, stop)
+                conn.recv(1 << 16)  # until the rank hangs up
+        t = threading.Thread(target=serve)
+        t.start()
+        client = C.CoordinationClient(C.ControllerAddress(*server.getsockname()[:2]), SECRET,
+                                      "28017")
+        client.host_addr, client.sever_own_node = "10.0.0.1", True
+        client.group_addrs = {"10.0.0.2", "10.0.0.3", "10.0.0.4"}
+        doomed = []
+        client.on_stop = lambda: (doomed.append(client.stop_doomed),
+                                  len(doomed) == 3 and setattr(client, "cut_group_on_any_stop",
+                                                               True))
+        client.register("n1", 0, "active", "10.0.0.1", 1)
+        deadline = time.monotonic() + 10
+        while len(doomed) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.close()
+        t.join(5)
+    group = {"10.0.0.2", "10.0.0.3", "10.0.0.4"}
+    assert doomed == [True, True, False, False]
+    assert cuts == [(group, {"10.0.0.1"}), (group, {"10.0.0.1"}), (set(), set()),
+                    (group, {"10.0.0.1"})]
+
+
 # ---- the rooms themselves: their size and their imports -----------------------------------
 
 PACKAGE = Path(hpct_slurm.__file__).parent

@@ -187,10 +187,17 @@ class RecoveringClient(FakeClient):
     """What `_recover` and `_prefetch` use of the controller connection, recorded."""
 
     def __init__(self, *a, **k):
+        import threading
+
         super().__init__(*a, **k)
         self.stop_reason, self.state, self.step = "", "running", -1
+        self.stop_event, self.closed = threading.Event(), threading.Event()
         self.reports: list = []
         self.states: list[str] = []
+        self.left = 0
+
+    def leave_group(self) -> None:
+        self.left += 1
 
     def report_holdings(self, holdings) -> None:
         self.reports.append(holdings)
@@ -240,6 +247,29 @@ def test_a_survivor_reports_ready_before_its_broken_group_is_torn_down(settings,
     job._await_teardown()
     assert exits == [3]
     assert [e for e in _events(settings) if e["event"] == "rank.teardown_hung"]
+
+
+def test_a_rank_that_leaves_a_step_on_its_own_cuts_its_group_and_a_stopped_one_does_not(
+        settings, monkeypatch):
+    """A rank whose step raised before any STOP (its own error, or a peer's connection
+    error) cuts its whole group's connections, so a peer blocked reading from it fails now
+    instead of at the collective timeout; a rank that left because a STOP came (the STOP's
+    cut is the controller's to decide), or whose controller is gone, cuts nothing itself."""
+    job, _ = _job(settings)
+    job._make_client = RecoveringClient
+    job._start()
+    monkeypatch.setattr(job._group, "teardown", lambda: None)
+    job._recover("RuntimeError: an error of the script's step")
+    assert job.client.left == 1
+    job._await_teardown()
+    job.client.stop_event.set()
+    job._recover("_Stopped: n2: connection lost")
+    assert job.client.left == 1
+    job._await_teardown()
+    job.client.stop_event.clear()
+    job.client.closed.set()
+    job._recover("_Stopped: controller connection lost")
+    assert job.client.left == 1
 
 
 def test_a_newcomer_pulls_striped_from_every_source_of_its_key_while_it_forms(settings):

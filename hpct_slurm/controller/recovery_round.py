@@ -181,7 +181,7 @@ class RecoveryRound:
                              if n in r.lost_active})
         stop = P.Stop(g, f"{', '.join(r.lost_active)}: "
                          f"{'; '.join(r.lost[n] for n in r.lost_active)}",
-                      lost_addrs)  # the same (immutable) message for every survivor
+                      lost_addrs, fault=True)  # the same (immutable) message for everyone
         for c in r.survivors:
             await self._send(c, stop)
         r.rec.t_stop = time.time()

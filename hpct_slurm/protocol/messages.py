@@ -53,6 +53,11 @@ class Stop:
     # The lost nodes' addresses: a rank cuts its own connections to them (gloo has no abort,
     # and a crashed or partitioned peer sends no FIN to end a blocked collective).
     lost_addrs: list[str] = field(default_factory=list)
+    # A fault's STOP (not a planned move's): the step in progress can complete nowhere, so
+    # every rank leaves it at once and cuts its whole group's connections, lost node or not
+    # (a peer that left the collective on its own error keeps its sockets open until its
+    # teardown, and a rank blocked reading from it would wait out the collective timeout).
+    fault: bool = False
 
 
 @dataclass(frozen=True)

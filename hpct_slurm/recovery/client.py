@@ -69,9 +69,13 @@ class CoordinationClient:
         self.abort_comms: Callable[[int], bool] | None = None
         self.abort_timeout_s = 10.0
         self.on_abort_hung: Callable[[str], None] = self._exit_hung
-        # Addresses of the whole group, cut on a STOP as well as the lost nodes' (set by a
-        # sharded job: see _read_loop).
+        # The other hosts of this rank's group (set at every adoption): cut on a fault's STOP,
+        # and by a rank that leaves a step on its own (`leave_group`), see _read_loop.
         self.group_addrs: set[str] = set()
+        # Whether a planned STOP cuts the whole group too: a job whose collectives run on
+        # sub-groups or beside a carried all-reduce, where a rank leaving at its step
+        # boundary may leave a peer blocked mid-step on it.
+        self.cut_group_on_any_stop = False
         # Whether a whole-group cut includes what this process opened to its own node (the
         # node's other ranks are in the group: a TP pair inside the node)
         self.sever_own_node = False
@@ -152,12 +156,19 @@ class CoordinationClient:
     def report_holdings(self, msg: "P.Holdings") -> None:
         self._send_or_close(msg)
 
-    def _sever(self, addrs: list[str]) -> None:
-        """Cut our connections to the lost nodes (sever.py): a collective blocked on one of
-        them fails now instead of at its timeout. This node's own address only where the
-        whole group is cut and the node runs more of its ranks, and then only what this
-        process opened (sever's `outbound`)."""
-        own = [self.host_addr] if self.sever_own_node else []
+    def leave_group(self) -> None:
+        """Cut this rank's connections to its whole group: it left a step on its own (its
+        own error, or a peer's connection error) before any STOP. A peer blocked reading
+        from it would otherwise wait out the collective timeout, since the sockets close
+        only when the group's teardown runs; cut, its read fails now and it recovers too."""
+        self._sever(sorted(self.group_addrs), whole=True)
+
+    def _sever(self, addrs: list[str], whole: bool) -> None:
+        """Cut our connections to `addrs` (sever.py): a collective blocked on one of them
+        fails now instead of at its timeout. This node's own address only where the whole
+        group is cut and the node runs more of its ranks, and then only what this process
+        opened (sever's `outbound`)."""
+        own = [self.host_addr] if whole and self.sever_own_node else []
         try:
             cut = sever(addrs, keep={self.host_addr},
                         keep_fds={self._sock.fileno(), *self.keep_fds}, outbound=own)
@@ -250,12 +261,14 @@ class CoordinationClient:
                     if msg.generation >= self.generation:
                         self.stop_reason = msg.reason
                         self.stop_generation = msg.generation
-                        self.stop_doomed = bool(msg.lost_addrs)
+                        self.stop_doomed = bool(msg.lost_addrs) or msg.fault
                         self.stop_event.set()
-                        # A sharded job's collectives run on sub-groups: a rank may wait on
-                        # a live peer that has already left for recovery, which no cut to
-                        # the lost nodes would end. Such a job cuts its whole group.
-                        self._sever(sorted(set(msg.lost_addrs) | self.group_addrs))
+                        # A rank may wait on a live peer that has already left for recovery
+                        # (its own error, or a sub-group's collective), which no cut to the
+                        # lost nodes would end: a fault cuts the whole group.
+                        whole = msg.fault or self.cut_group_on_any_stop
+                        self._sever(sorted(set(msg.lost_addrs) |
+                                           (self.group_addrs if whole else set())), whole)
                         if self.stop_doomed:
                             self._abort(msg.generation)
                         interrupt = self.on_stop

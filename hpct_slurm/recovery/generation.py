@@ -30,7 +30,7 @@ from ..slurm.env import SlurmEnv
 from .background import Background
 from .client import CoordinationClient
 from .fsdp_waits import time_fsdp_waits
-from .gradients import average_gradients, parameter_gradients
+from .gradients import average_gradients, parameter_gradients, share_buffers
 from .layout_check import check_placements, check_replicas_agree
 from .layout_rules import MeshSpec, infer_replicate, model_mesh, resolve_shape
 from .own_time import DeviceOwnTime
@@ -386,6 +386,7 @@ class Generation:
         with _collective(self.standing.client):
             average_gradients(parameter_gradients(self.model), self.standing.data_world,
                               self.policy.carry)
+            share_buffers(self.model)
 
     # ---- abandoning a doomed step ---------------------------------------------------------
     def _abandon(self) -> None:
@@ -509,7 +510,7 @@ class _CanonicalReduce:
 
     def __init__(self, client: CoordinationClient, model: torch.nn.Module,
                  carry: Callable[[], Carry | None] = lambda: None):
-        self.client, self.carry = client, carry
+        self.client, self.carry, self.model = client, carry, model
         self.index = {id(p): i for i, p in enumerate(model.parameters())}
         self.waiting: list[tuple[Any, torch.futures.Future]] = []
 
@@ -533,6 +534,7 @@ class _CanonicalReduce:
         pairs.sort(key=lambda ig: ig[0])
         with _collective(self.client):
             average_gradients([g for _, g in pairs], dist.get_world_size(), self.carry())
+            share_buffers(self.model)
         for b, f in waiting:
             f.set_result(b.buffer())
         return fut

@@ -97,6 +97,40 @@ def average_gradients(grads: Iterable[torch.Tensor | None], world: int,
         raise
 
 
+def persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """`module`'s buffers that its state_dict holds (BatchNorm's running statistics and
+    count; not a buffer registered with persistent=False), in state_dict order."""
+    out = []
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out.append(b)
+    return out
+
+
+def share_buffers(module: torch.nn.Module) -> None:
+    """Every rank takes rank 0's persistent buffers of `module`, in place: a model's buffers
+    are kept as shared state (one copy restores any rank), so they must be the same on every
+    rank at each step's end. BatchNorm's running statistics are not: each rank's forward
+    folds its own batch into them. Called with the step's gradient reduction, after the
+    forward that moved them; what torch's DDP does anyway with its default
+    broadcast_buffers=True, at the next forward, so training in train mode is unchanged.
+    Exact: a broadcast copies bits. In the layout of `chunk_layout`, one broadcast a chunk."""
+    tensors = persistent_buffers(module)
+    for chunk in chunk_layout(tensors):
+        members = [tensors[i] for i in chunk]
+        if len(members) == 1:
+            dist.broadcast(members[0], src=0)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in members])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
 def parameter_gradients(model: torch.nn.Module) -> list[torch.Tensor | None]:
     """`model`'s gradients in parameter order, the order every rank reduces them in."""
     return [p.grad for p in model.parameters()]

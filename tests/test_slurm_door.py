@@ -171,7 +171,7 @@ def test_job_steps() -> None:
     assert [s.numbered for s in steps] == [True, True, False, False]
     with pytest.raises(HpctError, match="has no JOB.STEP id"):
         parse_steps("42 n1\n")
-    with pytest.raises(HpctError, match="is not a non-negative integer"):
+    with pytest.raises(HpctError, match="step's job id 'x' is not a Slurm job id"):
         parse_steps("x.0 n1\n")
 
 

@@ -7,16 +7,20 @@ All offline: the client's `runner` answers from the recordings."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from hpct_slurm.errors import HpctError
 from hpct_slurm.slurm.client import (
-    SlurmClient, parse_job_record, parse_job_state, parse_node_record, parse_node_states,
-    parse_reservations, parse_sbatch_parsable, parse_scontrol_nodes_json, parse_sinfo_json,
-    parse_squeue_json, parse_steps, parse_version, sinfo_json_has_nodes)
+    BASE_JOB_STATES, BASE_NODE_STATES, JOB_STATE_FLAGS, JobInfo, NodeInfo, SlurmClient,
+    parse_job_record, parse_job_state, parse_node_record, parse_node_states, parse_reservations,
+    parse_sbatch_parsable, parse_scontrol_nodes_json, parse_sinfo_json, parse_squeue_json,
+    parse_steps, parse_version, sinfo_json_has_nodes)
 from hpct_slurm.slurm.hostlist import expand
 
 DATA = Path(__file__).parent / "data" / "slurm"
@@ -204,7 +208,7 @@ def test_squeue_json_that_cannot_be_read_raises() -> None:
     for field, value, match in (
             ("job_state", 3, r"field 'job_state' of job 2 is int"),
             ("job_state", [], r"field 'job_state' of job 2 is empty"),
-            ("exit_code", "x", r"field 'exit_code' of job 2 is str 'x', not a non-negative"),
+            ("exit_code", "x", r"field 'exit_code' of job 2 'x' is not a non-negative"),
             ("exit_code", {"return_code": {"set": True, "number": -1}},
              r"field 'exit_code.return_code' of job 2"),
             ("flags", "JOB_WAS_RUNNING", r"field 'flags' of job 2 is not a list"),
@@ -226,3 +230,230 @@ def test_scontrol_nodes_json_that_cannot_be_read_raises() -> None:
     doc["nodes"][0]["features"] = {"a": 1}
     with pytest.raises(HpctError, match=r"field 'features' of node 'n1' is dict"):
         parse_scontrol_nodes_json(json.dumps(doc))
+
+
+
+# ---- the recordings mutated: the right answer or an HpctError, never another exception ------
+# The controller's Slurm calls catch HpctError only: any other exception of a parser ends it.
+
+UINT32_MAX = 0xFFFFFFFF
+JSON_READS = [(r, name, command, parse) for r in RELEASES for name, command, parse in (
+    ("sinfo.json", "sinfo --json", parse_sinfo_json),
+    ("squeue.json", "squeue --json", parse_squeue_json),
+    ("scontrol-show-nodes.json", "scontrol show nodes --json", parse_scontrol_nodes_json))
+    if not (DATA / r / f"{name}.rc").exists()]
+
+
+def _each_line(parse):
+    return lambda text: [parse(line) for line in text.splitlines()]
+
+
+TEXT_READS = [(r, name, parse) for r in RELEASES for name, parse in (
+    ("scontrol-show-job.txt", _each_line(parse_job_record)),
+    ("scontrol-show-node.txt", _each_line(parse_node_record)),
+    ("squeue-state-running.txt", parse_job_state), ("squeue-steps.txt", parse_steps),
+    ("sinfo-states.txt", parse_node_states),
+    ("scontrol-show-reservation.txt", parse_reservations),
+    ("sbatch-parsable.txt", parse_sbatch_parsable), ("version.txt", parse_version))]
+# Digits that str.isdecimal, \\d and int() take besides 0-9: Arabic-Indic, fullwidth, Devanagari.
+OTHER_DIGITS = "٤٢０１२३"
+_hostile_text = st.one_of(
+    st.sampled_from(["", " ", "WEIRD", "running", "ıdle", "(null)", "-1", "1e3", "4294967296"]),
+    st.integers(4290, 4310).map(lambda n: "9" * n),   # about int()'s limit of 4,300 digits
+    st.text(alphabet=OTHER_DIGITS, min_size=1, max_size=3),
+    st.text(alphabet="0129" + OTHER_DIGITS + "_.:;+ ", max_size=8))
+_hostile_json = st.one_of(
+    _hostile_text, st.none(), st.booleans(),
+    st.sampled_from([0, 7, -1, UINT32_MAX + 1, 2 ** 64, 1.5, 1e308, float("nan"), {}, [],
+                     {"a": 1}, ["RUNNING", 3], [{"a": 1}], {"set": "yes", "number": 5},
+                     {"set": True, "infinite": False, "number": "٤٢"}]))
+
+
+def _paths(doc, at: tuple = ()) -> list[tuple]:
+    """Every place in a JSON document: each object, list and value below its top."""
+    children = doc.items() if isinstance(doc, dict) else \
+        enumerate(doc) if isinstance(doc, list) else ()
+    found = []
+    for key, child in children:
+        found += [(*at, key), *_paths(child, (*at, key))]
+    return found
+
+
+def _put(doc, path: tuple, value):
+    """A copy of `doc` with `value` at `path`."""
+    doc = json.loads(json.dumps(doc))
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    return doc
+
+
+def _answers(records: list) -> set[tuple[str, object]]:
+    """Every (field, value) pair of a parse's records (lists as tuples, to be hashable)."""
+    return {(f.name, tuple(v) if isinstance(v, list) else v)
+            for r in records for f in fields(r) for v in [getattr(r, f.name)]}
+
+
+def _read_from(value, got) -> bool:
+    """Whether `got`, an answer the recording itself does not give, can be `value` read right:
+    a number only from an integer or from its ASCII digits in a text, text only from text,
+    nothing (None, an empty list, 0) from null."""
+    if value is None:
+        return not got
+    if isinstance(got, int):
+        return isinstance(value, str) and str(got) in value \
+            or isinstance(value, int) and not isinstance(value, bool)
+    return all(isinstance(v, str) for v in (value if isinstance(value, list) else [value]))
+
+
+def _well_formed(rec) -> None:
+    """What holds of every record whatever it was read from: a state Slurm has, and numbers
+    Slurm's types can hold."""
+    if isinstance(rec, JobInfo):
+        assert rec.state in BASE_JOB_STATES | JOB_STATE_FLAGS, rec.state
+        assert 1 <= rec.job_id <= UINT32_MAX
+        assert all(0 <= n <= UINT32_MAX
+                   for n in (rec.restart_count, rec.exit_code, rec.exit_signal))
+    if isinstance(rec, NodeInfo):
+        assert rec.state in BASE_NODE_STATES, rec.state
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(JSON_READS), st.data(), _hostile_json)
+def test_mutated_json_is_read_right_or_refused(read, data, value) -> None:
+    release, name, _, parse = read
+    doc = _doc(name, release)
+    # half the time among the records the parser reads: it never reads `meta`
+    path = data.draw(st.sampled_from([p for p in _paths(doc) if p[0] != "meta"])
+                     | st.sampled_from(_paths(doc)), label="path")
+    try:
+        got = parse(json.dumps(_put(doc, path, value)))
+    except HpctError:
+        return
+    for rec in got:
+        _well_formed(rec)
+    for field, answer in _answers(got) - _answers(parse(json.dumps(doc))):
+        assert _read_from(value, answer), (field, answer, value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(JSON_READS), st.data(), st.sampled_from([3, 2000, 100_000]),
+       st.integers(4290, 5000))
+def test_json_nested_deep_or_with_a_long_number_is_refused(read, data, depth: int,
+                                                           digits: int) -> None:
+    """Python's JSON reader raises RecursionError past about 1,000 levels and ValueError on an
+    integer over 4,300 digits: here an HpctError naming the command, or (lists nested a few
+    levels in a field never read) the recording's own answer."""
+    release, name, command, parse = read
+    doc = _doc(name, release)
+    text = json.dumps(_put(doc, data.draw(st.sampled_from(_paths(doc)), label="path"), "HOLE"))
+    for literal in ("[" * depth + "]" * depth, "9" * digits):
+        try:
+            got = parse(text.replace('"HOLE"', literal))
+        except HpctError as exc:
+            assert exc.message.startswith(f"{command}"), exc
+            continue
+        assert got == parse(json.dumps(doc))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(TEXT_READS), st.data(), _hostile_text)
+def test_mutated_text_is_read_right_or_refused(read, data, value: str) -> None:
+    """A word of what scontrol, squeue, sinfo or sbatch printed replaced: a number is read only
+    from ASCII digits, a job state only from a word Slurm prints."""
+    release, name, parse = read
+    text = (DATA / release / name).read_text()
+    word = data.draw(st.sampled_from(list(re.finditer(r"[A-Za-z0-9_]+", text))), label="word")
+    try:
+        got = parse(text[:word.start()] + value + text[word.end():])
+    except HpctError:
+        return
+    before = parse(text)
+    if isinstance(got, list):
+        for rec in got:
+            _well_formed(rec)
+        for field, answer in _answers(got) - _answers(before):
+            assert not isinstance(answer, int) or _read_from(value, answer), (field, answer)
+    elif name == "squeue-state-running.txt":
+        assert got is None or got in BASE_JOB_STATES | JOB_STATE_FLAGS, got
+    elif name == "sbatch-parsable.txt" and got != before:
+        assert _read_from(value, got) and 1 <= got <= UINT32_MAX, got
+    elif name == "version.txt":
+        assert got.isascii(), got
+
+
+_JOB_LINE = (DATA / "24.11" / "scontrol-show-job.txt").read_text().splitlines()[1]
+
+
+def _squeue_with(**fields) -> str:
+    doc = _doc("squeue.json")
+    doc["jobs"][0].update(fields)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize("parse, text, match", [
+    (parse_squeue_json, "[" * 100_000 + "]" * 100_000,
+     r"^HPCT: squeue --json output is nested deeper than Python's JSON reader goes"),
+    (parse_squeue_json, _squeue_with(job_id=2).replace('"job_id": 2', '"job_id": ' + "9" * 5000),
+     r"^HPCT: squeue --json output holds an integer of 5000 digits \(9{20}\.\.\.\)"),
+    (parse_squeue_json, _squeue_with(job_id="9" * 4300),
+     r"^HPCT: squeue --json: field 'job_id' of jobs\[0\] '9+'\.\.\. \(4300 characters\) "
+     r"is not a non-negative integer"),
+    (parse_squeue_json, _squeue_with(job_id="٤٢"),
+     r"^HPCT: squeue --json: field 'job_id' of jobs\[0\] '٤٢' is not a non-negative integer"),
+    (parse_squeue_json, _squeue_with(job_state=["WEIRD"]),
+     r"^HPCT: squeue --json: field 'job_state' of job 2 'WEIRD' is not a job state Slurm "
+     r"prints"),
+    (parse_squeue_json, _squeue_with(user_name={"uid": 0}),
+     r"^HPCT: squeue --json: field 'user_name' of job 2 is dict \"\{'uid': 0\}\", not text"),
+    (parse_job_record, _JOB_LINE.replace("JobState=RUNNING", "JobState="),
+     r"^HPCT: scontrol show job: field 'JobState' '' is not a job state Slurm prints"),
+    (parse_job_record, _JOB_LINE.replace("JobId=2 ", f"JobId={'9' * 4300} "),
+     r"^HPCT: scontrol show job: field 'JobId' '9+'\.\.\. \(4300 characters\) is not a "
+     r"Slurm job id"),
+    (parse_job_record, _JOB_LINE.replace("JobId=2 ", "JobId=٤٢ "),
+     r"^HPCT: scontrol show job: field 'JobId' '٤٢' is not a Slurm job id"),
+    (parse_job_state, "WEIRD\n",
+     r"^HPCT: squeue -o %T: state 'WEIRD' is not a job state Slurm prints"),
+])
+def test_what_the_review_found_is_refused_naming_command_and_field(parse, text: str,
+                                                                   match: str) -> None:
+    with pytest.raises(HpctError, match=match):
+        parse(text)
+
+
+
+def _line(n: int):
+    return lambda text: text.splitlines(keepends=True)[n]
+
+
+# What the controller and the spare pool ask the client, and the recording that answers it.
+CLIENT_READS = [
+    (lambda c: c.nodes(), "sinfo.json", str), (lambda c: c.jobs(), "squeue.json", str),
+    (lambda c: c.show_job(2), "scontrol-show-job.txt", _line(1)),
+    (lambda c: c.show_node("n1"), "scontrol-show-node.txt", _line(0)),
+    (lambda c: c.job_finished(2), "squeue-state-running.txt", str),
+    (lambda c: c.job_steps(2), "squeue-steps.txt", str),
+    (lambda c: c.reservations(), "scontrol-show-reservation.txt", str)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(RELEASES), st.sampled_from(CLIENT_READS), st.data(),
+       _hostile_text | st.integers(1000, 5000).map(lambda n: "[" * n + "]" * n))
+def test_the_clients_reads_raise_only_hpct_error(release: str, read, data, value: str) -> None:
+    """The controller's Slurm calls catch HpctError only: whatever Slurm printed, a read of
+    the client answers or raises one. A word of the recording is replaced, half the time a
+    number or a state (what the parsers convert)."""
+    ask, name, part = read
+    text = part((DATA / release / name).read_text())
+    words = list(re.finditer(r"[A-Za-z0-9_]+", text))
+    word = data.draw(st.sampled_from(words) | st.sampled_from(
+        [w for w in words if w.group().isdigit() or w.group().isupper()]), label="word")
+    printed = text[:word.start()] + value + text[word.end():]
+    client = SlurmClient(runner=lambda argv, **kw: subprocess.CompletedProcess(argv, 0, printed,
+                                                                               ""))
+    try:
+        ask(client)
+    except HpctError:
+        pass

@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from hpct_slurm.report.cli import load_run
+from hpct_slurm.errors import HpctError
+from hpct_slurm.report.cli import _job_id_of, format_report, format_status, load_run, \
+    resolve_run_dir
+from hpct_slurm.report.model import build_report, build_status
 
 FIXTURE = Path(__file__).parent / "data" / "report-run"   # n3 crashed, n5 took rank 2
 HPCT = str(Path(sys.executable).parent / "hpct-slurm")
@@ -165,3 +172,93 @@ def test_the_job_id_of_a_run_dir_is_read_without_waiting_on_a_fifo(run: Path) ->
                           "print(_job_id_of(Path(sys.argv[1])))", str(run)],
                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.stdout.strip() == "None", out.stderr
+
+
+# ---- numbers: a record's number never crashes, nor prints hundreds of digits ------------------
+
+LOGS = ["controller.jsonl", *(f"events/{p.name}" for p in sorted((FIXTURE / "events").iterdir()))]
+_numbers = st.one_of(
+    st.integers(4290, 6000).map(lambda n: "9" * n),          # int() refuses over 4,300 digits
+    st.integers(20, 400).map(lambda n: "-" + "9" * n),
+    st.sampled_from(["1e308", "-1e308", "1e400", "-1e400", "NaN", "Infinity", "-0.0", "1e10",
+                     "9223372036854775808", "-9223372036854775809", "253402300800", "-1",
+                     "0.5", "1" * 400 + ".5"]))
+
+
+def _printed(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
+    """The records `status` and `report` read of a run dir, and all they print (text and
+    --json, warnings too), run in this process."""
+    run = load_run(run_dir)
+    st_, rep = build_status(run, time.time()), build_report(run)
+    records = {"controller.jsonl": run.controller,
+               **{f"events/{stem}.jsonl": evs for stem, evs in run.ranks.items()}}
+    return records, [format_status(st_), json.dumps(st_.to_dict()), format_report(rep),
+                     json.dumps(rep.to_dict(with_steps=True)), *run.warnings]
+
+
+def _strict_json(text: str) -> None:
+    def refuse(name: str):
+        raise AssertionError(f"{name} in --json output")
+    json.loads(text, parse_constant=refuse)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(LOGS), st.data(), _numbers)
+def test_a_hostile_number_in_a_record_is_left_out_or_read_never_fatal(log: str, data,
+                                                                      number: str) -> None:
+    """One record of the run gets a hostile number in a field (its time, a field the report
+    reads, or a new one). Either it is read, or it is left out with a warning naming its file
+    and line; every other record is still read, and nothing printed holds a run of digits
+    longer than the 60 characters a warning quotes of a line (1e308 printed was 300)."""
+    lines = (FIXTURE / log).read_text().splitlines()
+    lineno = data.draw(st.integers(1, len(lines)), label="line")
+    rec = json.loads(lines[lineno - 1])
+    field = data.draw(st.sampled_from(["t", *rec, "extra"]), label="field")
+    lines[lineno - 1] = json.dumps({**rec, field: "HOLE"}).replace('"HOLE"', number)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "hpct-2"
+        shutil.copytree(FIXTURE, run_dir)
+        (run_dir / log).write_text("\n".join(lines) + "\n")
+        before, _ = _printed(FIXTURE)
+        try:
+            records, printed = _printed(run_dir)
+        except HpctError as exc:   # the run's only controller.start left out
+            assert rec["event"] == "controller.start" and "has no controller.start" in str(exc)
+            return
+    for name, kept in records.items():
+        assert len(kept) == len(before[name]) - (name == log and len(kept) < len(before[name]))
+    if len(records[log]) < len(before[log]):
+        assert any(f"{log} line {lineno} (" in w for w in printed[4:]), printed[4:]
+    for out in printed:
+        assert not re.search(r"[0-9]{61}", out), out[:300]
+    _strict_json(printed[1])
+    _strict_json(printed[3])
+
+
+def test_a_controller_log_that_is_a_directory_is_named_not_missing(run: Path) -> None:
+    os.unlink(run / "controller.jsonl")
+    os.mkdir(run / "controller.jsonl")
+    out = _status(run)
+    assert out.returncode == 2
+    assert "controller.jsonl is not a regular file (a directory): not read" in out.stderr
+
+
+@pytest.mark.parametrize("job_id", ["1e400", '"\u0664\u0662"', "9" * 5000, "true"])
+def test_the_job_id_of_a_run_dir_is_an_integer_read_as_records_are(run: Path,
+                                                                    job_id: str) -> None:
+    """1e400 read as a float is infinite (int() raised OverflowError); '٤٢' was job 42."""
+    text = (run / "controller.jsonl").read_text()
+    (run / "controller.jsonl").write_text(text.replace('"job_id": 2', f'"job_id": {job_id}', 1))
+    assert _job_id_of(run) is None
+    assert _job_id_of(FIXTURE) == 2
+
+
+@pytest.mark.parametrize("target", ["\u0664\u0662", "9" * 5000])
+def test_a_job_id_given_in_other_digits_or_too_long_is_refused(tmp_path: Path,
+                                                               target: str) -> None:
+    class NoSlurm:
+        def show_job(self, job_id: int):
+            raise AssertionError(f"asked Slurm about job {job_id}")
+
+    with pytest.raises(HpctError, match="is neither an existing run dir nor a Slurm job id"):
+        resolve_run_dir(target, client=NoSlurm(), cwd=tmp_path)

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import config as C
-from ..errors import HpctError
+from ..errors import HpctError, shown
+from ..events import Ev
+from ..slurm.env import check_job_id
 from .files import rank_logs, read_log, run_dir_fd
 from .model import (PHASES, FaultStatus, Report, RunEvents, Status, build_report,
                     build_status, check_run, pending_note)
@@ -60,48 +62,58 @@ def resolve_run_dir(target: str | None, client: SlurmClient | None = None,
                             f"hpct-*/{CONTROLLER_LOG} is under {str(cwd)!r}")
         return found[-1].parent
     path = Path(target)
-    if path.is_dir():
+    if os.path.isdir(path):   # False, not OSError, for a name too long to be a path
         return _checked(path, "run dir")
-    if not target.isdecimal():
-        raise HpctError(f"{target!r} is neither an existing run dir nor a Slurm job id")
-    tried = [cwd / f"hpct-{target}"]
-    if (tried[0] / CONTROLLER_LOG).is_file():
+    try:
+        job_id = check_job_id(target)
+    except HpctError:
+        raise HpctError(f"{shown(target)} is neither an existing run dir nor a Slurm job "
+                        f"id") from None
+    tried = [cwd / f"hpct-{job_id}"]
+    if _has_log(tried[0]):
         return tried[0]
     from ..slurm.client import SlurmClient
 
     client = client or SlurmClient()
     try:
-        workdir = client.show_job(int(target)).work_dir
+        workdir = client.show_job(job_id).work_dir
     except HpctError as exc:
-        raise HpctError(f"job {target}: no run dir at {str(tried[0])!r} and Slurm does not "
+        raise HpctError(f"job {job_id}: no run dir at {str(tried[0])!r} and Slurm does not "
                         f"know the job ({exc.message})") from None
     if workdir:
-        candidates = [Path(workdir) / f"hpct-{target}", Path(workdir)]
+        candidates = [Path(workdir) / f"hpct-{job_id}", Path(workdir)]
         for c in candidates:
             tried.append(c)
-            if (c / CONTROLLER_LOG).is_file() and _job_id_of(c) in (None, int(target)):
+            if _has_log(c) and _job_id_of(c) in (None, job_id):
                 return c
-    raise HpctError(f"job {target}: no {CONTROLLER_LOG} in any of "
+    raise HpctError(f"job {job_id}: no {CONTROLLER_LOG} in any of "
                     f"{', '.join(repr(str(p)) for p in tried)} (a job run with --run-dir "
                     f"elsewhere: pass that directory)")
 
 
+def _has_log(path: Path) -> bool:
+    """Whether something stands at `path`'s controller log: a file, or what load_run then
+    names (a directory, a FIFO, a link), rather than calling it missing."""
+    return os.path.lexists(path / CONTROLLER_LOG)
+
+
 def _checked(path: Path, what: str) -> Path:
-    if not path.is_dir():
+    if not os.path.isdir(path):
         raise HpctError(f"{what} {str(path)!r} does not exist")
-    if not (path / CONTROLLER_LOG).is_file():
+    if not _has_log(path):
         raise HpctError(f"{what} {str(path)!r} has no {CONTROLLER_LOG}: not an hpct-slurm run "
                         f"dir, or the controller has not started yet")
     return path
 
 
 def _job_id_of(run_dir: Path) -> int | None:
+    """The job id of the run dir's first record (its controller.start), read as every record
+    is (records.py); None when it has none."""
     with run_dir_fd(run_dir) as fd:
         text, _ = read_log(fd, CONTROLLER_LOG, CONTROLLER_LOG, cap=64 * 1024)
-    try:
-        return int(json.loads((text or "").split("\n", 1)[0]).get("job_id"))
-    except (ValueError, TypeError, AttributeError):
-        return None
+    first, _ = parse_jsonl((text or "").split("\n", 1)[0], CONTROLLER_LOG)
+    return first[0].get("job_id") if first and first[0]["event"] == Ev.CONTROLLER_START \
+        else None
 
 
 def load_run(run_dir: Path) -> RunEvents:

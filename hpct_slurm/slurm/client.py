@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..errors import HpctError
+from ..errors import HpctError, shown
+from .env import check_job_id, check_uint
 from .hostlist import compress, expand
 
 BASE_NODE_STATES = frozenset(
@@ -41,6 +42,16 @@ _STATES_NEEDING_REASON = frozenset({"DOWN", "DRAIN", "FAIL"})
 FINISHED_JOB_STATES = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
     "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"})
+# The words squeue's %T and scontrol's JobState print in place of the base state while one of
+# these flags is set (Slurm's job_state_codes.html); squeue --json lists them after it.
+JOB_STATE_FLAGS = frozenset({
+    "COMPLETING", "CONFIGURING", "EXPEDITING", "LAUNCH_FAILED", "POWER_UP_NODE",
+    "RECONFIG_FAIL", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "RESV_DEL_HOLD",
+    "REVOKED", "SIGNALING", "SPECIAL_EXIT", "STAGE_OUT", "STOPPED", "UPDATE_DB"})
+# Slurm's integers are 64 bits at most (20 digits): a JSON integer longer than this is not
+# Slurm's, and is refused before int() reads it (whose cost grows with the square of the
+# length, and which raises ValueError over 4,300 digits).
+JSON_INT_DIGITS = 20
 # The client commands this module runs (localcluster checks they are installed).
 COMMANDS = ("sbatch", "squeue", "sinfo", "scontrol", "srun", "scancel")
 
@@ -158,9 +169,10 @@ class StepInfo:
 
 def parse_node_state(text: str) -> tuple[str, frozenset[str]]:
     """`IDLE+DRAIN` -> ("IDLE", {"DRAIN"}). Unknown words stay flags, so new Slurm flags
-    never break parsing; a missing base state does."""
+    never break parsing; a missing base state does. Slurm's words are ASCII: upper() would
+    make others into one of them ('ıdle' into IDLE)."""
     words = [w for w in text.strip().upper().split("+") if w]
-    if not words or words[0] not in BASE_NODE_STATES:
+    if not text.isascii() or not words or words[0] not in BASE_NODE_STATES:
         raise HpctError(f"node state {text!r} does not start with one of "
                         f"{', '.join(sorted(BASE_NODE_STATES))}")
     return words[0], frozenset(words[1:])
@@ -178,11 +190,21 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
     return record
 
 
-def _opt(value: Any) -> str | None:
+def _opt(value: str | None) -> str | None:
     if value is None:
         return None
-    text = str(value).strip()
+    text = value.strip()
     return None if text in _NULLS else text
+
+
+def _text(record: dict, key: str, what: str, where: str) -> str | None:
+    """An optional text field: absent, null or one of Slurm's null words is None; anything but
+    a string is an HpctError naming the field (never its repr read as the text)."""
+    value = record.get(key)
+    if value is not None and not isinstance(value, str):
+        raise HpctError(f"{what}: field {key!r} of {where} is {type(value).__name__} "
+                        f"{shown(str(value))}, not text")
+    return _opt(value)
 
 
 def _features(value: str | None) -> tuple[str, ...]:
@@ -215,8 +237,17 @@ def parse_node_record(line: str) -> NodeInfo:
 
 
 def _json_doc(text: str, what: str) -> dict:
+    def integer(literal: str) -> int:
+        if len(literal.lstrip("-")) > JSON_INT_DIGITS:
+            raise HpctError(f"{what} output holds an integer of {len(literal.lstrip('-'))} "
+                            f"digits ({literal[:20]}...): longer than any Slurm prints")
+        return int(literal)
+
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_int=integer)
+    except RecursionError:
+        raise HpctError(f"{what} output is nested deeper than Python's JSON reader goes: not "
+                        f"what Slurm prints: {text[:80]!r}") from None
     except ValueError as exc:
         raise HpctError(f"{what} output is not JSON ({exc}): {text[:80]!r}") from None
     if not isinstance(doc, dict):
@@ -251,10 +282,11 @@ def _list_of(record: dict, key: str, what: str, where: str) -> list:
 
 
 def _words(value: Any, what: str, key: str, where: str) -> list[str]:
-    """A state or flag set: `"idle"` (22.05) or `["IDLE", "DRAIN"]` (23.02 on)."""
-    if isinstance(value, str):
+    """A state or flag set: `"idle"` (22.05) or `["IDLE", "DRAIN"]` (23.02 on). ASCII words
+    only, as in parse_node_state."""
+    if isinstance(value, str) and value.isascii():
         return [w for w in value.upper().replace("+", " ").split() if w]
-    if isinstance(value, list) and all(isinstance(w, str) for w in value):
+    if isinstance(value, list) and all(isinstance(w, str) and w.isascii() for w in value):
         return [w.upper() for w in value if w]
     raise HpctError(f"{what}: field {key!r} of {where} is {type(value).__name__} "
                     f"{str(value)[:60]!r}, not a state word or a list of them")
@@ -286,14 +318,14 @@ def _node_from_record(n: Any, what: str) -> NodeInfo:
     name = _field(n, "name", what, str, "a node")
     where = f"node {name!r}"
     words = _words(_field(n, "state", what, (str, list), where), what, "state", where)
-    words += _words(n.get("state_flags") or [], what, "state_flags", where)
+    words += _words(n.get("state_flags", []), what, "state_flags", where)
     state, flags = _node_state_of(words, what, where)
     return NodeInfo(
-        name=name, state=state, flags=flags, reason=_opt(n.get("reason")),
-        addr=_opt(n.get("address")), hostname=_opt(n.get("hostname")),
+        name=name, state=state, flags=flags, reason=_text(n, "reason", what, where),
+        addr=_text(n, "address", what, where), hostname=_text(n, "hostname", what, where),
         features=_text_list(n.get("features"), what, "features", where),
         active_features=_text_list(n.get("active_features"), what, "active_features", where),
-        comment=_opt(n.get("comment")))
+        comment=_text(n, "comment", what, where))
 
 
 SINFO_JSON = "sinfo --json"
@@ -337,23 +369,23 @@ def _sinfo_nodes(doc: dict) -> list[NodeInfo]:
                               SINFO_JSON, (str, list), where + ".node"),
                        SINFO_JSON, "state", where)
         state, flags = _node_state_of(words, SINFO_JSON, where)
-        feats = group.get("features") or {}
+        feats = group.get("features", {})
         if not isinstance(feats, dict):
             raise HpctError(f"{SINFO_JSON}: field 'features' of {where} is not an object")
-        reason = group.get("reason")
-        if isinstance(reason, dict):
-            reason = reason.get("description")
+        # `{"description": .., "time": .., "user": ..}` as 24.11 and 26.05 print it, or a string
+        reason = _opt(_field(group["reason"], "description", SINFO_JSON, str, where + ".reason")) \
+            if isinstance(group.get("reason"), dict) else _text(group, "reason", SINFO_JSON, where)
         for name in members:
             if not isinstance(name, str):
                 raise HpctError(f"{SINFO_JSON}: {where}.nodes.nodes holds {name!r}, not a name")
             # a node is in one group per partition it is in: the same record each time
             nodes[name] = NodeInfo(
-                name=name, state=state, flags=flags, reason=_opt(reason), addr=None,
+                name=name, state=state, flags=flags, reason=reason, addr=None,
                 hostname=None,
                 features=_text_list(feats.get("total"), SINFO_JSON, "features.total", where),
                 active_features=_text_list(feats.get("active"), SINFO_JSON, "features.active",
                                            where),
-                comment=_opt(group.get("comment")))
+                comment=_text(group, "comment", SINFO_JSON, where))
     return list(nodes.values())
 
 
@@ -369,11 +401,16 @@ def _hosts_or_empty(hostlist: str | None) -> list[str]:
     return expand(text) if text else []
 
 
-def _uint(value: Any, what: str) -> int:
-    text = str(value)
-    if not text.isdecimal():
-        raise HpctError(f"{what} {text!r} is not a non-negative integer")
-    return int(text)
+SCONTROL_JOB = "scontrol show job"
+
+
+def _job_state_word(text: str, what: str) -> str:
+    """The one word squeue's %T and scontrol's JobState print: a base state, or a flag in its
+    place (JOB_STATE_FLAGS). Any other word is refused: kept as the state, it would never count
+    as finished."""
+    if text not in BASE_JOB_STATES | JOB_STATE_FLAGS:
+        raise HpctError(f"{what} {shown(text)} is not a job state Slurm prints")
+    return text
 
 
 def parse_job_record(line: str) -> JobInfo:
@@ -383,14 +420,16 @@ def parse_job_record(line: str) -> JobInfo:
         raise HpctError(f"scontrol job record {line[:80]!r} lacks JobId or JobState")
     code, _, sig = rec.get("ExitCode", "0:0").partition(":")
     return JobInfo(
-        job_id=_uint(rec["JobId"], "JobId"), name=_opt(rec.get("JobName")),
+        job_id=check_job_id(rec["JobId"], f"{SCONTROL_JOB}: field 'JobId'"),
+        name=_opt(rec.get("JobName")),
         user=_opt(rec.get("UserId", "").split("(")[0]),
-        state=rec["JobState"].split()[0].upper(),
+        state=_job_state_word(rec["JobState"], f"{SCONTROL_JOB}: field 'JobState'"),
         nodelist=_hosts_or_empty(rec.get("NodeList")),
         batch_host=_opt(rec.get("BatchHost")),
-        restart_count=_uint(rec.get("Restarts", "0"), "Restarts"),
+        restart_count=check_uint(rec.get("Restarts", "0"), f"{SCONTROL_JOB}: field 'Restarts'"),
         reason=_opt(rec.get("Reason")),
-        exit_code=_uint(code, "ExitCode"), exit_signal=_uint(sig or "0", "ExitCode signal"),
+        exit_code=check_uint(code, f"{SCONTROL_JOB}: field 'ExitCode'"),
+        exit_signal=check_uint(sig or "0", f"{SCONTROL_JOB}: field 'ExitCode' (its signal)"),
         flags=None, work_dir=_opt(rec.get("WorkDir")), comment=_opt(rec.get("Comment")),
         end_time=_opt(rec.get("EndTime")))
 
@@ -402,18 +441,21 @@ BASE_JOB_STATES = frozenset({"PENDING", "RUNNING", "SUSPENDED"}) | FINISHED_JOB_
 
 def _number(value: Any, what: str, key: str, where: str, unset: int | None = 0) -> int:
     """An integer field: a plain number (22.05), or data_parser's `{"set": true, "infinite":
-    false, "number": N}` (23.02 on; not set: `unset`)."""
+    false, "number": N}` (23.02 on; not set: `unset`). ASCII digits, 32 bits (check_uint)."""
     if isinstance(value, dict) and "number" in value:
-        if value.get("set") is False or value.get("infinite"):
+        is_set, infinite = value.get("set", True), value.get("infinite", False)
+        if not isinstance(is_set, bool) or not isinstance(infinite, bool):
+            raise HpctError(f"{what}: field {key!r} of {where} has 'set' {shown(str(is_set))} "
+                            f"and 'infinite' {shown(str(infinite))}, not true or false")
+        if not is_set or infinite:
             if unset is None:
                 raise HpctError(f"{what}: field {key!r} of {where} is not set")
             return unset
         value = value["number"]
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or \
-            not str(value).isdecimal():
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise HpctError(f"{what}: field {key!r} of {where} is {type(value).__name__} "
                         f"{str(value)[:60]!r}, not a non-negative integer")
-    return int(value)
+    return check_uint(str(value), f"{what}: field {key!r} of {where}")
 
 
 def _job_exit(value: Any, where: str) -> tuple[int, int]:
@@ -423,7 +465,7 @@ def _job_exit(value: Any, where: str) -> tuple[int, int]:
         return 0, 0
     if isinstance(value, dict):
         code = _number(value.get("return_code", 0), SQUEUE_JSON, "exit_code.return_code", where)
-        sig = value.get("signal") or {}
+        sig = value.get("signal", {})
         if not isinstance(sig, dict):
             raise HpctError(f"{SQUEUE_JSON}: field 'exit_code.signal' of {where} is not an "
                             f"object")
@@ -433,13 +475,16 @@ def _job_exit(value: Any, where: str) -> tuple[int, int]:
 
 
 def _job_state(value: Any, where: str) -> str:
-    """The base state of squeue's `job_state`: `"RUNNING"` (22.05) or `["RUNNING"]`,
-    `["PENDING", "REQUEUED"]` (23.02 on: the base state, then its flags)."""
+    """The base state of squeue's `job_state`: `"RUNNING"` (22.05, which may print a flag in
+    its place, as %T does) or `["RUNNING"]`, `["PENDING", "REQUEUED"]` (23.02 on: the base
+    state, then its flags; a flag this module does not know is only a flag)."""
     words = _words(value, SQUEUE_JSON, "job_state", where)
     if not words:
         raise HpctError(f"{SQUEUE_JSON}: field 'job_state' of {where} is empty")
     bases = [w for w in words if w in BASE_JOB_STATES]
-    return bases[0] if bases else words[0]
+    # no base state: 22.05 may print one flag in its place; anything else is no job state
+    return bases[0] if bases else \
+        _job_state_word(" ".join(words), f"{SQUEUE_JSON}: field 'job_state' of {where}")
 
 
 def parse_squeue_json(text: str) -> list[JobInfo]:
@@ -450,27 +495,30 @@ def parse_squeue_json(text: str) -> list[JobInfo]:
     doc = _json_doc(text, SQUEUE_JSON)
     jobs = []
     for i, j in enumerate(_list_of(doc, "jobs", SQUEUE_JSON, "the document")):
-        job_id = _number(_field(j, "job_id", SQUEUE_JSON, (int, str, dict), f"jobs[{i}]"),
-                         SQUEUE_JSON, "job_id", f"jobs[{i}]", unset=None)
+        job_id = check_job_id(
+            _number(_field(j, "job_id", SQUEUE_JSON, (int, str, dict), f"jobs[{i}]"),
+                    SQUEUE_JSON, "job_id", f"jobs[{i}]", unset=None),
+            f"{SQUEUE_JSON}: field 'job_id' of jobs[{i}]")
         where = f"job {job_id}"
         code, sig = _job_exit(j.get("exit_code"), where)
-        flags = j.get("flags") or []
+        flags = j.get("flags", [])
         if not isinstance(flags, list):
             raise HpctError(f"{SQUEUE_JSON}: field 'flags' of {where} is not a list")
         nodes = j.get("nodes")
         if nodes is not None and not isinstance(nodes, str):
             raise HpctError(f"{SQUEUE_JSON}: field 'nodes' of {where} is not a hostlist")
         jobs.append(JobInfo(
-            job_id=job_id, name=_opt(j.get("name")), user=_opt(j.get("user_name")),
+            job_id=job_id, name=_text(j, "name", SQUEUE_JSON, where),
+            user=_text(j, "user_name", SQUEUE_JSON, where),
             state=_job_state(_field(j, "job_state", SQUEUE_JSON, (str, list), where), where),
             nodelist=_hosts_or_empty(nodes),
-            batch_host=_opt(j.get("batch_host")),
-            restart_count=_number(j.get("restart_cnt") or 0, SQUEUE_JSON, "restart_cnt",
+            batch_host=_text(j, "batch_host", SQUEUE_JSON, where),
+            restart_count=_number(j.get("restart_cnt", 0), SQUEUE_JSON, "restart_cnt",
                                   where),
-            reason=_opt(j.get("state_reason")),
+            reason=_text(j, "state_reason", SQUEUE_JSON, where),
             exit_code=code, exit_signal=sig,
-            flags=frozenset(str(f).upper() for f in flags),
-            work_dir=_opt(j.get("current_working_directory"))))
+            flags=frozenset(_words(flags, SQUEUE_JSON, "flags", where)),
+            work_dir=_text(j, "current_working_directory", SQUEUE_JSON, where)))
     return jobs
 
 
@@ -480,9 +528,7 @@ def parse_job_state(text: str) -> str | None:
     words = text.split()
     if len(words) > 1:
         raise HpctError(f"squeue printed {text.strip()[:80]!r}, not one job state")
-    if words and not re.fullmatch(r"[A-Z_]+", words[0]):
-        raise HpctError(f"squeue printed {words[0][:40]!r}, not a job state")
-    return words[0] if words else None
+    return _job_state_word(words[0], "squeue -o %T: state") if words else None
 
 
 def parse_steps(text: str) -> list[StepInfo]:
@@ -495,8 +541,8 @@ def parse_steps(text: str) -> list[StepInfo]:
         job, dot, step = step_id.rpartition(".")
         if not dot or not step:
             raise HpctError(f"squeue step line {line.strip()[:80]!r} has no JOB.STEP id")
-        steps.append(StepInfo(job_id=_uint(job, "step's job id"), step=step,
-                              nodelist=_hosts_or_empty(nodes)))
+        steps.append(StepInfo(job_id=check_job_id(job, "squeue -s: the step's job id"),
+                              step=step, nodelist=_hosts_or_empty(nodes)))
     return steps
 
 
@@ -560,15 +606,16 @@ def parse_reservations(text: str) -> list[ReservationInfo]:
 
 def parse_sbatch_parsable(text: str) -> int:
     """`sbatch --parsable` prints `jobid` or `jobid;cluster`."""
-    first = text.strip().split(";")[0]
-    if not first.isdecimal():
-        raise HpctError(f"sbatch --parsable printed {text.strip()!r}, not a job id")
-    return int(first)
+    try:
+        return check_job_id(text.strip().split(";")[0])
+    except HpctError:
+        raise HpctError(f"sbatch --parsable printed {shown(text.strip())}, not a job id") \
+            from None
 
 
 def parse_version(text: str) -> str:
     """`slurm-wlm 22.05.8` -> "22.05.8"."""
-    m = re.search(r"\b(\d+\.\d+\.\d+)\b", text)
+    m = re.search(r"\b([0-9]+\.[0-9]+\.[0-9]+)\b", text)  # ASCII: \d takes '٢' too
     if not m:
         raise HpctError(f"Slurm version output {text.strip()[:60]!r} has no version number")
     return m.group(1)

@@ -298,8 +298,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s(SPARES, "int", 1, (USER, ADMIN), "controller", "nodes of the allocation kept as warm "
        "spares; `sbatch --hpct-spares=` (plugstack.conf default_spares), `controller "
        "--spares` wins", lo=0, hi=UINT32_MAX, scope="controller"),
-    _s(PROGRESS_TIMEOUT_S, "seconds", 300.0, USER, "controller", "a running rank without a "
-       "completed step this long counts as hung (`controller --progress-timeout` wins)",
+    _s(PROGRESS_TIMEOUT_S, "seconds", 300.0, USER, ("controller", _RANK), "a running rank "
+       "without a completed step this long counts as hung (`controller --progress-timeout` "
+       "wins); the first step after each formation may wait this long in a collective (a "
+       "first compile, on a spare too), as the controller hands it to the ranks",
        scope="controller"),
     _s(ON_FENCED, "choice", "leave", ADMIN, "controller", "a node the controller fenced "
        "DOWN: `leave` it for the admin, or `reboot` it (`scontrol reboot ASAP "
@@ -619,6 +621,7 @@ class JobSettings:
     role: str = "active"
     store: str = "rootless"
     collective_timeout_s: float = 10.0
+    progress_timeout_s: float = 300.0
     init_timeout_s: float = 30.0
     recovery_mode: str = "auto"
     snapshot_every: int | None = None
@@ -642,6 +645,7 @@ class JobSettings:
                    run_dir=Path(require(env, RUN_DIR)),
                    role=read(env, ROLE), store=read(env, STORE),
                    collective_timeout_s=read(env, COLLECTIVE_TIMEOUT_S),
+                   progress_timeout_s=read(env, PROGRESS_TIMEOUT_S),
                    init_timeout_s=read(env, INIT_TIMEOUT_S),
                    recovery_mode=read(env, RECOVERY_MODE),
                    snapshot_every=read(env, SNAPSHOT_EVERY),

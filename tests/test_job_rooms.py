@@ -342,6 +342,31 @@ def test_a_formed_group_is_torn_down_to_nothing_and_forms_again(tmp_path,
     assert not dist.is_initialized()
 
 
+def test_the_first_step_after_a_formation_may_wait_as_long_as_the_controller_lets_it(
+        tmp_path, nothing_formed_after):
+    """A first step does more on some ranks (a compile on a cold cache, a spare's first
+    forward): its collectives wait as long as the controller lets a rank run without a step,
+    not the collective timeout, which would read the compile as a fault; from the first
+    step's end on, the collective timeout again, in every generation."""
+    def timeout() -> float:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+
+    group, _, _ = _group(tmp_path, collective_timeout_s=10.0, progress_timeout_s=300.0)
+    for generation in (0, 1):
+        group.form(P.Assign(generation, 0, 1, ["localhost"], 1, -1))
+        assert timeout() == 300.0
+        group.first_step_done()
+        assert timeout() == 10.0
+        group.first_step_done()  # the later steps leave it as it is
+        assert timeout() == 10.0
+        group.teardown()
+    short, _, _ = _group(tmp_path, collective_timeout_s=10.0, progress_timeout_s=5.0)
+    short.form(P.Assign(0, 0, 1, ["localhost"], 1, -1))
+    assert timeout() == 10.0  # never shorter than the collective timeout
+    short.teardown()
+
+
 def test_a_stop_that_came_before_the_formation_interrupts_it(tmp_path, nothing_formed_after):
     group, _, _ = _group(tmp_path)
     client = group.standing.client

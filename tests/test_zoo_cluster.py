@@ -1,6 +1,7 @@
 """Script shapes people write (hpct_slurm/examples/zoo.py), adopted as docs/adoption.md says,
 on the real local cluster: a BatchNorm CNN, a BatchNorm MLP with a hand-written Lion optimizer
-and an EMA that averages buffers, a causal LM with tied weights and a warm-up schedule. Each
+and an EMA that averages buffers, a compiled causal LM with tied weights and a warm-up
+schedule (the raw model registered, the compiled one in DDP). Each
 through a node crash and through an in-place fault raised after the step's forward (its peers
 are then in the gradient all-reduce, waiting for it): every registered object's whole state on
 every rank (parameters, BatchNorm's running statistics, optimizer moments, the EMA) is the one
@@ -32,7 +33,7 @@ def _states(run_dir) -> dict[int, str]:
     return {r: res["state_sha256"] for r, res in collect(run_dir, 4).items()}
 
 
-@pytest.mark.parametrize("shape", ["bn_cnn", "ema_lion", "tied_lm"])
+@pytest.mark.parametrize("shape", ["bn_cnn", "ema_lion", "compile_lm"])
 def test_a_script_shape_comes_back_bit_identical_from_a_crash_and_an_in_place_fault(
         cluster, tmp_path, shape):
     ref = tmp_path / "reference"

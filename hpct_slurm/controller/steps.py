@@ -90,6 +90,8 @@ class Steps:
             # them alone: hooks/task_prolog.CONTROLLER_OWNED)
             C.COLLECTIVE_TIMEOUT_S: str(self.o.collective_timeout_s),
             C.INIT_TIMEOUT_S: str(self.o.init_timeout_s),
+            # what a first step after a formation may wait in a collective (Generation.form)
+            C.PROGRESS_TIMEOUT_S: str(self.o.progress_timeout_s),
             C.PERSIST_EVERY: str(self.o.persist_every),
             # the data-parallel world, for a DistributedSampler built before job.run
             C.WORLD_SIZE: str(self.data_world),

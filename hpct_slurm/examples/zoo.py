@@ -9,8 +9,10 @@ bit-identical to its run without one, with nothing recomputed.
   SGD with momentum and a StepLR schedule;
 - `ema_lion`: a BatchNorm MLP, a hand-written Lion optimizer and an `AveragedModel` EMA that
   averages the buffers too (`use_buffers=True`), updated after every step;
-- `tied_lm`: a causal LM whose head shares the embedding's weight, AdamW with two parameter
-  groups (no decay for norms and biases), a warm-up then cosine `SequentialLR`, clipping.
+- `compile_lm`: a causal LM whose head shares the embedding's weight, compiled
+  (`torch.compile`, nanoGPT's way: the raw model registered and given to the optimizer, the
+  compiled one in DDP), AdamW with two parameter groups (no decay for norms and biases), a
+  warm-up then cosine `SequentialLR`, clipping.
 
 Each rank writes results/rank<N>.json: a digest of every registered object's whole state
 (parameters, buffers, optimizer moments, the EMA), so a buffer that came back different shows.
@@ -34,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpct_slurm.recovery import DistributedDataParallel as DDP, DistributedSampler, Job
 
-SHAPES = ("bn_cnn", "ema_lion", "tied_lm")
+SHAPES = ("bn_cnn", "ema_lion", "compile_lm")
 VOCAB, SEQ = 64, 16
 
 
@@ -101,8 +103,8 @@ class TiedLM(torch.nn.Module):
         return self.head(self.norm(h))
 
 
-def build(shape: str, steps: int) -> tuple[torch.nn.Module, Any, Any, dict, TensorDataset]:
-    """The shape's model, optimizer, scheduler, other registered state, and data."""
+def build(shape: str, steps: int) -> tuple[torch.nn.Module, Any, Any, dict]:
+    """The shape's model, optimizer, scheduler and other registered state."""
     torch.manual_seed(1234)  # every rank starts from the same weights
     if shape == "bn_cnn":
         model = torch.nn.Sequential(
@@ -110,15 +112,14 @@ def build(shape: str, steps: int) -> tuple[torch.nn.Module, Any, Any, dict, Tens
             torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
             torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(32, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return model, opt, torch.optim.lr_scheduler.StepLR(opt, 8, 0.7), {}, images()
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, 8, 0.7), {}
     if shape == "ema_lion":
         model = torch.nn.Sequential(
             torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
             torch.nn.ReLU(), torch.nn.Linear(32, 4))
         opt = Lion(model.parameters(), lr=3e-4, weight_decay=0.1)
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
-        return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps), \
-            {"ema": ema}, images()
+        return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps), {"ema": ema}
     model = TiedLM()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -127,12 +128,12 @@ def build(shape: str, steps: int) -> tuple[torch.nn.Module, Any, Any, dict, Tens
     warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4)
     cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps - 4))
     sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[4])
-    return model, opt, sched, {}, tokens()
+    return model, opt, sched, {}
 
 
 def loss_of(shape: str, ddp: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = ddp(x)
-    if shape == "tied_lm":
+    if shape == "compile_lm":
         return F.cross_entropy(out.flatten(0, 1), y.flatten())
     return F.cross_entropy(out, y)
 
@@ -163,6 +164,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     ap.add_argument("--workers", type=int, default=0, help="the DataLoader's worker processes")
+    ap.add_argument("--compile-backend", default="aot_eager",
+                    help="compile_lm's torch.compile backend (inductor: a C++ compile per "
+                         "process, about a minute on a small CPU)")
     ap.add_argument("--out", default=".", help="where results/rank<N>.json go")
     # Faults, in generation 0 only, on --fault-rank: an exception in the step's backward
     # (its peers are then in the gradient all-reduce, waiting for it) or a SIGKILL
@@ -172,12 +176,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    data_len = len(images()) if args.shape != "tied_lm" else len(tokens())
-    steps = args.epochs * (data_len // (args.batch * int(os.environ.get("HPCT_WORLD_SIZE", 4))))
-    model, opt, sched, extra, data = build(args.shape, steps)
-    ddp = DDP(model)
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    data = tokens() if args.shape == "compile_lm" else images()
+    sampler = DistributedSampler(data, shuffle=True, seed=0)  # the job's world size, known
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
+    model, opt, sched, extra = build(args.shape, args.epochs * len(loader))
+    ddp = DDP(torch.compile(model, backend=args.compile_backend)
+              if args.shape == "compile_lm" else model)
     job = Job(model, opt, sched, seed=0, **extra)
     ema = extra.get("ema")
 

@@ -122,6 +122,7 @@ class Generation:
         self.teardown_bg: Background | None = None  # the broken group's, since the fault
         # The model whose parameters carry the hooks that abandon a doomed step (_abandon)
         self._hooked: torch.nn.Module | None = None
+        self._first_step = False  # its collectives wait longer (_open_first_step)
 
     def key(self, rank: int) -> int:
         """`rank`'s shard key: ranks with the same key hold the same shared state (every rank
@@ -199,6 +200,28 @@ class Generation:
             dist.distributed_c10d.default_pg_timeout = datetime.timedelta(
                 seconds=self.settings.collective_timeout_s)
         self.hook_model()
+        self._open_first_step()
+
+    # ---- the first step after a formation ------------------------------------------------
+    def _open_first_step(self) -> None:
+        """The first step after a formation does more than the others, on some ranks only: a
+        compile on a cold cache (torch.compile: 51 s for a small LM on this project's CPU), a
+        spare's first forward, lazy allocations. Its peers wait for it in their first
+        collective, and a wait past the collective timeout would read as a fault (a job
+        restarted in place from creation, a spare's compile cost two extra rounds). So the
+        world group's collectives wait in the first step as long as the controller lets a
+        rank run without a step (HPCT_PROGRESS_TIMEOUT_S), the bound it already holds a
+        compiling rank to; a peer lost meanwhile is cut by the STOP, never waited for."""
+        s = self.settings
+        self._first_step = s.progress_timeout_s > s.collective_timeout_s
+        if self._first_step:
+            pg.set_collective_timeout(s.progress_timeout_s)
+
+    def first_step_done(self) -> None:
+        """After the first step of a generation: its collectives' usual timeout again."""
+        if self._first_step:
+            self._first_step = False
+            pg.set_collective_timeout(self.settings.collective_timeout_s)
 
     def on_gpu(self) -> bool:
         """Whether this rank trains on a GPU: a sharded job built on "cuda", or a model whose
@@ -345,11 +368,19 @@ class Generation:
         self._build = build
 
     # ---- DDP and gradients ----------------------------------------------------------------
-    def ddp(self, **options: Any) -> "torch.nn.parallel.DistributedDataParallel":
+    def ddp(self, wrapping: torch.nn.Module | None = None,
+            **options: Any) -> "torch.nn.parallel.DistributedDataParallel":
         """The model in DDP for this generation (job.ddp), made at the first call; from then
         on made again at every formation (`renew_ddp`). `options`: torch DDP's keyword
         arguments (device_ids, find_unused_parameters, ...), given by the drop-in
-        `DistributedDataParallel` (ddp.py)."""
+        `DistributedDataParallel` (ddp.py); `wrapping`: the module it wraps, the registered
+        model or torch.compile's module of it (state.same_model).
+
+        The DDP is made for the registered model, then runs `wrapping`'s forward: both hold
+        the very same parameters and buffers, so DDP's hooks and the reduction are the same,
+        and no DDP is made again for it. Making one is collective: a rank that made one more
+        than its peers (the inline form's main() compiles the model anew after a fault) would
+        wait for them forever."""
         self._want_ddp = True
         if options:
             self._ddp_options = options
@@ -358,6 +389,8 @@ class Generation:
                 raise HpctError("job.ddp is only available inside job.run(...)")
             self._ddp = _fixed_order_ddp(self.model, self.standing.client, self._ddp_options,
                                          lambda: self.policy.carry)
+        if wrapping is not None and wrapping is not self._ddp.module:
+            self._ddp.module = wrapping
         return self._ddp
 
     def ddp_for(self, module: torch.nn.Module, options: dict[str, Any]

@@ -49,6 +49,14 @@ def default_scope(name: str, obj: Any) -> Scope:
     return "rank"
 
 
+def same_model(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are one model: the same module, or one is torch.compile's wrapper
+    of the other (an OptimizedModule keeps the module it compiles as `_orig_mod`, with the
+    very same parameters and buffers). Scripts register either and wrap either in DDP."""
+    return a is b or (a is not None and b is not None and (
+        getattr(a, "_orig_mod", None) is b or getattr(b, "_orig_mod", None) is a))
+
+
 def local_ptr(t: torch.Tensor) -> int:
     """The address of a tensor's data: a DTensor's local shard's."""
     return (t.to_local() if is_dtensor(t) else t).data_ptr()

@@ -23,7 +23,7 @@ class Stepping:
     """The frame of each training step (a piece of Job, job.py)."""
 
     # What it uses of the Job: loop, client, events, seed, rank, generation, data_ranks,
-    # data_world, run_dir, optimizer, _losses, _backfill, _policy, _integrity and
+    # data_world, run_dir, optimizer, _losses, _backfill, _policy, _integrity, _group and
     # allreduce_gradients.
 
     @property
@@ -75,6 +75,7 @@ class Stepping:
     def _end_step(self, step: int, out: Any = None) -> None:
         """After a step: its snapshot when one is due, the report to the controller."""
         self._updating = False  # the next step's forward and backward may be abandoned again
+        self._group.first_step_done()
         if isinstance(out, (int, float)):
             self._losses[step] = float(out)
         self._policy.end_step(step)

@@ -182,6 +182,12 @@ def init(info: RendezvousInfo, store: dist.Store, backend: str = "gloo",
     return group
 
 
+def set_collective_timeout(seconds: float) -> None:
+    """The formed world group's collectives wait this long from now on (gloo's pairs keep
+    the timeout they were made with: see _pair_timeout)."""
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), dist.group.WORLD)
+
+
 def wake_connecting() -> tuple[int, int]:
     """For the thread that receives a STOP: wake every gloo pair of the formation in progress
     in this process that still waits in native code for its peer (gloo_wake.py), so that

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from hpct_slurm import protocol as P
 from hpct_slurm.controller.connections import Conn, refusal
 from hpct_slurm.controller.slowness import Figure, drain_reason, find_slow, node_figures
 from hpct_slurm.events import RankState
+from hpct_slurm.recovery.loop import StepLoop
 from hpct_slurm.recovery.own_time import DeviceOwnTime, OwnTime
 from hpct_slurm.spares.pool import loop_stage, slow_drained
 from test_controller_fast import FakeCluster, run
@@ -23,9 +25,11 @@ from test_lifecycle_fast import node
 # ---- a rank's own time --------------------------------------------------------------------
 
 def steps(meter: OwnTime, own: list[float], wait: float, generation: int = 0,
-          t0: float = 100.0, first: bool = True) -> float:
+          t0: float = 100.0, first: bool = True, after: float = 0.0,
+          fetch: float = 0.0) -> float:
     """Steps of `own` seconds of own work, each followed by `wait` seconds in a collective,
-    from `t0`; `first`: the generation's first step ends at t0 (else the step before did)."""
+    then `after` seconds of work after it and a `fetch` of the next batch, from `t0`;
+    `first`: the generation's first step ends at t0 (else the step before did)."""
     t = t0
     if first:
         meter.step_ends(generation, t)
@@ -34,6 +38,9 @@ def steps(meter: OwnTime, own: list[float], wait: float, generation: int = 0,
         meter.wait_begins(t)
         t += wait
         meter.wait_ends(t)
+        t += after + fetch
+        if fetch:
+            meter.fetched(fetch)
         meter.step_ends(generation, t)
     return t
 
@@ -74,7 +81,45 @@ def test_nested_waits_count_once():
     m.wait_ends(0.5)
     m.wait_ends(0.6)  # an unmatched end (a wait from before the window) subtracts nothing
     m.step_ends(0, 1.0)
-    assert m.figure == (pytest.approx(0.6), 1)
+    assert m.figure == (pytest.approx(0.1), 1)  # to the outer wait's end, less its 0.4 s
+
+
+def test_work_after_the_last_collective_is_not_own_time_but_the_next_batch_fetch_is():
+    # rank 0 evaluates (or logs, or writes a checkpoint) after its update, alone: 0.8 s a
+    # step its peers then wait for at the next collective, as for a slow node
+    evaluating, peer = OwnTime(window=5), OwnTime(window=5)
+    steps(evaluating, [0.1] * 5, wait=0.02, after=0.8)
+    steps(peer, [0.1] * 5, wait=0.82)
+    assert evaluating.figure == (pytest.approx(0.1), 5) == peer.figure
+    # job.steps fetches the next batch before it ends a step: a slow loader still shows
+    loading = OwnTime(window=5)
+    steps(loading, [0.1] * 5, wait=0.02, after=0.01, fetch=0.05)
+    assert loading.figure == (pytest.approx(0.15), 5)
+    # a fetch before the step's collective is inside its count already, not added again
+    early = OwnTime(window=3)
+    early.step_ends(0, 0.0)
+    early.fetched(0.05)
+    early.wait_begins(0.15), early.wait_ends(0.2)
+    early.step_ends(0, 0.3)
+    assert early.figure == (pytest.approx(0.15), 1)
+    # no wait seen in a step (a script reducing its own gradients): the whole step counts
+    blind = OwnTime(window=3)
+    blind.step_ends(0, 0.0)
+    blind.step_ends(0, 0.9)
+    assert blind.figure == (pytest.approx(0.9), 1)
+
+
+def test_the_scripts_loop_times_each_batch_it_fetches():
+    fetched: list[float] = []
+    loop = StepLoop(lambda step: None, lambda: None, lambda step: None,
+                    lambda given=None: (0, 1), fetched.append)
+
+    def slow_loader():
+        for i in range(3):
+            time.sleep(0.02)
+            yield i
+    assert list(loop.steps(slow_loader())) == [0, 1, 2]
+    assert len(fetched) == 3 and min(fetched) >= 0.02
 
 
 class MockCudaEvent:
@@ -111,6 +156,21 @@ def test_on_a_gpu_the_events_time_a_step_once_the_gpu_reached_its_end():
     MockCudaEvent.queue = [5.0]
     m.step_ends(1, 99.7)                          # a new generation: nothing pending is read
     assert m.figure == (-1.0, 0) and not m._pending
+
+
+def test_on_a_gpu_work_after_the_last_collective_is_not_own_time_but_a_fetch_is():
+    MockCudaEvent.now, MockCudaEvent.queue = 10.0, []
+    m = DeviceOwnTime(window=5, event=MockCudaEvent)
+    # 0.2 s own, a 0.1 s wait, then 0.9 s of rank 0's evaluation; a 0.05 s fetch the host
+    # timed after it, in the second step
+    MockCudaEvent.queue = [0.0, 0.2, 0.3, 1.2, 1.4, 1.5, 2.45]
+    m.step_ends(0, 0.0)
+    m.wait_begins(0.0), m.wait_ends(0.0)
+    m.step_ends(0, 0.0)
+    m.wait_begins(0.0), m.wait_ends(0.0)
+    m.fetched(0.05)
+    m.step_ends(0, 0.0)
+    assert m.figure == (pytest.approx(0.25), 2)   # samples 0.2 and 0.25
 
 
 # ---- which node is slow -------------------------------------------------------------------

@@ -17,8 +17,8 @@ What does not count as slow, on purpose:
   new window at a generation: a replacement, a survivor that took over more work);
 * a difference below MIN_EXCESS_S per step: on a step of a few milliseconds a ratio is noise;
 * a figure that cannot be a measurement (`screen`): not finite, or more own time than the
-  generation has lasted. A rank's heartbeat is authenticated, not checked: a bug or a clock
-  that jumped once reported 1e308 s and read as "inf x job median". Its node is not judged;
+  generation has lasted. An authenticated rank can still send any number: one that reported
+  1e308 s read as "inf x job median" and drained its node. Its node is not judged;
 * a reference of zero: the other nodes measured nothing to compare with.
 
 Found slow is not yet slow (`Hold`): on a machine whose cores are shared (a loaded local

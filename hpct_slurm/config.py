@@ -314,15 +314,21 @@ SETTINGS: tuple[Setting, ...] = (
        "covers a spare's Python and torch start on a cold filesystem, a pool companion's "
        "scheduling and a stopped slurmstepd's 10 s cancel; a requeue costs far more (a "
        "restart from the last persisted snapshot). 0: never wait", lo=0, scope="controller"),
-    # Fail-slow (issue 47, controller/slowness.py): 1.2 x over 50 steps. A median over 50
-    # steps ignores up to 24 slow ones (a checkpoint, a hiccup); 20 % is past the step-to-step
-    # spread of a healthy job (a few %, docs/benchmarks.md) and costs a 1,000-node job 200
-    # node-equivalents while it lasts, against a planned move's second.
-    _s(FAILSLOW, "choice", "move", (USER, ADMIN), "controller", "a node whose own time per "
+    # Fail-slow (issue 47, controller/slowness.py): 1.2 x over 50 steps, held 50 more. A
+    # median over 50 steps ignores up to 24 slow ones (a checkpoint, a hiccup); 20 % is past
+    # the step-to-step spread of a healthy job (a few %, docs/benchmarks.md) and costs a
+    # 1,000-node job 200 node-equivalents while it lasts, against a planned move's second.
+    # `report` by default: own time cannot tell a slower node from a rank the script gives
+    # more to do before its step's last collective, and a drain outlives the job.
+    _s(FAILSLOW, "choice", "report", (USER, ADMIN), "controller", "a node whose own time per "
        "step stays above HPCT_SLOW_RATIO x the other nodes' median over HPCT_SLOW_WINDOW "
-       "steps: `move` says so (node.slow), drains it with the reason and moves its ranks onto "
-       "a ready warm spare (without one it trains on, drained); `report`: the event only; "
-       "`off`: nothing", choices=("move", "report", "off"), scope="controller"),
+       "steps, and holds over HPCT_SLOW_WINDOW more that the job's step rate shows: "
+       "`report` says so (node.slow); `move` also drains it with what was measured and moves "
+       "its ranks onto a ready warm spare (without one it trains on, drained); `off`: "
+       "nothing. Not `move` by default: a rank that does more than its peers before its "
+       "step's last collective (rank 0 evaluating or logging at the top of a step) reads as "
+       "a slow node, and a drained node stays out of every later job until an admin returns "
+       "it", choices=("move", "report", "off"), scope="controller"),
     _s(SLOW_RATIO, "ratio", 1.2, (USER, ADMIN), "controller", "how many times the other "
        "nodes' median a node's own time per step must be to count as slow", scope="controller"),
     _s(SLOW_WINDOW, "int", 50, (USER, ADMIN, CONTROLLER), ("controller", _RANK), "steps a "

@@ -93,6 +93,8 @@ class Ev(_Name):
     SLURM_COMMENT = "slurm.comment"
     NODE_REBOOT = "node.reboot"
     NODE_SLOW = "node.slow"
+    NODE_SLOW_DISMISSED = "node.slow_dismissed"
+    NODE_SLOW_FIGURE_REFUSED = "node.slow_figure_refused"
 
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"

@@ -35,22 +35,23 @@ def _old_fields(r) -> dict:
 
 def test_a_hand_computed_episode():
     # checkpoint-restart: 2 h at 1/1.25 of the speed = 7200 s x 0.2 = 1440 s lost;
-    # hpct-slurm: 50 steps of 4 s x 1.25 = 250 s to detect, x 0.2 = 50 s, + 0.5 s move
+    # hpct-slurm: 50 steps, held 50 more, of 4 s x 1.25 = 500 s to detect, x 0.2 = 100 s,
+    # + 0.5 s move
     assert EPISODE.undetected_lost_s() == pytest.approx(1440)
-    assert EPISODE.detect_s() == pytest.approx(250)
-    assert EPISODE.moved() and EPISODE.moved_lost_s() == pytest.approx(50.5)
+    assert EPISODE.detect_s() == pytest.approx(500)
+    assert EPISODE.moved() and EPISODE.moved_lost_s() == pytest.approx(100.5)
     # 80 GPUs = 10 nodes, no failures, spares to spare: 0.01 episodes an hour
     p = replace(HAND, node_fail_per_hour=0.0, spares=100, failslow=EPISODE)
     r = evaluate(80, p)
     assert r.failslow_per_hour == pytest.approx(0.01)
     assert r.ckpt_restart_failslow_loss == pytest.approx(0.01 * 1440 / 3600)  # 0.4 % of wall
-    assert r.hpct_failslow_lost_s == pytest.approx(50.5)
-    assert r.hpct_failslow_loss == pytest.approx(0.01 * 50.5 / 3600)
+    assert r.hpct_failslow_lost_s == pytest.approx(100.5)
+    assert r.hpct_failslow_loss == pytest.approx(0.01 * 100.5 / 3600)
     # goodput = (1 - loss) / ((1 + c/tau)(1 + r)); hpct-slurm's fallback checkpoints are daily
     # (no failures: Young/Daly asks for never, capped at 24 h)
     assert r.ckpt_restart_goodput == pytest.approx((1 - 0.004) / (1 + 20 / 1800))
     assert r.hpct_ckpt_interval_min == 1440
-    assert r.hpct_goodput == pytest.approx((1 - 0.01 * 50.5 / 3600)
+    assert r.hpct_goodput == pytest.approx((1 - 0.01 * 100.5 / 3600)
                                            / ((1 + 20 / 86400) * 1.03))
 
 
@@ -88,9 +89,10 @@ def test_detection_time_scales_with_the_window():
     def lost(window):
         fs = replace(EPISODE, window_steps=window)
         return evaluate(80, replace(HAND, spares=100, failslow=fs)).hpct_failslow_lost_s
-    # each extra step of the window is one more slowed step: step_s x slowdown x (1 - 1/s)
-    assert lost(100) - lost(50) == pytest.approx(50 * 4 * (1.25 - 1))
-    assert lost(200) - lost(100) == pytest.approx(100 * 4 * (1.25 - 1))
+    # each extra step of the window is two more slowed steps (the window, then the hold):
+    # step_s x slowdown x (1 - 1/s) each
+    assert lost(100) - lost(50) == pytest.approx(2 * 50 * 4 * (1.25 - 1))
+    assert lost(200) - lost(100) == pytest.approx(2 * 100 * 4 * (1.25 - 1))
     # a window longer than the episode finds nothing: hpct-slurm loses what the baseline does
     long = replace(EPISODE, window_steps=2000)  # 2000 x 5 s > 2 h
     assert not long.moved()
@@ -171,9 +173,9 @@ def test_cli_flags_reach_the_model(capsys):
         "window_steps": 20, "threshold": 1.5, "move_pause_s": 1.0}
     assert doc["failslow_per_hour"] == pytest.approx(288 * 0.001)
     assert doc["ckpt_restart_failslow_lost_s"] == pytest.approx(3 * 3600 * 0.5)
-    # 20 steps x 2 s x 2 = 80 s, half of it lost, + 1 s; with the odd fallback mixed in
+    # 20 + 20 steps x 2 s x 2 = 160 s, half of it lost, + 1 s; with the odd fallback mixed in
     q = doc["hpct_fallback_fraction"]
-    assert doc["hpct_failslow_lost_s"] == pytest.approx((1 - q) * 41 + q * 5400)
+    assert doc["hpct_failslow_lost_s"] == pytest.approx((1 - q) * 81 + q * 5400)
 
 
 def test_cli_rate_zero_is_the_old_table(capsys):
@@ -190,7 +192,7 @@ def test_cli_text_says_what_an_episode_costs(capsys):
     assert main(["goodput", "--gpus", "2304", "--failslow-slowdown", "1.25",
                  "--failslow-undetected-hours", "2", "--step-s", "4"]) == 0
     out = capsys.readouterr().out
-    assert "ckpt-restart loses 1440 s" in out and "found in 50 steps = 250 s" in out
+    assert "ckpt-restart loses 1440 s" in out and "found in 50 + 50 steps = 500 s" in out
 
 
 @pytest.mark.parametrize("flag,value", [

@@ -150,7 +150,8 @@ def test_restores_into_a_survivor_and_a_newcomer_are_bit_identical_and_stay_on_t
 
 def test_a_ranks_own_time_on_the_gpu_leaves_out_its_waits():
     """Fail-slow (issue 47): on a GPU the own time per step is timed with CUDA events, the
-    GPU's busy time outside the waits, not the host's (which runs ahead of the GPU)."""
+    GPU's busy time up to the step's last wait and outside the waits, not the host's (which
+    runs ahead of the GPU); what follows the last wait (rank 0's evaluation) is left out."""
     from hpct_slurm.recovery.own_time import DeviceOwnTime
 
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -166,9 +167,11 @@ def test_a_ranks_own_time_on_the_gpu_leaves_out_its_waits():
         m.wait_begins(0.0)
         torch.cuda._sleep(3 * cycles)      # "waiting" for a peer: three times as long
         m.wait_ends(0.0)
+        torch.cuda._sleep(2 * cycles)      # work after its last collective: not its own
         m.step_ends(0, 0.0)
     torch.cuda.synchronize()
     m.step_ends(0, 0.0)                    # reads every step the GPU has finished
     own, n = m.figure
     assert n == 5
     assert 0.01 < own < 0.04, own          # ~20 ms: its own work only, not the 60 ms wait
+                                           # nor the 40 ms after it

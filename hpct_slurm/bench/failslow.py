@@ -5,9 +5,10 @@ The demo job (4 active nodes + 1 warm spare, one rank per node) trains with a st
 longer loading each step's data (examples/train.py --slow-node: a real delay in that rank's own
 time; nothing the controller reads), so every rank waits for it at each gradient all-reduce.
 For each factor F the same job runs twice:
-  on   the default settings (HPCT_FAILSLOW=move): the controller should name n2 in `node.slow`
-       once its own time per step stays above HPCT_SLOW_RATIO x the others' median for a
-       window, drain it and move its rank onto the spare (move.requested .. move.done);
+  on   HPCT_FAILSLOW=move, the ratio and window at their defaults: the controller should name
+       n2 in `node.slow` once its own time per step stays above HPCT_SLOW_RATIO x the others'
+       median for a window and holds over a window more, drain it and move its rank onto the
+       spare (move.requested .. move.done);
   off  HPCT_FAILSLOW=off: nothing measured or acted on; the job runs at n2's pace to the end;
 plus one reference run with no slowdown (detection on: it must name nobody), whose final
 parameters every run is compared with bit for bit, and whose median step time is the yardstick
@@ -65,13 +66,14 @@ class Config:
     timeout_s: float = 900.0
 
 
-# A rank's figure is a median over its window, so a slowed node shows once more than half of
-# its window is slow: with the default 50 steps, about 26 steps after the slowdown starts. 200
-# steps of ~0.3 s leave well over 100 steps after the move to measure. The step is mostly the
-# sleep, so a rank's own time grows by nearly the factor (the MLP's compute and the snapshot
-# do not grow); 1.1x is below the default 1.2 ratio on purpose.
-FULL = Config(steps=200, slow_from=40, factors=(1.1, 1.25, 2.0), step_sleep=0.3)
-QUICK = Config(steps=120, slow_from=20, factors=(2.0, 1.25), step_sleep=0.25)
+# A rank's figure is a median over its window, so a slowed node is found once more than half
+# of its window is slow: with the default 50 steps, about 26 steps after the slowdown starts,
+# and named once that has held for 50 more (controller/slowness.Hold). 250 steps of ~0.3 s
+# leave well over 100 steps after the move to measure. The step is mostly the sleep, so a
+# rank's own time grows by nearly the factor (the MLP's compute and the snapshot do not
+# grow); 1.1x is below the default 1.2 ratio on purpose.
+FULL = Config(steps=250, slow_from=40, factors=(1.1, 1.25, 2.0), step_sleep=0.3)
+QUICK = Config(steps=160, slow_from=20, factors=(2.0, 1.25), step_sleep=0.25)
 
 
 # ---- what one run's events say (pure) ---------------------------------------------------------
@@ -217,7 +219,7 @@ def _env(cfg: Config, detection: bool) -> dict[str, str]:
     env = {config.ACTIVE_NODES: str(ACTIVE), config.SPARE_NODES: str(SPARES)}
     if cfg.window is not None:
         env[config.SLOW_WINDOW] = str(cfg.window)
-    # the local cluster only reports by default (localcluster/jobs.LOCAL_DEFAULTS)
+    # fail-slow only reports by default: the 'on' runs ask for the move
     env[config.FAILSLOW] = "move" if detection else "off"
     return env
 

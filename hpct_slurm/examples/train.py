@@ -81,6 +81,10 @@ def main() -> None:
                          "position and before the collective (a window to crash a node in)")
     ap.add_argument("--slow-s", type=float, default=2.0)
     slowdown.add_arguments(ap)
+    ap.add_argument("--rank0-eval-s", type=float, default=0.0, metavar="S",
+                    help="rank 0 alone spends S more seconds in every step, after its update "
+                         "(an evaluation, logging, a checkpoint write): the others wait for it "
+                         "at the next step's collective, yet its node is not slow")
     ap.add_argument("--fail-before-start", action="store_true",
                     help="test: raise before building the Job, on every rank (a script error)")
     ap.add_argument("--position", action="store_true",
@@ -131,6 +135,12 @@ def main() -> None:
         return args.step_sleep if later is None or job.generation == 0 else later
 
     def train_step(step: int) -> float:  # hpct: one optimizer step
+        loss = update(step)
+        if args.rank0_eval_s and job.rank == 0:
+            time.sleep(args.rank0_eval_s)
+        return loss
+
+    def update(step: int) -> float:
         inject(step)
         slowdown.load_delay(args, job.node, step, step_sleep())
         position.advance(job.rank, args.batch)

@@ -142,7 +142,8 @@ def _failslow_line(params) -> str:
             f"until noticed), hpct-slurm ")
     if not fs.moved():
         return head + (f"the same: not moved (slowdown <= threshold {fs.threshold:g}, or over "
-                       f"before {fs.window_steps} steps)")
+                       f"before {2 * fs.window_steps} steps)")
     src = params.measured.get("failslow.move_pause_s", "defaults.json")
-    return head + (f"{fs.moved_lost_s():.1f} s with a spare (found in {fs.window_steps} steps "
-                   f"= {fs.detect_s():.0f} s, move {fs.move_pause_s:g} s from {src})")
+    return head + (f"{fs.moved_lost_s():.1f} s with a spare (found in {fs.window_steps} + "
+                   f"{fs.window_steps} steps = {fs.detect_s():.0f} s, move {fs.move_pause_s:g} "
+                   f"s from {src})")

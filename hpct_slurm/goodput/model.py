@@ -153,8 +153,9 @@ class FailSlow:
     undetected_hours  how long an episode lasts when nothing moves the node out: until a
                       person notices or the node fails outright (checkpoint-restart's case)
     step_s            the job's healthy step time, seconds
-    window_steps, threshold  hpct-slurm's detector: a node above threshold x the job's median
-                      for window_steps steps is moved onto a warm spare
+    window_steps, threshold  hpct-slurm's detector with HPCT_FAILSLOW=move (the default only
+                      reports): a node above threshold x the job's median for window_steps
+                      steps, held for window_steps more, is moved onto a warm spare
     move_pause_s      the planned move's pause (measured: `hpct-slurm bench move`)
     """
 
@@ -190,14 +191,15 @@ class FailSlow:
         return self.undetected_hours * 3600 * self._lost_per_wall_s()
 
     def detect_s(self) -> float:
-        """Wall time until hpct-slurm's detector names the node: its window of steps, each
-        taking the slowed step time."""
-        return self.window_steps * self.step_s * self.slowdown
+        """Wall time until hpct-slurm's detector names the node: its window of steps, then
+        the hold over as many more, each taking the slowed step time."""
+        return 2 * self.window_steps * self.step_s * self.slowdown
 
     def moved(self) -> bool:
         """Whether hpct-slurm moves the node out: the job's slowdown stands for the node's own
         ratio to the median (the node's compute is slowed at least as much as the job's step,
-        so this errs towards not detecting), and the episode must outlast the window."""
+        so this errs towards not detecting), and the episode must outlast the window and the
+        hold."""
         return self.slowdown > self.threshold and self.detect_s() < self.undetected_hours * 3600
 
     def moved_lost_s(self) -> float:

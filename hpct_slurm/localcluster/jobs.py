@@ -82,13 +82,6 @@ def fresh_work_dir(root: Path, name: str) -> Path:
     return root / name / time.strftime("%Y%m%d-%H%M%S")
 
 
-# The local cluster's nodes share one machine's cores, so their own times per step are not
-# independent: under load one node's can sit 20 % above the others' for 50 steps with nothing
-# wrong with it (seen in CI: ratio 1.201 on an unslowed FSDP job). Fail-slow only reports here
-# unless a job asks for moves (tests/test_failslow_cluster.py, bench failslow).
-LOCAL_DEFAULTS = {"HPCT_FAILSLOW": "report"}
-
-
 def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
            nodes: int | str = NODES, env: dict[str, str] | None = None) -> int:
     """Submit `script ARGS...` on `nodes` nodes with `run_dir` as its run dir (HPCT_RUN_DIR)
@@ -100,7 +93,7 @@ def submit(cluster: LocalCluster, run_dir: Path, script: Path, args: list[str],
     run_dir.mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
     env = {"HPCT_BIN": str(bindir / "hpct-slurm"), "HPCT_PYTHON": sys.executable,
-           "HPCT_RUN_DIR": str(run_dir), **LOCAL_DEFAULTS, **(env or {})}
+           "HPCT_RUN_DIR": str(run_dir), **(env or {})}
     return cluster.client().sbatch(script, options=[
         f"--nodes={nodes}", f"--output={run_dir / 'slurm-%j.out'}", f"--chdir={run_dir}"],
         script_args=args, env=env)

@@ -167,7 +167,7 @@ class Job(InlineForm, RankRound, Stepping):
         # The position of a loop the script writes itself (job.epochs / job.steps): the same
         # on every rank, so shared state, restored with the model.
         self.loop = StepLoop(self._seed_step, self._check_stop, self._end_step,
-                             self._shard)
+                             self._shard, lambda seconds: self.client.own.fetched(seconds))
         self.state.register(scope="shared", **{LOOP_NAME: self.loop.position})
         # Plain data parallelism: every rank holds the whole model and optimizer, so the
         # just-in-time path applies: no steady-state copies of the big state to a peer, a

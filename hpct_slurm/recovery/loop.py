@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -142,10 +143,14 @@ class StepLoop:
 
     def __init__(self, seed: Callable[[int], None], check: Callable[[], None],
                  end: Callable[[int], None],
-                 shard: Callable[[tuple[int, int] | None], tuple[int, int]]) -> None:
+                 shard: Callable[[tuple[int, int] | None], tuple[int, int]],
+                 fetched: Callable[[float], None] = lambda seconds: None) -> None:
         self.position = LoopPosition()
         self.step = 0               # the step in progress, or the next one
         self._seed, self._check, self._end, self._shard = seed, check, end, shard
+        # how long each batch took to come: the rank's own time (own_time.py), though it
+        # falls after the step's collectives
+        self._fetched = fetched
         self._pending: int | None = None   # a step whose batch is out and not yet ended
         self._pass_open = False            # job.steps already ran in this epoch
 
@@ -200,10 +205,12 @@ class StepLoop:
             return
         while True:
             self._seed(self.step if self._pending is None else self._pending + 1)
+            t0 = time.monotonic()
             try:
                 batch = next(batches)
             except StopIteration:
                 return  # the last step stays pending: see the class docstring
+            self._fetched(time.monotonic() - t0)
             if self._pending is not None:
                 self.position.batch += 1
                 self._end_pending()

@@ -3,18 +3,21 @@ parameter flips between two steps (HPCT_FAULT_FLIP_RANK/STEP: silent data corrup
 else happens). At the next full commit the replicas' digests disagree: the group rolls back
 to the last commit they agreed on, recomputes the steps since (counted), the diverging node
 is moved onto the warm spare and drained with the reason, and the run ends bit-identical to
-one without the flip."""
+one without the flip. A flip after the last full commit is found by the last comparison,
+before the job ends."""
 from __future__ import annotations
 
 import sys
 
 import pytest
 
-from hpct_slurm.localcluster.jobs import (TEMPLATE, bitwise_equal, collect, controller_events,
-                                          rank_events, recomputed_steps, submit, wait_job)
+from hpct_slurm.localcluster.jobs import (TEMPLATE, UNPACED, bitwise_equal, collect,
+                                          controller_events, rank_events, recomputed_steps,
+                                          submit, wait_job)
 
 pytestmark = pytest.mark.cluster
 STEPS, EVERY, FLIP_AT, WORLD = 64, 16, 20, 4   # full commits at 0, 16, 32, 48
+LAST_COMMIT = (STEPS - 1) // EVERY * EVERY
 ENV = {"HPCT_SNAPSHOT_EVERY": str(EVERY)}
 
 
@@ -23,18 +26,32 @@ def _train() -> list[str]:
             "--step-sleep", "0.1"]
 
 
+def _flip(at: int) -> dict[str, str]:
+    return {**ENV, "HPCT_FAULT_FLIP_RANK": "1", "HPCT_FAULT_FLIP_STEP": str(at)}
+
+
+@pytest.fixture(scope="module")
+def reference(_session_cluster, tmp_path_factory) -> dict[int, dict]:
+    """The run without a flip, which every flipped run must end equal to."""
+    _session_cluster.heal()
+    ref = tmp_path_factory.mktemp("crosscheck") / "reference"
+    wait_job(_session_cluster, submit(_session_cluster, ref, TEMPLATE, [*_train(), *UNPACED],
+                                      env=ENV), ref, 240, label="crosscheck-reference")
+    return collect(ref, WORLD)
+
+
+def _diverged(run) -> list[dict]:
+    return [e for e in rank_events(run) if e["event"] == "replica.diverged"]
+
+
 def test_a_flipped_bit_is_found_at_the_next_full_commit_rolled_back_and_moved_out(
-        cluster, tmp_path):
-    ref = tmp_path / "reference"
-    wait_job(cluster, submit(cluster, ref, TEMPLATE, _train(), env=ENV), ref, 240,
-             label="crosscheck-reference")
+        cluster, reference, tmp_path):
     run = tmp_path / "flip"
-    jid = submit(cluster, run, TEMPLATE, _train(),
-                 env={**ENV, "HPCT_FAULT_FLIP_RANK": "1", "HPCT_FAULT_FLIP_STEP": str(FLIP_AT)})
+    jid = submit(cluster, run, TEMPLATE, _train(), env=_flip(FLIP_AT))
     wait_job(cluster, jid, run, 240, label="crosscheck-flip")
     # the final state (and every loss a result keeps) is the uninterrupted run's
-    assert bitwise_equal(collect(ref, WORLD), collect(run, WORLD))
-    diverged = [e for e in rank_events(run) if e["event"] == "replica.diverged"]
+    assert bitwise_equal(reference, collect(run, WORLD))
+    diverged = _diverged(run)
     detected = EVERY * (FLIP_AT // EVERY + 1)  # the first full commit after the flip
     assert {(e["rank"], e["this_rank"]) for e in diverged} == {(0, False), (1, True)}
     assert all(e["step"] == detected and e["diverged"] == [1] and e["rollback_to"] ==
@@ -56,3 +73,19 @@ def test_a_flipped_bit_is_found_at_the_next_full_commit_rolled_back_and_moved_ou
     info = cluster.client().show_node(victim)
     assert "DRAIN" in info.flags and "silent data corruption" in (info.reason or "")
     assert not [e for e in rank_events(run) if e["event"] == "restore.unproven"]
+
+
+def test_a_bit_flipped_after_the_last_full_commit_is_found_before_the_job_ends(
+        cluster, reference, tmp_path):
+    """The job's last step is no full commit: the replicas compare once more at the end,
+    before any rank reports done, so the flip is rolled back like one found at a commit."""
+    late = LAST_COMMIT + 4
+    run = tmp_path / "late-flip"
+    wait_job(cluster, submit(cluster, run, TEMPLATE, _train(), env=_flip(late)), run, 240,
+             label="crosscheck-late-flip")
+    assert bitwise_equal(reference, collect(run, WORLD))
+    diverged = _diverged(run)
+    assert {(e["rank"], e["this_rank"]) for e in diverged} == {(0, False), (1, True)}
+    assert all(e["step"] == STEPS - 1 and e["rollback_to"] == LAST_COMMIT for e in diverged)
+    assert recomputed_steps(run) == WORLD * (STEPS - 1 - LAST_COMMIT)
+

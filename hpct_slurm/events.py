@@ -93,6 +93,7 @@ class Ev(_Name):
     SLURM_COMMENT = "slurm.comment"
     NODE_REBOOT = "node.reboot"
     NODE_SLOW = "node.slow"
+    NODE_CORRUPT = "node.corrupt"
 
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"

@@ -4,7 +4,7 @@ else happens). At the next full commit the replicas' digests disagree: the group
 to the last commit they agreed on, recomputes the steps since (counted), the diverging node
 is moved onto the warm spare and drained with the reason, and the run ends bit-identical to
 one without the flip. A flip after the last full commit is found by the last comparison,
-before the job ends."""
+before the job ends; with no spare left the node is drained at once and trains on."""
 from __future__ import annotations
 
 import sys
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.cluster
 STEPS, EVERY, FLIP_AT, WORLD = 64, 16, 20, 4   # full commits at 0, 16, 32, 48
 LAST_COMMIT = (STEPS - 1) // EVERY * EVERY
 ENV = {"HPCT_SNAPSHOT_EVERY": str(EVERY)}
+NO_SPARE = {"HPCT_SPARE_NODES": "0"}
 
 
 def _train() -> list[str]:
@@ -42,6 +43,13 @@ def reference(_session_cluster, tmp_path_factory) -> dict[int, dict]:
 
 def _diverged(run) -> list[dict]:
     return [e for e in rank_events(run) if e["event"] == "replica.diverged"]
+
+
+def _node_of_rank_1(run) -> str:
+    [node] = {f.name.split("-")[0] for f in (run / "events").glob("*.jsonl")
+              if any(e["event"] == "replica.diverged" and e.get("this_rank")
+                     for e in rank_events(run, f.name.split("-")[0]))}
+    return node
 
 
 def test_a_flipped_bit_is_found_at_the_next_full_commit_rolled_back_and_moved_out(
@@ -89,3 +97,20 @@ def test_a_bit_flipped_after_the_last_full_commit_is_found_before_the_job_ends(
     assert all(e["step"] == STEPS - 1 and e["rollback_to"] == LAST_COMMIT for e in diverged)
     assert recomputed_steps(run) == WORLD * (STEPS - 1 - LAST_COMMIT)
 
+
+def test_a_corrupt_node_with_no_spare_left_is_drained_at_once_and_trains_on(
+        cluster, reference, tmp_path):
+    run = tmp_path / "flip-no-spare"
+    wait_job(cluster, submit(cluster, run, TEMPLATE, _train(), nodes=4,
+                             env={**_flip(FLIP_AT), **NO_SPARE}), run, 240,
+             label="crosscheck-no-spare")
+    # the rollback fixed the state; the node trained on to the end, drained
+    assert bitwise_equal(reference, collect(run, WORLD))
+    victim = _node_of_rank_1(run)
+    ctl = controller_events(run)
+    [said] = [e for e in ctl if e["event"] == "node.corrupt"]
+    assert said["node"] == victim and "no warm spare" in said["action"]
+    info = cluster.client().show_node(victim)
+    assert "DRAIN" in info.flags and "silent data corruption" in (info.reason or "")
+    # the drain carries the move now: no request is left behind
+    assert not list((run / "requests").glob("move-*"))

@@ -179,6 +179,7 @@ class Lifecycle:
         self.requested: set[str] = set()   # nodes whose move was started (once each)
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
         self.refused: set[str] = set()     # request entries refused that stay (said once)
+        self.corrupt: set[str] = set()     # nodes drained for corruption (once each)
         self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
         self.why: dict[str, str] = {}  # moved node -> why it was moved, for its release
         self.grow_refused = False
@@ -233,10 +234,34 @@ class Lifecycle:
                 c.events.emit(Ev.MOVE_SKIPPED, node=node[:64], reason="user request",
                               why="not an active member of this job" if reason
                               else "malformed request")
-            elif not self.request_move(node, f"user request: {reason}"):
+                f.unlink(missing_ok=True)
+                continue
+            if CORRUPTION in reason and node not in self.corrupt:
+                self.corrupt.add(node)
+                asyncio.ensure_future(self._drain_corrupt(f, node, reason))
+            if not self.request_move(node, f"user request: {reason}"):
                 if node not in self.requested:
                     continue  # busy, or no spare yet: asked again at the next poll
             f.unlink(missing_ok=True)
+
+    async def _drain_corrupt(self, f: Path, node: str, why: str) -> None:
+        """A rank's replicas disagreed with it (recovery/crosscheck.py): its node is drained
+        at once, spare or not, so that no other job starts on it and a move cut short leaves
+        it drained. From then on the drain carries the move (a drained member moves once a
+        spare is ready: on_nodes), so the request is done with."""
+        c = self.ctl
+        try:
+            await asyncio.to_thread(c.slurm.update_node, node, "DRAIN",
+                                    f"{REASON_TAG} {why[why.index(CORRUPTION):]}"[:200])
+        except HpctError as exc:
+            self.corrupt.discard(node)  # tried again at the next poll, the request kept
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+            return
+        moving = node in self.requested or bool(self._ready_spares())
+        c.events.emit(Ev.NODE_CORRUPT, node=node, reason=why,
+                      action="drained; moving its ranks onto a warm spare" if moving else
+                      "drained; no warm spare ready: it trains on until one is")
+        f.unlink(missing_ok=True)
 
     def _busy(self) -> bool:
         c = self.ctl

@@ -145,6 +145,7 @@ class Ev(_Name):
     RESTORE_PROVEN = "restore.proven"
     RESTORE_UNPROVEN = "restore.unproven"
     REPLICA_DIVERGED = "replica.diverged"
+    REPLICA_CHECK_OFF = "replica.check_off"
     REPLICA_ROLLED_BACK = "replica.rolled_back"
     REPLICA_STORED = "replica.stored"
     REPLICA_REJECTED = "replica.rejected"

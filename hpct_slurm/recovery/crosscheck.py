@@ -24,11 +24,22 @@ diverging rank asks the controller to move its node out (`move_requests.ask_move
 continues its ranks on a warm spare and drains the node with the reason. With no strict
 majority (two replicas that differ) the rollback happens and nobody is moved: which one is
 wrong cannot be told.
+
+What the check assumes: replicas that started equal and saw the same gradients compute the
+same bits. Where they do not (one node's torch dispatching its CPU kernels at another level,
+a nondeterministic op) the replicas differ at every comparison, and a rollback's recompute
+differs again, where a flip happens once and its recompute agrees. So one rollback is tried
+after a disagreement (`judge`); a disagreement that comes back at the next comparison turns
+the check off for the rest of the run (`replica.check_off`) instead of rolling back for
+ever. A node is blamed (moved out, drained) only where its replicas had agreed at some
+comparison before: before any agreement the nodes may be healthy and only compute
+differently. The group's memory of this (`History`) travels with the digests, so a rank
+that joined later judges as the others do.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -99,6 +110,71 @@ def compare(digests: Sequence[bytes], key: Callable[[int], int]) -> Verdict:
         else:
             undecided.append(k)
     return Verdict(tuple(diverged), tuple(undecided), compared)
+
+
+# A disagreement is rolled back so many times in a row: a flip (a transient fault) is gone after
+# one recompute, so a second disagreement right after it says the replicas compute differently
+# or a node keeps computing wrong, which more rollbacks would only repeat.
+MAX_ROLLBACKS = 1
+
+
+@dataclass(frozen=True)
+class History:
+    """What the comparisons of this run said so far, as each rank carries it beside its digest:
+    whether the replicas ever agreed, the rollbacks since the last agreement, and whether the
+    check is off. A rank that joined later knows none of it; `merge` keeps what any rank
+    knows."""
+    agreed_once: bool = False
+    rollbacks: int = 0
+    off: bool = False
+
+    SIZE = 2  # bytes on the wire
+
+    def encode(self) -> bytes:
+        return bytes([self.agreed_once | self.off << 1, min(self.rollbacks, 255)])
+
+    @staticmethod
+    def decode(raw: bytes) -> "History":
+        return History(bool(raw[0] & 1), raw[1], bool(raw[0] & 2))
+
+    @staticmethod
+    def merge(histories: Sequence["History"]) -> "History":
+        return History(any(h.agreed_once for h in histories),
+                       max((h.rollbacks for h in histories), default=0),
+                       any(h.off for h in histories))
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What the group does about one comparison: `action` is "agreed", "rollback", "off"
+    (the check turns itself off now) or "ignored" (it is off already); `blamed`: the ranks
+    whose nodes are moved out; `history`: the group's after it."""
+    action: str
+    blamed: tuple[int, ...]
+    why: str
+    history: History
+
+
+def judge(verdict: Verdict, history: History) -> Judgement:
+    """Pure: the group's answer to `verdict`, given what the comparisons before it said."""
+    if history.off:
+        return Judgement("ignored", (), "the check is off", history)
+    if verdict.agreed:
+        return Judgement("agreed", (), "", History(agreed_once=True))
+    # Before any agreement a differing replica may be a healthy node that computes otherwise.
+    blamed = verdict.diverged if history.agreed_once else ()
+    if history.rollbacks < MAX_ROLLBACKS:
+        return Judgement("rollback", blamed, "the replicas disagree",
+                         replace(history, rollbacks=history.rollbacks + 1))
+    if history.agreed_once:
+        why = ("the replicas disagree again after a rollback's recompute: the ranks outside "
+               "their key's majority keep computing other bits (a faulty node, or a "
+               "nondeterministic op)")
+    else:
+        why = ("the replicas have differed since their first comparison, and again after a "
+               "rollback's recompute: they compute other bits (CPU kernels dispatched at "
+               "another level, ATEN_CPU_CAPABILITY, or a nondeterministic op), not a flip")
+    return Judgement("off", blamed, why, replace(history, off=True))
 
 
 def exchange(mine: bytes, world_size: int) -> list[bytes]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable, Sequence
 
 import torch
@@ -144,12 +145,23 @@ class History:
                        any(h.off for h in histories))
 
 
+class Action(str, Enum):
+    """What the group does about one comparison (`replica.diverged`'s `action`)."""
+    AGREED = "agreed"
+    ROLLBACK = "rollback"
+    OFF = "off"          # the check turns itself off now
+    IGNORED = "ignored"  # it is off already
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Judgement:
-    """What the group does about one comparison: `action` is "agreed", "rollback", "off"
-    (the check turns itself off now) or "ignored" (it is off already); `blamed`: the ranks
-    whose nodes are moved out; `history`: the group's after it."""
-    action: str
+    """The group's answer to one comparison: what it does, the ranks whose nodes are moved
+    out (`blamed`), why the check turns off (`why`, for OFF), and the group's history after
+    it."""
+    action: Action
     blamed: tuple[int, ...]
     why: str
     history: History
@@ -158,13 +170,13 @@ class Judgement:
 def judge(verdict: Verdict, history: History) -> Judgement:
     """Pure: the group's answer to `verdict`, given what the comparisons before it said."""
     if history.off:
-        return Judgement("ignored", (), "the check is off", history)
+        return Judgement(Action.IGNORED, (), "", history)
     if verdict.agreed:
-        return Judgement("agreed", (), "", History(agreed_once=True))
+        return Judgement(Action.AGREED, (), "", History(agreed_once=True))
     # Before any agreement a differing replica may be a healthy node that computes otherwise.
     blamed = verdict.diverged if history.agreed_once else ()
     if history.rollbacks < MAX_ROLLBACKS:
-        return Judgement("rollback", blamed, "the replicas disagree",
+        return Judgement(Action.ROLLBACK, blamed, "",
                          replace(history, rollbacks=history.rollbacks + 1))
     if history.agreed_once:
         why = ("the replicas disagree again after a rollback's recompute: the ranks outside "
@@ -174,7 +186,7 @@ def judge(verdict: Verdict, history: History) -> Judgement:
         why = ("the replicas have differed since their first comparison, and again after a "
                "rollback's recompute: they compute other bits (CPU kernels dispatched at "
                "another level, ATEN_CPU_CAPABILITY, or a nondeterministic op), not a flip")
-    return Judgement("off", blamed, why, replace(history, off=True))
+    return Judgement(Action.OFF, blamed, why, replace(history, off=True))
 
 
 def exchange(mine: bytes, world_size: int) -> list[bytes]:

@@ -10,7 +10,8 @@
   node out, or, where a rollback did not cure it, the check turned off.
 
 `Job` calls `restored` at every adoption, `before_step` at the earliest moment of every step,
-`after_step` at its end; `SnapshotPolicy` calls `cross_check` at a full commit."""
+`after_step` at its end; `SnapshotPolicy` calls `cross_check` at a full commit and at the
+job's last step."""
 from __future__ import annotations
 
 import time
@@ -22,9 +23,9 @@ import torch.distributed as dist
 from ..errors import HpctError, UsageError, describe
 from ..events import Ev, EventLog
 from ..move_requests import CORRUPTION, ask_move
-from .crosscheck import History, compare, exchange, judge, shared_digest
-from .proof import DIGEST_BYTES
+from .crosscheck import Action, History, compare, exchange, judge, shared_digest
 from .inject import flip_one_bit
+from .proof import DIGEST_BYTES
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -105,18 +106,18 @@ class Integrity:
         drops what it holds after the last agreeing step and the step fails in place, so the
         group restores that step; a blamed rank first asks the controller to move its node
         out. A disagreement that a rollback did not cure turns the check off instead."""
-        off = self.history.off  # then the digest is not worth making; the exchange still is,
-        # so a rank that joined later learns it and every rank calls the same collective
-        mine = (bytes(DIGEST_BYTES) if off else shared_digest(self.state)) + \
-            self.history.encode()
-        got = exchange(mine, dist.get_world_size())
+        # Once the check is off its digest is not worth making, but the exchange still runs:
+        # a rank that joined later learns from it that the check is off, and every rank
+        # calls the same collective.
+        digest = bytes(DIGEST_BYTES) if self.history.off else shared_digest(self.state)
+        got = exchange(digest + self.history.encode(), dist.get_world_size())
         history = History.merge([History.decode(g[-History.SIZE:]) for g in got])
         verdict = compare([g[:-History.SIZE] for g in got], self.key)
         j = judge(verdict, history)
         self.history = j.history
-        if j.action == "ignored":
+        if j.action == Action.IGNORED:
             return
-        if j.action == "agreed":
+        if j.action == Action.AGREED:
             self.agreed_at = step
             return
         rank, back_to = self.standing.rank, self.agreed_at
@@ -128,7 +129,7 @@ class Integrity:
                              this_rank=diverging, blamed=list(j.blamed), action=j.action)
         if rank in j.blamed:
             self._ask_move(step)
-        if j.action == "off":
+        if j.action == Action.OFF:
             if rank == 0:
                 self.events.emit(Ev.REPLICA_CHECK_OFF, rank=rank, step=step, why=j.why,
                                  diverged=list(verdict.diverged),
@@ -146,6 +147,6 @@ class Integrity:
               f"its replicas'"
         try:
             ask_move(self.run_dir, self.node, why)
-        except (HpctError, OSError) as exc:  # the rollback still happens: said, not fatal
+        except (HpctError, OSError) as exc:  # said, not fatal: the group goes on as judged
             self.events.emit(Ev.REPLICA_DIVERGED, rank=rank, step=step,
                              move_request_failed=describe(exc))

@@ -114,3 +114,26 @@ def test_a_corrupt_node_with_no_spare_left_is_drained_at_once_and_trains_on(
     assert "DRAIN" in info.flags and "silent data corruption" in (info.reason or "")
     # the drain carries the move now: no request is left behind
     assert not list((run / "requests").glob("move-*"))
+
+
+def test_a_node_whose_kernels_round_otherwise_turns_the_check_off_and_is_not_blamed(
+        cluster, tmp_path):
+    """n2's torch dispatches its CPU kernels at the baseline level (ATEN_CPU_CAPABILITY=default
+    there only): Adam rounds otherwise on it from step 0 on. One rollback tells it from a flip
+    (its recompute differs again); then the check is off, the job ends done and nobody is
+    moved or drained."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\n[ "$SLURMD_NODENAME" = n2 ] && export '
+                      f'ATEN_CPU_CAPABILITY=default\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    run = tmp_path / "aten"
+    wait_job(cluster, submit(cluster, run, TEMPLATE, [str(python), *_train()[1:]], env=ENV),
+             run, 240, label="crosscheck-aten")
+    collect(run, WORLD)  # every rank trained to the end
+    ctl = controller_events(run)
+    assert [e["event"] for e in ctl if e["event"].startswith("job.")] == ["job.done"]
+    [off] = [e for e in rank_events(run) if e["event"] == "replica.check_off"]
+    assert off["step"] == 0 and off["diverged"] == [1]
+    assert [e["action"] for e in _diverged(run) if e["rank"] == 0] == ["rollback", "off"]
+    assert not [e for e in ctl if e["event"] in ("move.requested", "node.corrupt")]
+    assert "DRAIN" not in cluster.client().show_node("n2").flags

@@ -137,3 +137,30 @@ def test_a_node_whose_kernels_round_otherwise_turns_the_check_off_and_is_not_bla
     assert [e["action"] for e in _diverged(run) if e["rank"] == 0] == ["rollback", "off"]
     assert not [e for e in ctl if e["event"] in ("move.requested", "node.corrupt")]
     assert "DRAIN" not in cluster.client().show_node("n2").flags
+
+
+def test_the_inline_form_compares_its_last_step_before_the_job_ends(cluster, tmp_path):
+    """Job.main: the last comparison comes once main() returned; its disagreement rolls back
+    as a fault there does, main() runs again from the agreed step and ends bit-identical. The
+    job ends moments later, before the controller's next poll: its node is drained at the
+    run's end all the same."""
+    epochs, per_epoch = 5, 8  # adopted_inline: 512 samples / (4 ranks x batch 16)
+    last = epochs * per_epoch - 1
+    inline = [sys.executable, "-m", "hpct_slurm.examples.adopted_inline", "--epochs",
+              str(epochs), "--step-sleep", "0.1"]
+    ref = tmp_path / "reference"
+    wait_job(cluster, submit(cluster, ref, TEMPLATE, [*inline, *UNPACED], env=ENV), ref, 240,
+             label="crosscheck-inline-reference")
+    run = tmp_path / "late-flip"
+    late = last // EVERY * EVERY + 3
+    wait_job(cluster, submit(cluster, run, TEMPLATE, inline, env=_flip(late)), run, 240,
+             label="crosscheck-inline-late-flip")
+    assert {r: x["params_sha256"] for r, x in collect(run, WORLD).items()} == \
+        {r: x["params_sha256"] for r, x in collect(ref, WORLD).items()}
+    diverged = _diverged(run)
+    assert diverged and all(e["step"] == last and e["rollback_to"] == last // EVERY * EVERY
+                            for e in diverged)
+    assert [e for e in rank_events(run) if e["event"] == "rank.main_again"]
+    info = cluster.client().show_node(_node_of_rank_1(run))
+    assert "DRAIN" in info.flags and "silent data corruption" in (info.reason or "")
+    assert not list((run / "requests").glob("move-*"))

@@ -3,9 +3,8 @@ committed in full and which are held lazily, whether a commit's copy overlaps th
 what goes to the ring neighbour and to disk after a commit, and what is captured at a fault.
 
 `Job` (job.py) asks it at the end of every step (`end_step`) and of the job (`check_last`),
-before every optimizer update
-(the hook `watch_optimizer` registers), at a fault (`settle`, `capture_pending`) and at every
-adoption (`hold_restored`, `open_persisters`, `ring`)."""
+before every optimizer update (the hook `watch_optimizer` registers), at a fault (`settle`,
+`capture_pending`) and at every adoption (`hold_restored`, `open_persisters`, `ring`)."""
 from __future__ import annotations
 
 import weakref

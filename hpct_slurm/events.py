@@ -95,6 +95,7 @@ class Ev(_Name):
     NODE_SLOW = "node.slow"
     NODE_SLOW_DISMISSED = "node.slow_dismissed"
     NODE_SLOW_FIGURE_REFUSED = "node.slow_figure_refused"
+    NODE_CORRUPT = "node.corrupt"
 
     # ranks (events/<node>-<local rank>.jsonl)
     RANK_REGISTERED = "rank.registered"
@@ -146,6 +147,7 @@ class Ev(_Name):
     RESTORE_PROVEN = "restore.proven"
     RESTORE_UNPROVEN = "restore.unproven"
     REPLICA_DIVERGED = "replica.diverged"
+    REPLICA_CHECK_OFF = "replica.check_off"
     REPLICA_ROLLED_BACK = "replica.rolled_back"
     REPLICA_STORED = "replica.stored"
     REPLICA_REJECTED = "replica.rejected"

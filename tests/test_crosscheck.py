@@ -1,14 +1,24 @@
-"""Replicas check each other (issue 42, item 8): the pure parts of recovery/crosscheck.py.
-The whole path, a bit flipped on one rank of the real cluster, is in
+"""Replicas check each other (issue 42, item 8): the pure parts of recovery/crosscheck.py, and
+what one rank's Integrity does with a sequence of comparisons (the all-gather faked). The
+whole path, a bit flipped on one rank of the real cluster, is in
 tests/test_crosscheck_cluster.py."""
 from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpct_slurm.recovery.crosscheck import compare, shared_digest
+from hpct_slurm.errors import HpctError
+from hpct_slurm.events import EventLog
+from hpct_slurm.recovery import integrity
+from hpct_slurm.recovery.crosscheck import (MAX_ROLLBACKS, History, Verdict, compare, judge,
+                                            shared_digest)
+from hpct_slurm.recovery.integrity import Integrity
 from hpct_slurm.recovery.state import TrainState
 
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
@@ -82,3 +92,105 @@ def test_compare_never_names_a_rank_of_the_majority(digests, n_keys):
         mates = [digests[q] for q in range(len(digests)) if q % n_keys == r % n_keys]
         assert 2 * mates.count(digests[r]) < len(mates)
         assert max(mates.count(d) for d in mates) * 2 > len(mates)
+
+
+# ---- what the group does about a disagreement (judge), and one rank living through it --------
+
+FLIP, SAME = "flip", "same"  # rank 1's digest in one comparison: differs from the others', or not
+
+
+@given(st.lists(st.sampled_from([Verdict((1,), (), 1), Verdict((), (0,), 1),
+                                 Verdict((), (), 1)]), max_size=12))
+def test_rollbacks_are_bounded_and_nobody_is_blamed_before_the_replicas_agreed(verdicts):
+    h, in_a_row, agreed = History(), 0, False
+    for v in verdicts:
+        j = judge(v, h)
+        assert j.blamed == () or (agreed and j.blamed == v.diverged)
+        in_a_row = in_a_row + 1 if j.action == "rollback" else 0
+        assert in_a_row <= MAX_ROLLBACKS
+        if h.off:
+            assert j.action == "ignored"
+        agreed = agreed or v.agreed
+        h = j.history
+        assert History.decode(h.encode()) == h
+
+
+def test_a_rank_that_joined_later_knows_what_the_group_knows():
+    new, old = History(), History(agreed_once=True, rollbacks=1)
+    assert History.merge([new, old, new]) == old
+    assert History.merge([new, History(off=True)]).off
+
+
+class _Policy:
+    def __init__(self) -> None:
+        self.cross_check = None
+        self.rolled_back_to: list[int] = []
+
+    def distrust_after(self, step: int) -> None:
+        self.rolled_back_to.append(step)
+
+
+def _rank(tmp_path, monkeypatch, rank: int, world: int = 4):
+    """Rank `rank`'s Integrity over a group whose all-gather is faked: `run(step, how)` makes
+    one comparison where rank 1's digest differs from the others' (FLIP) or not (SAME), each
+    other rank sending what this one sends; it returns whether the step failed (a rollback)."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "secret").write_bytes(b"s")
+    out = io.StringIO()
+    state, _ = _state()
+    policy = _Policy()
+    me = Integrity(state, policy, SimpleNamespace(rank=rank, generation=0), EventLog(stream=out),
+                   key=lambda r: 0, run_dir=tmp_path, node=f"n{rank + 1}")
+    monkeypatch.setattr(integrity.dist, "get_world_size", lambda: world)
+    how = [SAME]
+
+    def exchange(mine: bytes, n: int) -> list[bytes]:
+        other = bytes([mine[0] ^ 1]) + mine[1:]
+        return [other if r == 1 and how[0] == FLIP and rank != 1 else
+                other if r != 1 and how[0] == FLIP and rank == 1 else mine for r in range(n)]
+    monkeypatch.setattr(integrity, "exchange", exchange)
+
+    def run(step: int, kind: str) -> bool:
+        how[0] = kind
+        try:
+            me.cross_check(step)
+        except HpctError:
+            return True
+        return False
+
+    def events() -> list[dict]:
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+    asked = tmp_path / "requests" / f"move-n{rank + 1}"
+    return run, events, asked, policy
+
+
+def test_replicas_that_differ_from_their_first_comparison_on_turn_the_check_off(
+        tmp_path, monkeypatch):
+    """One node's kernels give other bits (ATEN_CPU_CAPABILITY=default there): its replicas
+    differ at step 0, and again when step 0 is recomputed. One rollback, then the check is
+    off: no more rollbacks (which made the job fail as the script's error), and the node,
+    healthy, is not moved out."""
+    for rank in (0, 1):
+        run, events, asked, policy = _rank(tmp_path / str(rank), monkeypatch, rank)
+        assert run(0, FLIP)           # maybe a flip in step 0: one rollback, to creation
+        assert policy.rolled_back_to == [-1]
+        assert not run(0, FLIP)       # the recompute differs again: it computes otherwise
+        assert not run(16, FLIP) and not run(32, FLIP) and policy.rolled_back_to == [-1]
+        assert not asked.exists()
+        off = [e for e in events() if e["event"] == "replica.check_off"]
+        assert len(off) == (rank == 0) and all(e["step"] == 0 for e in off)
+
+
+def test_a_later_flip_is_rolled_back_and_blamed_and_one_that_comes_back_turns_the_check_off(
+        tmp_path, monkeypatch):
+    run, events, asked, policy = _rank(tmp_path, monkeypatch, 1)
+    assert not run(0, SAME) and not run(16, SAME)
+    assert run(32, FLIP) and policy.rolled_back_to == [16] and asked.exists()
+    asked.unlink()
+    assert not run(32, SAME)          # the recompute agrees: it was a flip
+    assert run(48, FLIP) and policy.rolled_back_to == [16, 32]  # another flip, another rollback
+    asked.unlink()
+    assert not run(48, FLIP) and asked.exists()  # it comes back: the node blamed, check off
+    assert policy.rolled_back_to == [16, 32]
+    assert [e["action"] for e in events() if e["event"] == "replica.diverged"] == \
+        ["rollback", "rollback", "off"]

@@ -126,6 +126,48 @@ def test_a_drained_member_without_a_ready_spare_trains_on(tmp_path):
     run(scenario)
 
 
+def test_a_corrupt_member_without_a_ready_spare_is_drained_at_once_and_trains_on(tmp_path):
+    """A rank's replicas disagreed with it (recovery/crosscheck.py) and no spare is left: its
+    node is drained in Slurm at once, said in an event and in `status`'s notes, and the drain
+    carries the move from then on (the request is done with)."""
+    from hpct_slurm.move_requests import CORRUPTION, ask_move
+    from hpct_slurm.report.model import _notes
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1"], spares=0) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            path = ask_move(c.options.run_dir, "a1", f"{CORRUPTION}: rank 1's shared state at "
+                                                     f"step 2 differed from its replicas'")
+            [said] = await c.until(lambda: c.events("node.corrupt"), "node.corrupt")
+            assert said["node"] == "a1" and "no warm spare" in said["action"]
+            assert "DRAIN" in c.state["a1"] and c.reason["a1"].startswith(f"hpct: {CORRUPTION}")
+            assert not path.exists()
+            assert any("silent data corruption on a1" in n for n in _notes([said]))
+            assert c.rank("a1").stops == []
+            await c.train(["localhost", "a1"], 3)
+            assert await c.finish() == 0
+    run(scenario)
+
+
+def test_a_corruption_request_no_poll_read_drains_its_node_at_the_runs_end(tmp_path):
+    """The job's last comparison finds the flip moments before every rank is done: the
+    request is there when the job ends, before the next poll, and drains the node then."""
+    from hpct_slurm.move_requests import CORRUPTION, ask_move
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1"], spares=0, node_poll_s=60) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 2)
+            path = ask_move(c.options.run_dir, "a1", f"{CORRUPTION}: rank 1's shared state at "
+                                                     f"step 2 differed from its replicas'")
+            assert await c.finish() == 0
+            [said] = c.events("node.corrupt")
+            assert said["node"] == "a1" and said["action"] == "drained at the run's end"
+            assert "DRAIN" in c.state["a1"] and not path.exists()
+    run(scenario)
+
+
 def test_after_a_shrink_a_returning_node_grows_the_job_back(tmp_path, monkeypatch):
     # no wait for a spare on its way: the round shrinks at once, a2 returns and grows it back
     # (with the wait, a2 takes its own place back without a shrink: test_controller_fast)

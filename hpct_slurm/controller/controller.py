@@ -173,6 +173,7 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
                  asyncio.create_task(self._poll_slurm())]
         try:
             await self.finished.wait()
+            await self.lifecycle.drain_corrupt_left()
         finally:
             for t in tasks:
                 t.cancel()

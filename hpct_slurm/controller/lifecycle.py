@@ -179,6 +179,8 @@ class Lifecycle:
         self.requested: set[str] = set()   # nodes whose move was started (once each)
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
         self.refused: set[str] = set()     # request entries refused that stay (said once)
+        self.corrupt: set[str] = set()     # nodes drained for corruption (once each)
+        self.drains: list[asyncio.Future] = []  # those drains, awaited at the run's end
         self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
         self.why: dict[str, str] = {}  # moved node -> why it was moved, for its release
         self.grow_refused = False
@@ -233,10 +235,50 @@ class Lifecycle:
                 c.events.emit(Ev.MOVE_SKIPPED, node=node[:64], reason="user request",
                               why="not an active member of this job" if reason
                               else "malformed request")
-            elif not self.request_move(node, f"user request: {reason}"):
+                f.unlink(missing_ok=True)
+                continue
+            if CORRUPTION in reason and node not in self.corrupt:
+                self._drain_soon(f, node, reason)
+            if not self.request_move(node, f"user request: {reason}"):
                 if node not in self.requested:
                     continue  # busy, or no spare yet: asked again at the next poll
             f.unlink(missing_ok=True)
+
+    def _drain_soon(self, f: Path, node: str, why: str, at_end: bool = False) -> None:
+        self.corrupt.add(node)
+        self.drains.append(asyncio.ensure_future(self._drain_corrupt(f, node, why, at_end)))
+
+    async def drain_corrupt_left(self) -> None:
+        """At the run's end: a corruption request no poll read yet (the job's last comparison
+        finds a flip moments before every rank is done) drains its node all the same, and
+        the drains under way are waited for, before the node is free for the next job."""
+        for f, node, reason, refused in read_requests(self.ctl.run_dir):
+            if not refused and CORRUPTION in reason and node in self.ctl.world.members \
+                    and node not in self.corrupt:
+                self._drain_soon(f, node, reason, at_end=True)
+        await asyncio.gather(*self.drains)
+
+    async def _drain_corrupt(self, f: Path, node: str, why: str, at_end: bool) -> None:
+        """A rank's replicas disagreed with it (recovery/crosscheck.py): its node is drained
+        at once, spare or not, so that no other job starts on it and a move cut short leaves
+        it drained. From then on the drain carries the move (a drained member moves once a
+        spare is ready: on_nodes), so the request is done with."""
+        c = self.ctl
+        try:
+            await asyncio.to_thread(c.slurm.update_node, node, "DRAIN",
+                                    f"{REASON_TAG} {why[why.index(CORRUPTION):]}"[:200])
+        except HpctError as exc:
+            self.corrupt.discard(node)  # tried again at the next poll, the request kept
+            c.events.emit(Ev.SLURM_ERROR, node=node, error=describe(exc))
+            return
+        if at_end:
+            action = "drained at the run's end"
+        elif node in self.requested or self._ready_spares():
+            action = "drained; moving its ranks onto a warm spare"
+        else:
+            action = "drained; no warm spare ready: it trains on until one is"
+        c.events.emit(Ev.NODE_CORRUPT, node=node, reason=why, action=action)
+        f.unlink(missing_ok=True)
 
     def _busy(self) -> bool:
         c = self.ctl

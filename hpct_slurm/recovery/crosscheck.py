@@ -24,11 +24,23 @@ diverging rank asks the controller to move its node out (`move_requests.ask_move
 continues its ranks on a warm spare and drains the node with the reason. With no strict
 majority (two replicas that differ) the rollback happens and nobody is moved: which one is
 wrong cannot be told.
+
+What the check assumes: replicas that started equal and saw the same gradients compute the
+same bits. Where they do not (one node's torch dispatching its CPU kernels at another level,
+a nondeterministic op) the replicas differ at every comparison, and a rollback's recompute
+differs again, where a flip happens once and its recompute agrees. So one rollback is tried
+after a disagreement (`judge`); a disagreement that comes back at the next comparison turns
+the check off for the rest of the run (`replica.check_off`) instead of rolling back for
+ever. A node is blamed (moved out, drained) only where its replicas had agreed at some
+comparison before: before any agreement the nodes may be healthy and only compute
+differently. The group's memory of this (`History`) travels with the digests, so a rank
+that joined later judges as the others do.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable, Sequence
 
 import torch
@@ -99,6 +111,82 @@ def compare(digests: Sequence[bytes], key: Callable[[int], int]) -> Verdict:
         else:
             undecided.append(k)
     return Verdict(tuple(diverged), tuple(undecided), compared)
+
+
+# A disagreement is rolled back so many times in a row: a flip (a transient fault) is gone after
+# one recompute, so a second disagreement right after it says the replicas compute differently
+# or a node keeps computing wrong, which more rollbacks would only repeat.
+MAX_ROLLBACKS = 1
+
+
+@dataclass(frozen=True)
+class History:
+    """What the comparisons of this run said so far, as each rank carries it beside its digest:
+    whether the replicas ever agreed, the rollbacks since the last agreement, and whether the
+    check is off. A rank that joined later knows none of it; `merge` keeps what any rank
+    knows."""
+    agreed_once: bool = False
+    rollbacks: int = 0
+    off: bool = False
+
+    SIZE = 2  # bytes on the wire
+
+    def encode(self) -> bytes:
+        return bytes([self.agreed_once | self.off << 1, min(self.rollbacks, 255)])
+
+    @staticmethod
+    def decode(raw: bytes) -> "History":
+        return History(bool(raw[0] & 1), raw[1], bool(raw[0] & 2))
+
+    @staticmethod
+    def merge(histories: Sequence["History"]) -> "History":
+        return History(any(h.agreed_once for h in histories),
+                       max((h.rollbacks for h in histories), default=0),
+                       any(h.off for h in histories))
+
+
+class Action(str, Enum):
+    """What the group does about one comparison (`replica.diverged`'s `action`)."""
+    AGREED = "agreed"
+    ROLLBACK = "rollback"
+    OFF = "off"          # the check turns itself off now
+    IGNORED = "ignored"  # it is off already
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The group's answer to one comparison: what it does, the ranks whose nodes are moved
+    out (`blamed`), why the check turns off (`why`, for OFF), and the group's history after
+    it."""
+    action: Action
+    blamed: tuple[int, ...]
+    why: str
+    history: History
+
+
+def judge(verdict: Verdict, history: History) -> Judgement:
+    """Pure: the group's answer to `verdict`, given what the comparisons before it said."""
+    if history.off:
+        return Judgement(Action.IGNORED, (), "", history)
+    if verdict.agreed:
+        return Judgement(Action.AGREED, (), "", History(agreed_once=True))
+    # Before any agreement a differing replica may be a healthy node that computes otherwise.
+    blamed = verdict.diverged if history.agreed_once else ()
+    if history.rollbacks < MAX_ROLLBACKS:
+        return Judgement(Action.ROLLBACK, blamed, "",
+                         replace(history, rollbacks=history.rollbacks + 1))
+    if history.agreed_once:
+        why = ("the replicas disagree again after a rollback's recompute: the ranks outside "
+               "their key's majority keep computing other bits (a faulty node, or a "
+               "nondeterministic op)")
+    else:
+        why = ("the replicas have differed since their first comparison, and again after a "
+               "rollback's recompute: they compute other bits (CPU kernels dispatched at "
+               "another level, ATEN_CPU_CAPABILITY, or a nondeterministic op), not a flip")
+    return Judgement(Action.OFF, blamed, why, replace(history, off=True))
 
 
 def exchange(mine: bytes, world_size: int) -> list[bytes]:

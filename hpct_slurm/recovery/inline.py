@@ -100,6 +100,8 @@ class InlineForm:
                 failure = where = ""
                 try:
                     result = fn()
+                    if InlineForm._main is not None:
+                        InlineForm._main._end_inline()
                 except UsageError:
                     raise  # the script's mistake: running main() again would make it again
                 except _FAULTS as exc:
@@ -136,10 +138,17 @@ class InlineForm:
             self.loop.enter(msg.restore_step)
             self.client.state = "running"
 
+    def _end_inline(self) -> None:
+        """main() returned: its last step ends (if the loop left without asking for more) and
+        is checked, where a fault is still one: a disagreement of the replicas there rolls
+        back, and main() runs again, its code after the loop too."""
+        self.loop.finish()
+        self._policy.check_last(self.loop.step - 1)
+
     def _finish_inline(self) -> bool:
-        """main() returned: this rank is done. True when main() must run again: the
-        controller started another generation (a rank lost before every rank was done)."""
-        self.loop.finish()  # the last step, if the loop left without asking for more
+        """main() returned and its last step was checked: this rank is done. True when main()
+        must run again: the controller started another generation (a rank lost before every
+        rank was done)."""
         self._done(self.loop.step - 1)
         msg = self.client.next_assignment()
         if isinstance(msg, P.Goodbye):

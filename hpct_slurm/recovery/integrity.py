@@ -5,11 +5,13 @@
 - Late registrations: state the script registered after the restored step was held makes
   that step be held again (the held copy lacked it); per-rank state registered after
   `Job(...)` is refused, since this rank's own snapshots exist only where `Job` knew of some.
-- The replicas' cross-check (crosscheck.py) at every full commit, and its way out: a rollback
-  to the last agreeing step, and a diverging rank's request to move its node out.
+- The replicas' cross-check (crosscheck.py) at every full commit and at the job's last step,
+  and its way out: a rollback to the last agreeing step, a blamed rank's request to move its
+  node out, or, where a rollback did not cure it, the check turned off.
 
 `Job` calls `restored` at every adoption, `before_step` at the earliest moment of every step,
-`after_step` at its end; `SnapshotPolicy` calls `cross_check` at a full commit."""
+`after_step` at its end; `SnapshotPolicy` calls `cross_check` at a full commit and at the
+job's last step."""
 from __future__ import annotations
 
 import time
@@ -21,8 +23,9 @@ import torch.distributed as dist
 from ..errors import HpctError, UsageError, describe
 from ..events import Ev, EventLog
 from ..move_requests import CORRUPTION, ask_move
-from .crosscheck import compare, exchange, shared_digest
+from .crosscheck import Action, History, compare, exchange, judge, shared_digest
 from .inject import flip_one_bit
+from .proof import DIGEST_BYTES
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -41,6 +44,7 @@ class Integrity:
         self.key, self.run_dir, self.node, self.flip = key, run_dir, node, flip
         self.proof_due = False  # a restore happened and the first step after it is to come
         self.agreed_at = -1  # the newest step the replicas agreed on (or restored to)
+        self.history = History()  # what the group's comparisons said so far
         self._names_seen = -1  # the registrations last checked
         # The restored step held, until the next step ends, and the registrations then
         self._held_at: int | None = None
@@ -97,31 +101,52 @@ class Integrity:
                          step=self.agreed_at, names=self.state.names(), proof_s=took)
 
     def cross_check(self, step: int) -> None:
-        """At a full commit: the replicas of each shared state compare digests. Where they
-        disagree, every rank drops what it holds after the last agreeing step and the step
-        fails in place, so the group restores that step; a diverging rank first asks the
-        controller to move its node out."""
-        verdict = compare(exchange(shared_digest(self.state), dist.get_world_size()), self.key)
-        if verdict.agreed:
+        """At a full commit: the replicas of each shared state compare digests (and what the
+        group's comparisons said before: crosscheck.History). Where they disagree, every rank
+        drops what it holds after the last agreeing step and the step fails in place, so the
+        group restores that step; a blamed rank first asks the controller to move its node
+        out. A disagreement that a rollback did not cure turns the check off instead."""
+        # Once the check is off its digest is not worth making, but the exchange still runs:
+        # a rank that joined later learns from it that the check is off, and every rank
+        # calls the same collective.
+        digest = bytes(DIGEST_BYTES) if self.history.off else shared_digest(self.state)
+        got = exchange(digest + self.history.encode(), dist.get_world_size())
+        history = History.merge([History.decode(g[-History.SIZE:]) for g in got])
+        verdict = compare([g[:-History.SIZE] for g in got], self.key)
+        j = judge(verdict, history)
+        self.history = j.history
+        if j.action == Action.IGNORED:
+            return
+        if j.action == Action.AGREED:
             self.agreed_at = step
             return
         rank, back_to = self.standing.rank, self.agreed_at
-        mine = rank in verdict.diverged
-        if mine or rank == 0:
+        diverging = rank in verdict.diverged
+        if diverging or rank == 0:
             self.events.emit(Ev.REPLICA_DIVERGED, rank=rank, step=step,
                              diverged=list(verdict.diverged), undecided=list(verdict.undecided),
                              keys_compared=verdict.keys_compared, rollback_to=back_to,
-                             this_rank=mine)
+                             this_rank=diverging, blamed=list(j.blamed), action=j.action)
+        if rank in j.blamed:
+            self._ask_move(step)
+        if j.action == Action.OFF:
+            if rank == 0:
+                self.events.emit(Ev.REPLICA_CHECK_OFF, rank=rank, step=step, why=j.why,
+                                 diverged=list(verdict.diverged),
+                                 undecided=list(verdict.undecided))
+            return
         self.policy.distrust_after(back_to)
-        if mine:
-            why = f"{CORRUPTION}: rank {rank}'s shared state at step {step} differed from " \
-                  f"its replicas'"
-            try:
-                ask_move(self.run_dir, self.node, why)
-            except (HpctError, OSError) as exc:  # the rollback still happens: said, not fatal
-                self.events.emit(Ev.REPLICA_DIVERGED, rank=rank, step=step,
-                                 move_request_failed=describe(exc))
         what = (f"ranks {list(verdict.diverged)} diverged" if verdict.diverged else
                 f"the replicas of shard keys {list(verdict.undecided)} differ, no majority")
         raise HpctError(f"the replicas' cross-check at step {step}: {what}; the group rolls "
                         f"back to step {back_to}")
+
+    def _ask_move(self, step: int) -> None:
+        rank = self.standing.rank
+        why = f"{CORRUPTION}: rank {rank}'s shared state at step {step} differed from " \
+              f"its replicas'"
+        try:
+            ask_move(self.run_dir, self.node, why)
+        except (HpctError, OSError) as exc:  # said, not fatal: the group goes on as judged
+            self.events.emit(Ev.REPLICA_DIVERGED, rank=rank, step=step,
+                             move_request_failed=describe(exc))

@@ -440,6 +440,7 @@ class Job(InlineForm, RankRound, Stepping):
             try:
                 self._adopt(msg)
                 last = train(msg.restore_step + 1)
+                self._policy.check_last(last)
             except UsageError:
                 raise  # the script's mistake: running it again would make it again
             except _FAULTS as exc:

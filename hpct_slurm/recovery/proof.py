@@ -27,7 +27,7 @@ import torch
 _JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 
 
-_DIGEST_BYTES = 16
+DIGEST_BYTES = 16
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes | memoryview:
@@ -48,7 +48,7 @@ def tree_digest(node: Any, tensors: Sequence[torch.Tensor],
     (its bytes; the replicas' cross-check gives a sum of them, crosscheck.py)."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     _feed(h, node, tensors, content)
-    return h.digest(_DIGEST_BYTES)
+    return h.digest(DIGEST_BYTES)
 
 
 def _feed(h: Any, node: Any, tensors: Sequence[torch.Tensor], content: Callable) -> None:

@@ -2,9 +2,9 @@
 committed in full and which are held lazily, whether a commit's copy overlaps the next step,
 what goes to the ring neighbour and to disk after a commit, and what is captured at a fault.
 
-`Job` (job.py) asks it at the end of every step (`end_step`), before every optimizer update
-(the hook `watch_optimizer` registers), at a fault (`settle`, `capture_pending`) and at every
-adoption (`hold_restored`, `open_persisters`, `ring`)."""
+`Job` (job.py) asks it at the end of every step (`end_step`) and of the job (`check_last`),
+before every optimizer update (the hook `watch_optimizer` registers), at a fault (`settle`,
+`capture_pending`) and at every adoption (`hold_restored`, `open_persisters`, `ring`)."""
 from __future__ import annotations
 
 import weakref
@@ -136,8 +136,8 @@ class SnapshotPolicy:
         self._updates = 0
         self._updates_per_step = 1
         # Called at every full commit of a lazily holding job, before the step is committed
-        # or pinned: the replicas' cross-check (Job._cross_check, crosscheck.py); it raises
-        # when they disagree
+        # or pinned, and at its last step (check_last): the replicas' cross-check
+        # (Integrity.cross_check, crosscheck.py); it raises when they disagree
         self.cross_check: Callable[[int], None] | None = None
 
     # ---- the mode -------------------------------------------------------------------------
@@ -212,6 +212,13 @@ class SnapshotPolicy:
             # the held step, and the ring holder must have this rank's position at it
             self._commit_rank_state(step)
             self.snapshots.prepare_lazy(step)
+
+    def check_last(self, step: int) -> None:
+        """The job's last step, before this rank reports done: where it was no full commit the
+        replicas compare once more (raising as at a commit), so a flip after the last full
+        commit cannot end the job."""
+        if self.cross_check is not None and self._lazy() and not self._full_commit(step):
+            self.cross_check(step)
 
     def _commit_rank_state(self, step: int) -> None:
         """This rank's own small state, now: the next step moves it (a sampler position).

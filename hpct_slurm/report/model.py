@@ -599,6 +599,9 @@ def _notes(ctl: list[dict]) -> list[str]:
             notes.append(f"slow node {e['node']}: {e['ratio']:.2f} x the other nodes' median "
                          f"own time per step over {e['window']} steps (at step "
                          f"{e.get('step', '?')}): {e.get('action', '')}")
+        elif ev == Ev.NODE_CORRUPT:
+            notes.append(f"silent data corruption on {e['node']} (its replicas disagreed with "
+                         f"it): {e.get('action', '')}")
         elif ev == Ev.CONTROLLER_SPARES_SHORT:
             notes.append(f"warning: asked for {e.get('wanted')} warm spare(s), the allocation "
                          f"gave {e.get('got')}")

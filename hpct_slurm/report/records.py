@@ -62,6 +62,7 @@ FIELDS: dict[str, dict[str, tuple[str, bool]]] = {
     Ev.RANK_READY: {"teardown_s": (NUM, False)},
     Ev.NODE_SLOW: {"node": (STR, True), "ratio": (NUM, True), "window": (INT, True),
                    "step": (INT, False), "action": (STR, False)},
+    Ev.NODE_CORRUPT: {"node": (STR, True), "action": (STR, False)},
 }
 
 

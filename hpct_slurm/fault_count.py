@@ -8,8 +8,12 @@ controller's own records in the order it writes them (issue 45.4).
 * A node in `fault.second` that no `fault.detected` of the round named (a survivor that
   failed its health check or never answered) is a fault too.
 * A round ends with its assignment (`recovery.assign`, `move.assign`, `grow.assign`) or,
-  before generation 0, `fault.before_start`: a node lost again after that is a new fault (a
-  step that raises again after an in-place restart is another fault, each its own round).
+  before generation 0, `fault.before_start`: a node lost again after that is a new fault.
+* A rank that reported a fault of its own (an in-place restart) and reports one again before
+  the round it caused was done (no `recovery.done` since: the step it failed in never
+  completed) is the same fault retried, not another: a script error that repeats at one step
+  is one fault however many times the group restarts in place before it gives up. Once a
+  round is done, the next report is a new fault.
 * Once the job's end is decided (`job.done`, `job.failed`, an escalation, SIGTERM) the ranks
   leave: their connections ending and their steps exiting are no fault. A requeued run
   (`controller.start` again) counts on.
@@ -20,6 +24,9 @@ import threading
 from typing import Any
 
 from .events import Ev, EventLog
+
+# The reason a controller gives a rank's own report of a failed step (controller/detection.py)
+IN_PROCESS = "rank reported a fault"
 
 ROUND_ENDS = frozenset({Ev.RECOVERY_ASSIGN, Ev.MOVE_ASSIGN, Ev.GROW_ASSIGN,
                         Ev.FAULT_BEFORE_START, Ev.CONTROLLER_START})
@@ -33,6 +40,8 @@ class FaultCount:
     def __init__(self) -> None:
         self.count = 0
         self._round: set[str] = set()  # nodes already counted in the round in progress
+        self._in_place: set[str] = set()  # nodes that reported their own fault in this round
+        self._retrying: set[str] = set()  # ... in the last round, which is not done yet
         self.ended = False  # the job's end is written: its ranks leave, no fault
 
     def see(self, record: dict[str, Any]) -> list[str]:
@@ -40,8 +49,13 @@ class FaultCount:
         event = record.get("event")
         if event == Ev.CONTROLLER_START:
             self.ended = False
+            self._in_place.clear()
         if event in ROUND_ENDS:
             self._round.clear()
+            self._retrying, self._in_place = self._in_place, set()
+            return []
+        if event == Ev.RECOVERY_DONE:
+            self._retrying.clear()
             return []
         if event in JOB_ENDS:
             self.ended = True
@@ -50,6 +64,9 @@ class FaultCount:
             return []
         if event == Ev.FAULT_DETECTED:
             nodes = [record.get("node")]
+            if record.get("reason") == IN_PROCESS:
+                self._in_place.update(n for n in nodes if isinstance(n, str))
+                nodes = [n for n in nodes if n not in self._retrying]
         elif event == Ev.FAULT_SECOND:
             nodes = record.get("nodes") or []
         else:

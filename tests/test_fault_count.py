@@ -37,8 +37,9 @@ def _count(records: list[dict]) -> int:
 def test_the_ranks_leaving_after_the_scripts_error_are_no_faults() -> None:
     run_ = load_run(SCRIPT_ERROR)
     st = build_status(run_, now=run_.controller[-1]["t"] + 1)
-    # four times the step raised, four rounds; the three goodbyes after job.failed are none
-    assert [(f.node, f.reason) for f in st.faults] == [("n2", "rank reported a fault")] * 4
+    # four times the step raised, four rounds, never past it: one script error; the three
+    # goodbyes after job.failed are none
+    assert [(f.node, f.reason) for f in st.faults] == [("n2", "rank reported a fault")]
     assert _count(run_.controller) == len(st.faults)
     detected = [e for e in run_.controller if e["event"] == "fault.detected"]
     assert len(detected) == 7  # as recorded: the old controller wrote the goodbyes as faults
@@ -69,17 +70,48 @@ def test_one_loss_seen_twice_in_a_round_is_one_fault_and_a_later_one_is_another(
         _ev(6.4, "controller.exit", code=1),
     ]
     st = build_status(RunEvents("syn", records, {}), now=7.0)
+    # c's second report came before its first round was done: the same fault retried
     assert [(f.node, f.reason) for f in st.faults] == [
         ("b", "connection lost"), ("a", "not ready after fault"),
-        ("c", "rank reported a fault"), ("c", "rank reported a fault")]
+        ("c", "rank reported a fault")]
     assert st.faults[0].fenced == "step cancelled"
-    assert _count(records) == 4
+    assert _count(records) == 3
     from hpct_slurm.fault_count import CountingLog
 
     log = CountingLog(stream=io.StringIO())
     for r in records:
         log.emit(r["event"], **{k: v for k, v in r.items() if k not in ("t", "event")})
-    assert log.faults.count == 4 and log.faults.ended
+    assert log.faults.count == 3 and log.faults.ended
+
+
+def test_a_rank_fault_after_its_round_was_done_is_a_new_one_and_the_node_is_never_lost():
+    """A step that raised, recovered (its round done: every rank completed the first step
+    after it), and raised later is two faults; retried before the round was done, one.
+    Either way the node restarted in place: `status` never calls it lost, and after the job
+    failed no node is in two lists."""
+    records = [
+        _ev(0.0, "controller.start", job_id=1, active=["a", "b"], spares=["c"]),
+        _ev(1.0, "generation.start", generation=0, members=["a", "b"], restore_step=-1),
+        _ev(2.0, "fault.detected", node="b", reason="rank reported a fault", generation=0),
+        _ev(2.1, "fault.in_process", nodes=["b"], generation=0),
+        _ev(2.2, "recovery.assign", generation=1, restore_step=3, taken={}, members=["a", "b"]),
+        _ev(2.2, "generation.start", generation=1, members=["a", "b"], restore_step=3),
+        _ev(2.5, "recovery.done", generation=1, restore_step=3, lost=[], taken={},
+            reasons={}, recovery_s=0.3, phases={}, lost_steps=0),
+        _ev(4.0, "fault.detected", node="b", reason="rank reported a fault", generation=1),
+        _ev(4.1, "fault.in_process", nodes=["b"], generation=1),
+        _ev(4.2, "recovery.assign", generation=2, restore_step=9, taken={}, members=["a", "b"]),
+        _ev(4.2, "generation.start", generation=2, members=["a", "b"], restore_step=9),
+        _ev(5.0, "fault.detected", node="b", reason="rank reported a fault", generation=2),
+        _ev(5.1, "fault.in_process", nodes=["b"], generation=2),
+        _ev(5.2, "job.failed", cause="script", reason="2 restarts in place made no progress"),
+        _ev(5.3, "fault.detected", node="a", reason="connection lost", generation=2),
+        _ev(5.4, "controller.exit", code=1),
+    ]
+    assert _count(records) == 2
+    st = build_status(RunEvents("syn", records, {}), now=6.0)
+    assert [(f.node, f.reason) for f in st.faults] == [("b", "rank reported a fault")] * 2
+    assert st.members == ["a", "b"] and st.spares == ["c"]
 
 
 def test_a_requeued_run_counts_on_after_the_first_ended() -> None:

@@ -13,7 +13,7 @@ import time
 
 from ..errors import HpctError
 from ..events import Ev, RankState, Role
-from ..fault_count import CountingLog
+from ..fault_count import IN_PROCESS, CountingLog
 from ..slurm.client import SlurmClient
 from .connections import Conn
 from .failslow import FailSlow
@@ -22,10 +22,10 @@ from .options import Options
 from .pacing import Pacing
 from .policy import World
 
-# A rank that caught a failure itself (an exception in its step, a failed restore) and is ready
-# for the next generation, while nothing else is known to be lost: its process is healthy, so it
-# restarts in place with everyone else instead of being replaced.
-IN_PROCESS = "rank reported a fault"
+# IN_PROCESS (fault_count.py, which counts such reports): a rank that caught a failure itself
+# (an exception in its step, a failed restore) and is ready for the next generation, while
+# nothing else is known to be lost: its process is healthy, so it restarts in place with
+# everyone else instead of being replaced.
 # How long a rank's own report waits for a harder cause (a peer's lost connection usually
 # arrives within milliseconds of the collective error that made the rank report).
 IN_PROCESS_GRACE_S = 0.5

@@ -23,7 +23,7 @@ from typing import Any
 from ..controller.policy import PHASES  # recovery.done's `phases`, in the order they happen
 from ..errors import HpctError
 from ..events import Ev, Role
-from ..fault_count import FaultCount
+from ..fault_count import IN_PROCESS, JOB_ENDS, FaultCount
 from .records import readable
 
 
@@ -469,8 +469,11 @@ def build_status(run: RunEvents, now: float) -> Status:
     before: dict[str, str] = {}       # ... of a node back as a spare since (fenced alive)
     generation = None
     recovering = False
+    ended = False  # the job's end is written: its ranks leaving lose no node
     for e in mine:
         ev = e["event"]
+        if ev in JOB_ENDS:
+            ended = True
         if ev == Ev.CONTROLLER_START:
             members, spares = list(e.get("active", [])), list(e.get("spares", []))
         elif ev == Ev.STEP_LAUNCH and e.get("role") == Role.SPARE and e["node"] not in spares:
@@ -478,6 +481,9 @@ def build_status(run: RunEvents, now: float) -> Status:
             lost.discard(e["node"])
             if e["node"] in taken:
                 before[e["node"]] = taken.pop(e["node"])
+        elif ev == Ev.FAULT_DETECTED and (ended or e.get("reason") == IN_PROCESS):
+            # a rank's own report restarts its node in place: a member still, not lost
+            recovering = recovering or not ended
         elif ev == Ev.FAULT_DETECTED:
             lost.add(e["node"])
             if e["node"] in spares:
@@ -495,6 +501,9 @@ def build_status(run: RunEvents, now: float) -> Status:
             taken = {a: b for a, b in taken.items() if a not in members}
         elif ev == Ev.RECOVERY_DONE:
             recovering = False
+    # each node in one list: a member lost in the last round is lost, a spare taken a member
+    members = [n for n in members if n not in lost]
+    spares = [n for n in spares if n not in members and n not in lost]
     names = [e["event"] for e in mine]
     if rep.outcome != "running":
         state = rep.outcome

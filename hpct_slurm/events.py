@@ -106,6 +106,7 @@ class Ev(_Name):
     RANK_STEP = "rank.step"
     BENCH_STEP = "bench.step"  # bench/steplog.py: every system's step, at one point of its loop
     RANK_FAULT = "rank.fault"
+    RANK_SCRIPT_ERROR = "rank.script_error"
     RANK_READY = "rank.ready"
     RANK_FINISHED = "rank.finished"
     RANK_TEARDOWN_HUNG = "rank.teardown_hung"

@@ -830,6 +830,31 @@ def _fails_with(error: str):
 fails_again = _fails_with("RuntimeError: boom")  # the script's own error
 
 
+def test_a_rank_that_says_the_script_raised_ends_the_job_at_once_and_fences_nobody(tmp_path):
+    """A TypeError in the script's step (an error it would raise on any node): the rank says
+    so in its Goodbye before it exits, and the job fails as the script's error right away.
+    Its connection ending and its step exiting 1 that follow are no fault: no node is fenced
+    or replaced, no round is run, nothing is requeued."""
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1) as c:
+            await c.started()
+            await c.train(["localhost", "a1"], 3)
+            a1 = c.rank("a1")
+            await a1.send(P.Goodbye(P.SCRIPT_ERROR + "TypeError: 'NoneType' object is not "
+                                                     "callable"))
+            await c.until(lambda: a1.goodbyes, "the controller's answer")  # as a rank waits
+            await c.crash("a1", rc=1, dead=False, stderr="TypeError: 'NoneType' ...")
+            assert await asyncio.wait_for(asyncio.shield(c.job), 5) == 1
+            [failed] = c.events("job.failed")
+            assert failed["cause"] == "script"
+            assert failed["reason"] == ("rank 1 on a1 raised: TypeError: 'NoneType' object is "
+                                        "not callable")
+            assert c.events("fault.detected") == [] and c.events("fault.fenced") == []
+            assert c.events("recovery.assign") == [] and c.rank("s1").assigns == []
+            assert not any(argv[:2] == ["scontrol", "requeue"] for argv in c.runner.argvs)
+    run(scenario)
+
+
 def test_restarts_in_place_that_make_no_progress_end_the_job_as_the_scripts_error(tmp_path):
     async def scenario():
         async with FakeCluster(tmp_path, ["localhost", "a1", "s1"], spares=1,

@@ -199,6 +199,10 @@ class RecoveringClient(FakeClient):
     def leave_group(self) -> None:
         self.left += 1
 
+    def say_goodbye(self, reason: str, answer_within_s: float) -> None:
+        self.closed.set()
+        self.goodbye = reason
+
     def report_holdings(self, holdings) -> None:
         self.reports.append(holdings)
 
@@ -270,6 +274,32 @@ def test_a_rank_that_leaves_a_step_on_its_own_cuts_its_group_and_a_stopped_one_d
     job.client.closed.set()
     job._recover("_Stopped: controller connection lost")
     assert job.client.left == 1
+
+
+def test_an_error_the_script_repeats_anywhere_is_told_the_controller_before_the_rank_exits(
+        settings):
+    """A TypeError (or a registration mistake, a KeyError, ...) would be raised again on any
+    node: the rank tells the controller (the job fails as the script's, no node fenced);
+    a collective's RuntimeError or an OSError, which a node may cause, is not told, nor an
+    error before this process held a rank, nor twice."""
+    from hpct_slurm import protocol as P
+
+    job, _ = _job(settings)
+    job._make_client = RecoveringClient
+    job._start()
+    for not_told in (RuntimeError("gloo: connection closed"), OSError(28, "No space left")):
+        job._script_failed(not_told)
+        assert not job.client.closed.is_set()
+    job.rank = -1
+    job._script_failed(TypeError("a spare's mistake before it held a rank"))
+    assert not job.client.closed.is_set()
+    job.rank = 2
+    job._script_failed(TypeError("'NoneType' object is not callable"))
+    assert job.client.goodbye == P.SCRIPT_ERROR + "TypeError: 'NoneType' object is not callable"
+    job._script_failed(KeyError("again"))  # told once: the connection is closed
+    assert job.client.goodbye.endswith("not callable")
+    [told] = [e for e in _events(settings) if e["event"] == "rank.script_error"]
+    assert told["rank"] == 2 and told["error"].startswith("TypeError")
 
 
 def test_a_newcomer_pulls_striped_from_every_source_of_its_key_while_it_forms(settings):

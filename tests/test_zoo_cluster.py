@@ -59,3 +59,21 @@ def test_a_script_shape_comes_back_bit_identical_from_a_crash_and_an_in_place_fa
         assert [e["taken"] for e in done] == [taken], run.name
         faults = [e for e in rank_events(run) if e["event"] == "rank.fault"]
         assert faults and not [e for e in faults if "Timed out" in e["error"]], run.name
+
+
+def test_a_bug_in_the_script_fails_the_job_at_once_and_fences_no_node(cluster, tmp_path):
+    """A TypeError in rank 1's step, which any node would raise again: the job fails as the
+    script's error in the same generation, with no node fenced, drained or replaced and no
+    restart in place, and the nodes go back to Slurm idle for the next job."""
+    wait_job(cluster, submit(cluster, tmp_path, TEMPLATE,
+                             _zoo("bn_cnn", "--type-error-at", "5", *UNPACED)), tmp_path, 120,
+             label="script-bug")
+    evs = controller_events(tmp_path)
+    [failed] = [e for e in evs if e["event"] == "job.failed"]
+    assert failed["cause"] == "script" and "TypeError" in failed["reason"]
+    assert [e for e in evs if e["event"] in ("fault.detected", "fault.fenced",
+                                             "recovery.assign")] == []
+    told = [e for e in rank_events(tmp_path) if e["event"] == "rank.script_error"]
+    assert [e["rank"] for e in told] == [1]
+    states = cluster.client().node_states()
+    assert not [n for n, st in states.items() if "drain" in st or "down" in st], states

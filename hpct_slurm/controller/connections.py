@@ -204,9 +204,10 @@ class Connections:
     fault_event: asyncio.Event
     recovering: bool
     goodbye_reason: str | None  # set by ending.py once every rank was told goodbye
+    script_error: str | None  # a rank's report of an error the script would make anywhere
     # What it passes on to the other pieces: _join_node (spares.py: a pool spare joins),
     # _fault (detection.py), _maybe_start and _track_first_step (recovery_round.py),
-    # _maybe_finish (ending.py).
+    # _maybe_finish and _escalate (ending.py).
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -373,6 +374,14 @@ class Connections:
                 conn.error = msg.error
         elif isinstance(msg, P.Goodbye):
             conn.state = RankState.DONE if msg.reason == "done" else conn.state
+            if msg.reason.startswith(P.SCRIPT_ERROR) and self.script_error is None \
+                    and not self.finished.is_set():
+                # Set before the rank's connection and step end (read next): those are the
+                # script's error leaving, not a node to fence and replace.
+                self.script_error = msg.reason[len(P.SCRIPT_ERROR):]
+                asyncio.ensure_future(self._escalate(
+                    f"rank {conn.rank} on {conn.node} raised: {self.script_error}",
+                    script=True))
         else:
             self.events.emit(Ev.PROTOCOL_UNEXPECTED, node=conn.node, type=msg.TYPE)
 

@@ -124,6 +124,9 @@ class Controller(Connections, Steps, Detection, RecoveryRound, Fencing, Spares, 
         # Once every connection was told goodbye (why), a rank registering later is told the
         # same at once: a spare relaunched just before the end would wait out the grace
         self.goodbye_reason: str | None = None
+        # A rank said the script raised an error it would raise on any node (connections.py):
+        # the job ends as the script's, and the exits that follow are no fault
+        self.script_error: str | None = None
         # this generation's connections that said done (ids): _maybe_finish looks at every
         # rank only once they are as many as the world (each done heartbeat checking every
         # rank is O(world^2) at a job's end)

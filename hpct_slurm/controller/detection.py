@@ -46,13 +46,14 @@ class Detection:
     fault_event: asyncio.Event  # wakes the round loop (recovery_round.py)
     recovering: bool
     finished: asyncio.Event
+    script_error: str | None  # a rank said the script raised (connections.py): no more faults
     lifecycle: Lifecycle  # planned moves and growing back, from the same Slurm poll
     failslow: FailSlow  # a node that drags the job (failslow.py), judged at every sweep
 
     def _fault(self, node: str, reason: str) -> None:
         # once the job's end is written its ranks leave: their exits are no fault
         if self.finished.is_set() or self.events.faults.ended or node in self.pending_faults \
-                or node in self.dead_nodes:
+                or node in self.dead_nodes or self.script_error is not None:
             return
         if node not in self.world.members and node not in self.world.spares:
             # a node leaving in a planned move is no member any more, but its loss is seen

@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fail-at", type=int, default=None, metavar="STEP")
     ap.add_argument("--die-at", type=int, default=None, metavar="STEP")
+    ap.add_argument("--type-error-at", type=int, default=None, metavar="STEP",
+                    help="a bug of the script's: a TypeError there, in every generation")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -186,6 +188,8 @@ def main() -> None:
     ema = extra.get("ema")
 
     def fault() -> None:
+        if job.rank == args.fault_rank and job.step == args.type_error_at:
+            raise TypeError("unsupported operand type(s) for +: 'Tensor' and 'NoneType'")
         if job.generation != 0 or job.rank != args.fault_rank:
             return
         if job.step == args.fail_at:

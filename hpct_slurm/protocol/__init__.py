@@ -34,7 +34,7 @@ from .errors import (ConnectionClosed, ConnectionCut, DigestMismatch, HeaderTooL
                      ProtocolError, ProtocolTimeout)
 from .messages import (MESSAGE_TYPES, Ack, Assign, Batch, Envelope, FetchState, Goodbye,
                        Heartbeat, Holdings, Left, Message, Register, RelayHello, Resume,
-                       StateBlob, StepDone, Stop)
+                       SCRIPT_ERROR, StateBlob, StepDone, Stop)
 from .secret import SECRET_BYTES, load_secret, new_secret_file
 from .wire import (DEFAULT_MAX_BODY, DIGEST_LEN, HEADER_MAX, MAC_LEN, MAX_PARTS, NONCE_BYTES,
                    TO_CLIENT, TO_SERVER, VERSION, Body, decode, decode_frame, encode)
@@ -48,7 +48,7 @@ __all__ = [
     "ConnectionClosed", "ConnectionCut", "DigestMismatch", "HeaderTooLarge", "ProtocolError", "ProtocolTimeout",
     "MESSAGE_TYPES", "Ack", "Assign", "Envelope", "FetchState", "Goodbye", "Heartbeat",
     "Holdings", "Message", "Register", "Resume", "StateBlob", "StepDone", "Stop",
-    "Batch", "Left", "RelayHello",
+    "Batch", "Left", "RelayHello", "SCRIPT_ERROR",
     "SECRET_BYTES", "load_secret", "new_secret_file",
     "DEFAULT_MAX_BODY", "DIGEST_LEN", "HEADER_MAX", "MAC_LEN", "MAX_PARTS", "NONCE_BYTES",
     "TO_CLIENT", "TO_SERVER", "VERSION", "Body", "decode", "decode_frame", "encode",

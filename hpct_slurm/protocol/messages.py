@@ -117,6 +117,11 @@ class Goodbye:
     reason: str
 
 
+# A rank's Goodbye reason when the script raised an error it would raise again on any node (a
+# TypeError, a registration mistake): the job fails as the script's, and no node is fenced.
+SCRIPT_ERROR = "the script's own error: "
+
+
 @dataclass(frozen=True)
 class FetchState:
     """Ask a transfer server for `rank`'s snapshot at `step` or later (`slot`: own, replica,

@@ -238,6 +238,19 @@ class CoordinationClient:
                 if deadline is not None and time.monotonic() > deadline:
                     raise HpctError(f"no assignment from the controller within {timeout:.0f} s")
 
+    def say_goodbye(self, reason: str, answer_within_s: float) -> None:
+        """Goodbye with `reason`, then wait up to `answer_within_s` for the controller's own
+        Goodbye (it has read ours and decided), then close."""
+        self._send_or_close(P.Goodbye(reason))
+        deadline = time.monotonic() + answer_within_s
+        while not self._bye_received and not self.closed.is_set() \
+                and time.monotonic() < deadline:
+            try:
+                self.assignments.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self.close(reason)
+
     def close(self, reason: str = "done") -> None:
         self._closing = True  # before the Goodbye: the controller may hang up as it reads it
         if not self.closed.is_set():

@@ -16,7 +16,7 @@ import torch
 from .. import protocol as P
 from ..errors import HpctError, UsageError
 from ..events import Ev
-from .rank_round import _FAULTS, _describe, _where
+from .rank_round import _FAULTS, SCRIPT_ERRORS, _describe, _where
 
 T = TypeVar("T")
 SHARED_NAMES = ("model", "optimizer", "lr_scheduler")  # what Job(...) takes positionally
@@ -102,13 +102,17 @@ class InlineForm:
                     result = fn()
                     if InlineForm._main is not None:
                         InlineForm._main._end_inline()
-                except UsageError:
+                except UsageError as exc:
+                    InlineForm._tell_script_failed(exc)
                     raise  # the script's mistake: running main() again would make it again
                 except _FAULTS as exc:
                     job = InlineForm._main
                     if job is None or job.rank < 0:
                         raise  # no rank held yet: nothing to recover, the error is the script's
                     failure, where = _describe(exc), _where(exc)
+                except SCRIPT_ERRORS as exc:
+                    InlineForm._tell_script_failed(exc)
+                    raise
                 job = InlineForm._main
                 if not failure:
                     if job is None or not job._finish_inline():
@@ -123,6 +127,12 @@ class InlineForm:
         finally:
             InlineForm._in_main = False
             InlineForm._main = None
+
+    @staticmethod
+    def _tell_script_failed(exc: BaseException) -> None:
+        job = InlineForm._main
+        if job is not None:
+            job._script_failed(exc)
 
     def _enter_inline(self) -> None:
         """Job(...) inside Job.main: register with the controller (once), wait for this

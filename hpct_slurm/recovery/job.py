@@ -63,7 +63,7 @@ from .integrity import Integrity
 from .layout_rules import MeshSpec, first_mode
 from .loop import StepLoop
 from .persist import DiskPersister
-from .rank_round import _FAULTS, LOST, RankRound, _describe, _where
+from .rank_round import _FAULTS, LOST, SCRIPT_ERRORS, RankRound, _describe, _where
 from .restore import Restorer
 from .seeds import seed_everything, step_seed  # re-exported: scripts import them from here
 from .snapshot_policy import SnapshotPolicy
@@ -441,10 +441,14 @@ class Job(InlineForm, RankRound, Stepping):
                 self._adopt(msg)
                 last = train(msg.restore_step + 1)
                 self._policy.check_last(last)
-            except UsageError:
+            except UsageError as exc:
+                self._script_failed(exc)
                 raise  # the script's mistake: running it again would make it again
             except _FAULTS as exc:
                 failure, where = _describe(exc), _where(exc)
+            except SCRIPT_ERRORS as exc:
+                self._script_failed(exc)
+                raise
             if failure is None:
                 self._done(last)
                 continue  # the controller says goodbye once every rank is done

@@ -15,7 +15,7 @@ import time
 import torch.distributed as dist
 
 from .. import protocol as P
-from ..errors import HpctError
+from ..errors import HpctError, UsageError
 from ..events import Ev
 from . import fault_trace
 from .controller_loss import witnesses
@@ -25,7 +25,14 @@ from .striped import Prefetch
 
 # What a failed step or formation raises: the whole group restarts in place, or re-forms
 _FAULTS = (RuntimeError, _Stopped, HpctError, dist.DistStoreError)
+# Errors a script makes the same way on any node and at every try: a mistake in its code or in
+# how it uses hpct-slurm, not a node's fault. Restarting in place or on a spare would raise it
+# again and fence healthy nodes meanwhile, so the rank says so and the job fails at once.
+# (OSError and MemoryError may be the node's; RuntimeError is a collective's: neither here.)
+SCRIPT_ERRORS = (UsageError, TypeError, NameError, AttributeError, ImportError, KeyError,
+                 IndexError, ValueError, AssertionError, ZeroDivisionError)
 LOST = "controller connection lost"  # the client's Goodbye reason when the socket died
+SCRIPT_ERROR_ANSWER_S = 5.0  # how long a rank whose script raised waits for the job's end
 
 
 class RankRound:
@@ -66,6 +73,20 @@ class RankRound:
         if not healthy:
             self._shutdown(f"health check failed: {detail}")
             os._exit(3)  # a stuck gloo thread would hold up a normal interpreter exit
+
+    def _script_failed(self, exc: BaseException) -> None:
+        """The script raised one of SCRIPT_ERRORS while this process held a rank: the
+        controller is told (the Goodbye's reason) before the error ends the process, so the
+        job fails as the script's error instead of fencing this node and replacing it."""
+        if not isinstance(exc, SCRIPT_ERRORS) or self.rank < 0 or self.client.closed.is_set():
+            return
+        error = _describe(exc)
+        self.events.emit(Ev.RANK_SCRIPT_ERROR, rank=self.rank, generation=self.generation,
+                         error=error, where=_where(exc))
+        reason = P.SCRIPT_ERROR + error
+        # Until the controller's own Goodbye (the job's end decided), at most a few seconds:
+        # an exit it saw first would read as this node's loss, fenced and replaced.
+        self.client.say_goodbye(reason, answer_within_s=SCRIPT_ERROR_ANSWER_S)
 
     def _adopt(self, a: P.Assign) -> None:
         t0 = time.time()

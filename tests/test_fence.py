@@ -208,3 +208,22 @@ def test_the_fence_admits_the_allocation_and_refuses_strangers(nets, tmp_path):
     removed = [e for e in events if e["event"] == "hook_fence_removed"]
     assert [(e["job_id"], e["found"], e["jobs"]) for e in removed] == [
         (32, False, [31, 33]), (33, True, [31]), (31, True, []), (31, False, [])]
+
+
+@needs_nft
+def test_a_site_notrack_rule_does_not_open_the_fence(nets, tmp_path):
+    """Sites exempt fabric and storage ports from conntrack (`notrack`): such a packet's
+    state is `untracked`, neither new nor established, and must meet the job's rules."""
+    eph = nets["ephemeral"]
+    subprocess.run([*_ns("a"), NFT, "-f", "-"], check=True, capture_output=True, text=True,
+                   input="add table inet site\n"
+                         "add chain inet site raw { type filter hook prerouting priority raw; }\n"
+                         f"add rule inet site raw tcp dport {eph} notrack\n")
+    log = EventLog(tmp_path / "hooks.jsonl")
+    job = JobContext(job_id=41, uid=JOB_UID, gid=JOB_UID, node="nA", nodelist="nA,nP")
+    where = {"nA": "10.78.2.1", "nP": "10.78.2.2"}
+    assert F.install(job, job.nodelist, F.FenceConfig("nft"), log, lambda: [],
+                     where.__getitem__, _fence())
+    assert _connect("o", "10.78.1.1", eph) == "ConnectionRefusedError"
+    assert _connect("p", "10.78.2.1", eph) == "ok"
+    assert F.remove(job, F.FenceConfig("nft"), log, _fence())

@@ -17,7 +17,8 @@ the ephemeral range (net.ipv4.ip_local_port_range, read per namespace); the rece
 owner cannot be matched on input (nftables' `socket` expression has no uid, and `socket
 cgroupv2` needs the job in a cgroup v2 of its own, which proctrack/linuxproc and the local
 cluster's hybrid hierarchy do not give), so the port range is the handle. Fixed-port services
-(sshd, slurmd) and established connections are untouched; a service that listens on an
+(sshd, slurmd) and established connections (conntrack's `established, related`: a packet a site
+rule left `untracked` meets the rules) are untouched; a service that listens on an
 ephemeral port for hosts outside the allocation (NFS callbacks) needs HPCT_FENCE_ALLOW.
 
 One table, `inet hpct_fence`, holds a pair of chains per job (`job_<id>_in`, `job_<id>_out`:
@@ -141,7 +142,8 @@ def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None],
         lone = "lo accept" if chain == "input" else "!= lo accept"
         lines += [f"add rule {t} {chain} {iface} {lone}",
                   f"add rule {t} {chain} meta l4proto != tcp accept",
-                  f"add rule {t} {chain} ct state != new accept",
+                  # not `!= new`: a site's `notrack` leaves a stranger's SYN `untracked`
+                  f"add rule {t} {chain} ct state {{ established, related }} accept",
                   f"add rule {t} {chain} tcp dport != {{ {fenced} }} accept"]
         lines += [f"add rule {t} {chain} jump job_{j}_{side}" for j in live]
         lines.append(f"add rule {t} {chain} counter reject with tcp reset")

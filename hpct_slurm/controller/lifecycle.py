@@ -179,6 +179,7 @@ class Lifecycle:
         self.requested: set[str] = set()   # nodes whose move was started (once each)
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
         self.refused: set[str] = set()     # request entries refused that stay (said once)
+        self.unreadable = ""  # why the requests dir cannot be listed, once said
         self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
         self.why: dict[str, str] = {}  # moved node -> why it was moved, for its release
         self.grow_refused = False
@@ -220,7 +221,15 @@ class Lifecycle:
 
     def _user_requests(self) -> None:
         c = self.ctl
-        for f, node, reason, refused in read_requests(c.run_dir):
+        try:
+            requests = read_requests(c.run_dir)
+        except HpctError as exc:
+            if exc.message != self.unreadable:
+                self.unreadable = exc.message
+                c.events.emit(Ev.MOVE_REQUESTS_UNREADABLE, why=exc.message)
+            return
+        self.unreadable = ""
+        for f, node, reason, refused in requests:
             if refused:
                 if f.name not in self.refused:
                     c.events.emit(Ev.MOVE_REQUEST_REFUSED, file=f.name[:80], why=refused)

@@ -29,7 +29,7 @@ from hpct_slurm import move_requests as M  # first: root's interpreter may lie i
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 run_dir = Path(sys.argv[1])
 try:
-    seen = [[f.name, node, reason, refused] for f, node, reason, refused in M.read_requests(run_dir)]
+    seen = [[f.name, node, reason, why] for f, node, reason, why in M.read_requests(run_dir)]
 except Exception as exc:
     seen = f"{type(exc).__name__}: {exc}"
 try:

@@ -27,14 +27,15 @@ rule left `untracked` meets the rules) are untouched; a service that listens on 
 ephemeral port for hosts outside the allocation (NFS callbacks) needs HPCT_FENCE_ALLOW.
 
 One table, `inet hpct_fence`, holds a pair of chains per job (`job_<id>_in`, `job_<id>_out`:
-what that job admits) and two base chains that jump to every job's chains and reject what
-none admitted, rebuilt under a lock by each Prolog and Epilog in one atomic `nft -f` script.
-So jobs sharing a node admit each other's peers (the union: an address has no owner), while
-on the node each user reaches only its own listeners and root's; an Epilog removes exactly its
-job's chains, and the last one removes the table. The conntrack mark of loopback connections to
-fenced ports is the fence's: a site rule must not rely on it there. Nothing here fails a Prolog: a missing
-`nft`, a node that does not resolve, a refused script: the job runs unfenced and the hooks log
-says why (`hook_fence_skipped`).
+what that job admits) and three chains (input, output, and `answer` for listeners' SYN-ACKs)
+that jump to every job's chains and reject what none admitted, rebuilt under a lock by each
+Prolog and Epilog in one atomic `nft -f` script. So jobs sharing a node admit each other's
+peers (the union: an address has no owner), while on the node each user reaches only its own
+listeners and root's; an Epilog removes exactly its job's chains, and the last one removes
+the table. The conntrack mark of loopback connections to
+fenced ports is the fence's: a site rule must not rely on it there. Nothing here fails a
+Prolog: a missing `nft`, a node that does not resolve, a refused script: the job runs unfenced
+and the hooks log says why (`hook_fence_skipped`).
 """
 from __future__ import annotations
 

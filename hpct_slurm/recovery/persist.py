@@ -7,8 +7,8 @@ One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
 either the old file or the new one (and its temp file, which the rank dir's next save removes
-once it is a minute old, and the close of the persister writing there at once: `sweep_stale`). A large snapshot's data goes past the page cache
-(O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
+once it is a minute old, and the close of the persister writing there at once: `sweep_stale`).
+A large snapshot's data goes past the page cache (O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
 4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex,
 the BLAKE3 tree of protocol/digest.py) and covers the data, so saving hashes nothing new;
 the MAC is HMAC-SHA256 over everything before it, keyed with the job's secret: a plain digest

@@ -349,7 +349,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s(FENCE, "choice", "off", ADMIN, "hooks", "the Prolog's packet filter for the traffic "
        "no secret protects (gloo, NCCL's bootstrap, TCPStore): `nft` admits to the node's "
        "ephemeral ports and the rendezvous range only the allocation's nodes, loopback only "
-       "from root and the job's user, "
+       "from root and the job's user (to that user's listeners only from that user and root), "
        "the Epilog removes it (docs/admin.md); off: none", choices=("nft", "off"),
        scope="hooks"),
     _s(FENCE_ALLOW, "str", None, ADMIN, "hooks", "comma-separated IPv4 addresses or "

@@ -84,6 +84,7 @@ class Ev(_Name):
     MOVE_REQUESTED = "move.requested"
     MOVE_SKIPPED = "move.skipped"
     MOVE_REQUEST_REFUSED = "move.request_refused"
+    MOVE_REQUESTS_UNREADABLE = "move.requests_unreadable"
     MOVE_ASSIGN = "move.assign"
     MOVE_DONE = "move.done"
     MOVE_FAILED = "move.failed"

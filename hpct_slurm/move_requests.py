@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from .errors import HpctError
-from .rundir import private_dir, write_private
+from .rundir import as_owner, private_dir, write_private
 
 # `hpct-slurm move NODE JOB` leaves a request file here, in the job's private run dir (0700:
 # whoever can write there holds the job's secret already); the controller picks it up at its
@@ -39,8 +39,13 @@ def ask_move(run_dir: Path, node: str, reason: str) -> Path:
                         f"characters")
     if not (run_dir / "secret").is_file():
         raise HpctError(f"{run_dir} is not a job's run dir (no secret file): pass --run-dir")
-    d = private_dir(run_dir / REQUESTS, "requests dir")
-    return write_private(d / f"move-{node}", reason.encode())
+
+    def write() -> Path:
+        d = private_dir(run_dir / REQUESTS, "requests dir")
+        return write_private(d / f"move-{node}", reason.encode())
+    # root's request (an admin's) is written as the job's user, who reads it and writes the
+    # next ones beside it
+    return as_owner(run_dir, write)
 
 
 def read_request(f: Path) -> bytes:
@@ -68,13 +73,32 @@ def read_request(f: Path) -> bytes:
         os.close(fd)
 
 
+def unreadable(d: Path, exc: OSError) -> str:
+    """Why no request in `d` can be read, and what to do about it."""
+    try:
+        st = os.lstat(d)
+        whose = f" (owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
+    except OSError:
+        whose = ""
+    return (f"requests dir {d} cannot be read ({exc.strerror}){whose}: no move request of "
+            f"this job is seen, neither `hpct-slurm move`'s nor a rank's. Remove it as root "
+            f"(`rm -r {d}`) and ask again")
+
+
 def read_requests(run_dir: Path) -> list[tuple[Path, str, str, str]]:
     """The move requests waiting: (file, node, reason, refused). Malformed ones have an
     empty reason, so they are answered (move.skipped) rather than retried forever; `refused`
-    says why an entry was not read at all (move.request_refused)."""
+    says why an entry was not read at all (move.request_refused). HpctError when the
+    requests dir itself cannot be listed (`unreadable`)."""
     d = run_dir / REQUESTS
+    try:
+        names = sorted(n for n in os.listdir(d) if n.startswith("move-"))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:  # a glob would see nothing and say nothing
+        raise HpctError(unreadable(d, exc)) from None
     out = []
-    for f in sorted(d.glob("move-*")) if d.is_dir() else []:
+    for f in (d / n for n in names):
         node = f.name[len("move-"):]
         reason = refused = ""
         try:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import secrets
 import stat
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
-from .errors import HpctError
+from .errors import HpctError, describe
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -99,3 +100,39 @@ def write_private(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> Pa
     with replacing(path, mode) as f:
         f.write(data)
     return Path(path)
+
+
+def as_owner(path: str | os.PathLike, write: Callable[[], Path]) -> Path:
+    """`write()`, run as the owner of the directory `path` when root calls it for another
+    user (an admin acting on a user's job), else as the caller. What root would create there
+    is root's, 0700: the owner could neither read it nor write beside it again. In a child
+    that drops to the owner's uid, its primary group and no others, so root never follows
+    a path the owner controls. The path `write` wrote, or HpctError saying why it failed."""
+    st = os.stat(path)  # the directory written into, where `path` is a link to it
+    if os.geteuid() != 0 or st.st_uid == 0:
+        return write()
+    try:
+        gid = pwd.getpwuid(st.st_uid).pw_gid
+    except KeyError:
+        gid = st.st_gid  # a uid without a passwd entry: the directory's group
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        os.close(rfd)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(st.st_uid)
+            out = "ok\0" + str(write())
+        except BaseException as exc:  # noqa: BLE001 - told to the parent, never raised here
+            out = "error\0" + describe(exc)
+        os.write(wfd, out.encode()[:4096])  # one write a pipe takes whole
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        out = r.read().decode()
+    os.waitpid(pid, 0)
+    kind, _, text = out.partition("\0")
+    if kind != "ok":
+        raise HpctError(text or f"writing as uid {st.st_uid} (the owner of {path}) failed")
+    return Path(text)

@@ -31,14 +31,26 @@ def test_the_script_installs_a_job_and_keeps_the_others():
     text = F.script({7: (1000, ["10.0.0.1/32", "10.0.0.2/32"])},
                     [(32768, 60999), (20000, 28191), (28000, 32767)], keep={5})
     assert "add rule inet hpct_fence job_7_in ip saddr { 10.0.0.1/32, 10.0.0.2/32 } accept" in text
-    assert "add rule inet hpct_fence job_7_out meta skuid { 0, 1000 } accept" in text
+    job_7_out = [ln.split(" ", 5)[-1] for ln in text.splitlines()
+                 if ln.startswith("add rule inet hpct_fence job_7_out ")]
+    assert job_7_out == ["tcp flags & (syn | ack) == syn | ack ct mark != 1000 return",
+                         "meta skuid 1000 ct mark set 1000 accept", "meta skuid 0 accept"]
     assert "job_5_in" in text and "flush chain inet hpct_fence job_5_in" not in text  # kept
+    def rules(chain):
+        return [ln.split(" ", 5)[-1] for ln in text.splitlines()
+                if ln.startswith(f"add rule inet hpct_fence {chain} ")]
     for chain, side in (("input", "in"), ("output", "out")):  # each job's, then the refusal
-        rules = [ln for ln in text.splitlines()
-                 if ln.startswith(f"add rule inet hpct_fence {chain} ")]
-        assert [r.split(" ", 5)[-1] for r in rules[-4:]] == [
+        assert rules(chain)[-4:] == [
             "tcp dport != { 20000-60999 } accept", f"jump job_5_{side}", f"jump job_7_{side}",
             "counter reject with tcp reset"]
+    # a listener's SYN-ACK on loopback goes to the owner check before anything accepts it
+    assert rules("output")[:4] == [
+        "oif != lo accept", "meta l4proto != tcp accept",
+        "tcp flags & (syn | ack) == syn | ack tcp sport { 20000-60999 } jump answer",
+        "ct state { established, related } accept"]
+    assert rules("answer") == ["ct state untracked accept", "meta skuid 0 accept",
+                               "ct mark 0 accept", "jump job_5_out", "jump job_7_out",
+                               "counter reject with tcp reset"]
 
 
 def test_the_last_jobs_removal_deletes_the_table():
@@ -134,9 +146,10 @@ threading.Event().wait()
 """
 
 
-def _connect(ns: str, addr: str, port: int, uid: int = 0) -> str:
+def _connect(ns: str, addr: str, port: int, uid: int = 0, timeout: float = 5) -> str:
     who = [] if uid == 0 else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    code = (f"import socket\ntry:\n socket.create_connection(({addr!r}, {port}), 5).close()"
+    code = (f"import socket\ntry:\n socket.create_connection(({addr!r}, {port}), {timeout})"
+            f".close()"
             f"; print('ok')\nexcept OSError as e:\n print(type(e).__name__)")
     return subprocess.run([*_ns(ns), *who, sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=30).stdout.strip()
@@ -208,3 +221,68 @@ def test_the_fence_admits_the_allocation_and_refuses_strangers(nets, tmp_path):
     removed = [e for e in events if e["event"] == "hook_fence_removed"]
     assert [(e["job_id"], e["found"], e["jobs"]) for e in removed] == [
         (32, False, [31, 33]), (33, True, [31]), (31, True, []), (31, False, [])]
+
+
+@needs_nft
+def test_a_site_notrack_rule_does_not_open_the_fence(nets, tmp_path):
+    """Sites exempt fabric and storage ports from conntrack (`notrack`): such a packet's
+    state is `untracked`, neither new nor established, and must meet the job's rules."""
+    eph = nets["ephemeral"]
+    subprocess.run([*_ns("a"), NFT, "-f", "-"], check=True, capture_output=True, text=True,
+                   input="add table inet site\n"
+                         "add chain inet site raw { type filter hook prerouting priority raw; }\n"
+                         f"add rule inet site raw tcp dport {eph} notrack\n")
+    log = EventLog(tmp_path / "hooks.jsonl")
+    job = JobContext(job_id=41, uid=JOB_UID, gid=JOB_UID, node="nA", nodelist="nA,nP")
+    where = {"nA": "10.78.2.1", "nP": "10.78.2.2"}
+    assert F.install(job, job.nodelist, F.FenceConfig("nft"), log, lambda: [],
+                     where.__getitem__, _fence())
+    assert _connect("o", "10.78.1.1", eph) == "ConnectionRefusedError"
+    assert _connect("p", "10.78.2.1", eph) == "ok"
+    assert F.remove(job, F.FenceConfig("nft"), log, _fence())
+
+
+_LISTEN = """
+import socket
+s = socket.socket(); s.bind(("0.0.0.0", 0)); s.listen(64)
+print(s.getsockname()[1], flush=True)
+while True:
+    s.accept()[0].close()
+"""
+
+
+@needs_nft
+def test_on_a_shared_node_a_users_ports_admit_that_user_and_root_only(nets, tmp_path):
+    """Jobs of two users on one node: each user's listeners (gloo's, a TCPStore's) take
+    local connections from that user and root only, not from the other job's user; root's
+    listeners from both."""
+    other = 65534
+    listeners = {}
+    try:
+        for uid in (JOB_UID, other):
+            listeners[uid] = subprocess.Popen(
+                [*_ns("a"), "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                 sys.executable, "-c", _LISTEN], stdout=subprocess.PIPE, text=True, cwd="/")
+        mine, theirs = (int(listeners[u].stdout.readline()) for u in (JOB_UID, other))
+        log = EventLog(tmp_path / "hooks.jsonl")
+        for job, uid in ((51, JOB_UID), (52, other)):
+            ctx = JobContext(job_id=job, uid=uid, gid=uid, node="nA", nodelist="nA")
+            assert F.install(ctx, ctx.nodelist, F.FenceConfig("nft"), log, lambda: [],
+                             {"nA": "10.78.2.1"}.__getitem__, _fence())
+        for addr in ("127.0.0.1", "10.78.2.1"):  # loopback, and the node's own address
+            assert _connect("a", addr, mine, uid=JOB_UID) == "ok"
+            assert _connect("a", addr, theirs, uid=other) == "ok"
+            assert _connect("a", addr, mine, uid=other, timeout=2) == "TimeoutError"
+            assert _connect("a", addr, theirs, uid=JOB_UID, timeout=2) == "TimeoutError"
+            assert _connect("a", addr, mine) == "ok"  # root
+            assert _connect("a", addr, nets["ephemeral"], uid=other) == "ok"  # root's
+        assert F.remove(JobContext(job_id=52, uid=other, gid=other, node="nA"),
+                        F.FenceConfig("nft"), log, _fence())
+        assert _connect("a", "127.0.0.1", mine, uid=other) == "ConnectionRefusedError"
+        assert _connect("a", "127.0.0.1", mine, uid=JOB_UID) == "ok"
+        assert F.remove(JobContext(job_id=51, uid=JOB_UID, gid=JOB_UID, node="nA"),
+                        F.FenceConfig("nft"), log, _fence())
+    finally:
+        for p in listeners.values():
+            p.kill()
+            p.wait()

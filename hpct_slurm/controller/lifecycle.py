@@ -181,6 +181,7 @@ class Lifecycle:
         self.refused: set[str] = set()     # request entries refused that stay (said once)
         self.corrupt: set[str] = set()     # nodes drained for corruption (once each)
         self.drains: list[asyncio.Future] = []  # those drains, awaited at the run's end
+        self.unreadable = ""  # why the requests dir cannot be listed, once said
         self.leaving: dict[str, list[Conn]] = {}  # moved node -> its ranks, until goodbye
         self.why: dict[str, str] = {}  # moved node -> why it was moved, for its release
         self.grow_refused = False
@@ -222,7 +223,15 @@ class Lifecycle:
 
     def _user_requests(self) -> None:
         c = self.ctl
-        for f, node, reason, refused in read_requests(c.run_dir):
+        try:
+            requests = read_requests(c.run_dir)
+        except HpctError as exc:
+            if exc.message != self.unreadable:
+                self.unreadable = exc.message
+                c.events.emit(Ev.MOVE_REQUESTS_UNREADABLE, why=exc.message)
+            return
+        self.unreadable = ""
+        for f, node, reason, refused in requests:
             if refused:
                 if f.name not in self.refused:
                     c.events.emit(Ev.MOVE_REQUEST_REFUSED, file=f.name[:80], why=refused)
@@ -252,7 +261,11 @@ class Lifecycle:
         """At the run's end: a corruption request no poll read yet (the job's last comparison
         finds a flip moments before every rank is done) drains its node all the same, and
         the drains under way are waited for, before the node is free for the next job."""
-        for f, node, reason, refused in read_requests(self.ctl.run_dir):
+        try:
+            requests = read_requests(self.ctl.run_dir)
+        except HpctError:
+            requests = []  # an unreadable requests dir: the polls said so already
+        for f, node, reason, refused in requests:
             if not refused and CORRUPTION in reason and node in self.ctl.world.members \
                     and node not in self.corrupt:
                 self._drain_soon(f, node, reason, at_end=True)

@@ -10,23 +10,32 @@ HPCT_PORT_SPAN as the hooks see them: a TCPStore listens there) only
 * from the allocation's node addresses (SLURM_JOB_NODELIST, resolved as the ranks resolve
   them), slurmctld's (srun's ephemeral ports take its messages) and HPCT_FENCE_ALLOW;
 * on loopback, only from root's and the job user's sockets (`meta skuid` on output: a local
-  connection's SYN leaves through `lo` with the connecting socket's owner).
+  connection's SYN leaves through `lo` with the connecting socket's owner), and to a listener
+  of the job's user only from that user and root: the SYN marks its conntrack entry with the
+  connecting user (`ct mark`; root's stay 0), and the listener's SYN-ACK, which leaves from
+  the listening socket and so carries its owner, passes only to a connection of its own user
+  or root's. Another job's user on the node gets its SYN-ACK reset: no answer, a timeout.
+  Root's listeners answer every connection the SYN's check admitted.
 
 Why ports and not the socket's owner: gloo binds port 0, so its ports are only known to be in
 the ephemeral range (net.ipv4.ip_local_port_range, read per namespace); the receiving socket's
 owner cannot be matched on input (nftables' `socket` expression has no uid, and `socket
 cgroupv2` needs the job in a cgroup v2 of its own, which proctrack/linuxproc and the local
 cluster's hybrid hierarchy do not give), so the port range is the handle. Fixed-port services
-(sshd, slurmd) and established connections are untouched; a service that listens on an
+(sshd, slurmd) and established connections (conntrack's `established, related`: a packet a site
+rule left `untracked` meets the rules) are untouched; a service that listens on an
 ephemeral port for hosts outside the allocation (NFS callbacks) needs HPCT_FENCE_ALLOW.
 
 One table, `inet hpct_fence`, holds a pair of chains per job (`job_<id>_in`, `job_<id>_out`:
-what that job admits) and two base chains that jump to every job's chains and reject what
-none admitted, rebuilt under a lock by each Prolog and Epilog in one atomic `nft -f` script.
-So jobs sharing a node admit each other's peers (the union), an Epilog removes exactly its
-job's chains, and the last one removes the table. Nothing here fails a Prolog: a missing
-`nft`, a node that does not resolve, a refused script: the job runs unfenced and the hooks log
-says why (`hook_fence_skipped`).
+what that job admits) and three chains (input, output, and `answer` for listeners' SYN-ACKs)
+that jump to every job's chains and reject what none admitted, rebuilt under a lock by each
+Prolog and Epilog in one atomic `nft -f` script. So jobs sharing a node admit each other's
+peers (the union: an address has no owner), while on the node each user reaches only its own
+listeners and root's; an Epilog removes exactly its job's chains, and the last one removes
+the table. The conntrack mark of loopback connections to
+fenced ports is the fence's: a site rule must not rely on it there. Nothing here fails a
+Prolog: a missing `nft`, a node that does not resolve, a refused script: the job runs unfenced
+and the hooks log says why (`hook_fence_skipped`).
 """
 from __future__ import annotations
 
@@ -53,6 +62,9 @@ _JOB_CHAIN = re.compile(r"job_([0-9]+)_in")
 _CTLD = re.compile(r"^SlurmctldHost\[\d+\]\s*=\s*([^\s(]+)(?:\(([^)]*)\))?", re.M)
 
 Run = Callable[[Sequence[str], str], subprocess.CompletedProcess]
+# A listener's SYN-ACK: the first packet of a connection where its receiving socket's owner
+# is known (it goes out from that socket)
+_ANSWER = "tcp flags & (syn | ack) == syn | ack"
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,8 @@ def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None],
              f"policy accept; }}",
              f"add chain {t} output {{ type filter hook output priority filter - 1; "
              f"policy accept; }}",
-             f"flush chain {t} input", f"flush chain {t} output"]
+             f"add chain {t} answer",
+             f"flush chain {t} input", f"flush chain {t} output", f"flush chain {t} answer"]
     for job, spec in sorted(jobs.items()):
         for side in ("in", "out"):
             lines += [f"add chain {t} job_{job}_{side}", f"flush chain {t} job_{job}_{side}"]
@@ -130,19 +143,33 @@ def script(jobs: Mapping[int, tuple[int, Sequence[str]] | None],
             continue
         uid, nets = spec
         lines.append(f"add rule {t} job_{job}_in ip saddr {{ {', '.join(nets)} }} accept")
-        uids = ", ".join(map(str, sorted({0, uid})))
-        lines.append(f"add rule {t} job_{job}_out meta skuid {{ {uids} }} accept")
+        # On loopback: the job's user's connections, marked with that user (`ct mark`) for
+        # its listeners' answers, which go only to connections so marked; root's unmarked.
+        out = [f"{_ANSWER} ct mark != {uid} return", f"meta skuid {uid} ct mark set {uid} accept"]
+        out += [] if uid == 0 else ["meta skuid 0 accept"]
+        lines += [f"add rule {t} job_{job}_out {rule}" for rule in out]
     live = sorted(set(keep) | {j for j, spec in jobs.items() if spec is not None})
     if not live:
         return "\n".join(lines[:1] + [f"delete table {t}"]) + "\n"
-    fenced = ", ".join(port_text(merged(ports)))
+    fenced = f"{{ {', '.join(port_text(merged(ports)))} }}"
+    # not `!= new`: a site's `notrack` leaves a stranger's SYN `untracked`
+    tracked = "ct state { established, related } accept"
     # What the fence leaves alone, then each job's admissions, then the refusal.
-    for chain, side, iface in (("input", "in", "iif"), ("output", "out", "oif")):
-        lone = "lo accept" if chain == "input" else "!= lo accept"
-        lines += [f"add rule {t} {chain} {iface} {lone}",
-                  f"add rule {t} {chain} meta l4proto != tcp accept",
-                  f"add rule {t} {chain} ct state != new accept",
-                  f"add rule {t} {chain} tcp dport != {{ {fenced} }} accept"]
+    inbound = ["iif lo accept", "meta l4proto != tcp accept", tracked,
+               f"tcp dport != {fenced} accept"]
+    outbound = ["oif != lo accept", "meta l4proto != tcp accept",
+                f"{_ANSWER} tcp sport {fenced} jump answer", tracked,
+                f"tcp dport != {fenced} accept"]
+    # The listener's side of a local connection, in its SYN-ACK: `meta skuid` is the
+    # listener's owner there, which nothing on input can match.
+    answer = [
+        # no conntrack (a site's notrack), so no connecting owner: its SYN's check stands
+        "ct state untracked accept",
+        "meta skuid 0 accept",  # root's listener
+        "ct mark 0 accept"]     # root's connection
+    for chain, side, head in (("input", "in", inbound), ("output", "out", outbound),
+                              ("answer", "out", answer)):
+        lines += [f"add rule {t} {chain} {rule}" for rule in head]
         lines += [f"add rule {t} {chain} jump job_{j}_{side}" for j in live]
         lines.append(f"add rule {t} {chain} counter reject with tcp reset")
     return "\n".join(lines) + "\n"

@@ -6,9 +6,9 @@ One file per snapshot, `<dir>/rank<R>/step<S>.bin`:
     | meta JSON {"kind", "rank", "step", "digest", "layout"} | 32-byte MAC | flat data
 
 written to a fresh temp file (never through a link), fsynced, then renamed, so a crash leaves
-either the old file or the new one (and its temp file, which the rank dir's next save removes:
-`sweep_stale`). A large snapshot's data goes past the page cache
-(O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
+either the old file or the new one (and its temp file, which the rank dir's next save removes
+once it is a minute old, and the close of the persister writing there at once: `sweep_stale`).
+A large snapshot's data goes past the page cache (O_DIRECT, `_write_direct`), so its meta JSON is padded with spaces until the data starts on a
 4 KiB boundary of the file; readers see the same format. `digest` is the snapshot's own (hex,
 the BLAKE3 tree of protocol/digest.py) and covers the data, so saving hashes nothing new;
 the MAC is HMAC-SHA256 over everything before it, keyed with the job's secret: a plain digest
@@ -28,6 +28,7 @@ digest, which this version no longer computes; "HPCTSNP3" files do not bind thei
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import hashlib
@@ -77,6 +78,11 @@ _NAME = re.compile(r"step([0-9]{1,18})\.bin")
 _TMP = re.compile(r"\.step[0-9]{1,18}\.bin\.[0-9a-f]{12}\.tmp")  # rundir.replacing's names
 # A save's temp file left this long without its writer's lock was left by a crash.
 STALE_TMP_S = 60.0
+# At a persister's close no later save will sweep: this young is enough there (a live writer
+# locks its temp file microseconds after creating it; a loaded node may hold it off longer).
+CLOSE_TMP_S = 1.0
+# How long an interpreter's exit waits for a persister nobody closed to finish its saves.
+EXIT_WAIT_S = 10.0
 
 EV_SAVED = Ev.PERSIST_SAVED
 EV_SAVE_FAILED = Ev.PERSIST_SAVE_FAILED
@@ -339,6 +345,9 @@ class DiskPersister:
                                                           maxsize=1)
         self._write: BackgroundQueue[tuple] = BackgroundQueue(
             f"hpct-persist-write-r{rank}", self._write_out, lazy=True, nice=WRITE_NICE)
+        # A script that ends without the Job's shutdown (its own exception, sys.exit): the
+        # interpreter's exit would stop the writer thread mid-save and leave its temp file.
+        atexit.register(self._end, EXIT_WAIT_S)
 
     def after_commit(self, step: int) -> bool:
         """Call after each `store.commit(step)`; returns whether a save was queued."""
@@ -394,5 +403,12 @@ class DiskPersister:
         self._due.flush()
 
     def close(self) -> None:
-        self._due.close()
-        self._write.close()
+        self._end(None)
+
+    def _end(self, timeout: float | None) -> None:
+        """Finish the saves queued (waiting at most `timeout` for each thread), then remove
+        what a killed writer of this rank dir left (a crashed node's rank before this one took
+        its key): no later save of this job may come to do it."""
+        atexit.unregister(self._end)
+        if self._due.close(timeout) and self._write.close(timeout):
+            sweep_stale(rank_dir(self.root, self.rank), older_than_s=CLOSE_TMP_S)

@@ -3,7 +3,8 @@
 
 Each hands `BackgroundQueue` a handler and chooses how a full queue behaves (`put(wait=...)`);
 the queue does the rest once: starting the thread (now or at the first item), `flush` (wait
-until everything queued so far is handled), `close` (flush, then end the thread) and errors.
+until everything queued so far is handled), `close` (flush, then end the thread; bounded if
+asked) and errors.
 A handler reports the failures it expects itself (an event: a failed save or push does not
 stop training); anything else it lets escape is a bug: reported at once (`threading.excepthook`,
 as for any thread), kept and raised again by the next `flush` or `close` in the caller's
@@ -94,9 +95,16 @@ class BackgroundQueue(Generic[T]):
         self._queue.join()
         self._raise()
 
-    def close(self) -> None:
-        """Handle what is queued, then end the thread."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Handle what is queued, then end the thread. With `timeout`: wait at most so long
+        for room to queue the stop, and as long for the thread; whether it ended."""
         if self._thread is not None:
-            self._queue.put(_STOP)
-            self._thread.join()
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+            except queue.Full:
+                return False
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
         self._raise()
+        return True

@@ -75,13 +75,8 @@ def average_gradients(grads: Iterable[torch.Tensor | None], world: int,
         for work, members, flat in pending:
             work.wait()
             flat.div_(world)
-            if len(members) == 1:
-                continue  # reduced in place
-            offset = 0
-            for t in members:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
+            if len(members) > 1:  # else reduced in place
+                _copy_back(flat, members)
         if carry is not None:
             carry.finish()
     except BaseException:
@@ -124,11 +119,16 @@ def share_buffers(module: torch.nn.Module) -> None:
             continue
         flat = torch.cat([t.reshape(-1) for t in members])
         dist.broadcast(flat, src=0)
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
-            offset += n
+        _copy_back(flat, members)
+
+
+def _copy_back(flat: torch.Tensor, members: list[torch.Tensor]) -> None:
+    """`flat`'s consecutive pieces into the tensors it was concatenated from."""
+    offset = 0
+    for t in members:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
 
 
 def parameter_gradients(model: torch.nn.Module) -> list[torch.Tensor | None]:

@@ -152,8 +152,8 @@ class RankRound:
         self._policy.ring(a)
         # A fault's STOP cuts every connection of the group, as does a rank that leaves a
         # step on its own: a survivor otherwise waits on a live peer that already left the
-        # collective (measured on plain DDP scripts: the 10 s collective timeout, 15 faults
-        # in 16). A planned STOP cuts the whole group too where a rank leaving at its step
+        # collective (plain DDP scripts tried by new users: survivors sat out the 10 s
+        # collective timeout in 15 faults of 16). A planned STOP cuts the whole group too where a rank leaving at its step
         # boundary may leave a peer blocked mid-step: a sharded job's sub-groups, and a job
         # that carries its ranks' state in an all-reduce of its own beside the gradients'.
         self.client.group_addrs = {str(h) for h, _ in a.peers.values()} - {self.host_addr}

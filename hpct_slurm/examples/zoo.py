@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
+from hpct_slurm.examples.adopted_ddp import VOCAB, TinyLM, token_data
 from hpct_slurm.recovery import DistributedDataParallel as DDP, DistributedSampler, Job
 
 SHAPES = ("bn_cnn", "ema_lion", "compile_lm")
-VOCAB, SEQ = 64, 16
 
 
 class Lion(torch.optim.Optimizer):
@@ -75,32 +75,14 @@ def images(n: int = 512) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def tokens(n: int = 512) -> TensorDataset:
-    """Sequences that count up from a random token by a random stride (learnable)."""
-    g = torch.Generator().manual_seed(0)
-    start = torch.randint(0, VOCAB, (n, 1), generator=g)
-    stride = torch.randint(1, 4, (n, 1), generator=g)
-    seq = (start + stride * torch.arange(SEQ + 1)) % VOCAB
-    return TensorDataset(seq[:, :-1], seq[:, 1:])
+class TiedLM(TinyLM):
+    """adopted_ddp's causal LM with its head sharing the embedding's weight, as in GPT-2 and
+    nanoGPT (one parameter, two uses: the gradient sums both)."""
 
-
-class TiedLM(torch.nn.Module):
     def __init__(self, dim: int = 32) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, dim)
-        self.pos = torch.nn.Parameter(torch.zeros(SEQ, dim))
-        layer = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=64, dropout=0.1,
-                                                 batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2,
-                                                   enable_nested_tensor=False)
-        self.norm = torch.nn.LayerNorm(dim)
+        super().__init__(dim)
         self.head = torch.nn.Linear(dim, VOCAB, bias=False)
-        self.head.weight = self.embed.weight  # tied, as in GPT-2 and nanoGPT
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        h = self.encoder(self.embed(x) + self.pos, mask=mask, is_causal=True)
-        return self.head(self.norm(h))
+        self.head.weight = self.embed.weight
 
 
 def build(shape: str, steps: int) -> tuple[torch.nn.Module, Any, Any, dict]:
@@ -178,7 +160,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    data = tokens() if args.shape == "compile_lm" else images()
+    data = token_data() if args.shape == "compile_lm" else images()
     sampler = DistributedSampler(data, shuffle=True, seed=0)  # the job's world size, known
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
     model, opt, sched, extra = build(args.shape, args.epochs * len(loader))

@@ -211,10 +211,16 @@ class Generation:
         restarted in place from creation, a spare's compile cost two extra rounds). So the
         world group's collectives wait in the first step as long as the controller lets a
         rank run without a step (HPCT_PROGRESS_TIMEOUT_S), the bound it already holds a
-        compiling rank to; a peer lost meanwhile is cut by the STOP, never waited for."""
+        compiling rank to; a peer lost meanwhile is cut by the STOP, never waited for.
+
+        Only once every rank has formed: a barrier under the collective timeout first. A rank
+        whose formation cannot complete (a gloo pair the network cuts, every member alive)
+        leaves the ranks that did form waiting for it; they must give up after the collective
+        timeout as before, so that their fault's STOP wakes it, not after the allowance."""
         s = self.settings
         self._first_step = s.progress_timeout_s > s.collective_timeout_s
         if self._first_step:
+            dist.barrier()  # still forming: no step's time, nobody blamed for it
             pg.set_collective_timeout(s.progress_timeout_s)
 
     def first_step_done(self) -> None:

@@ -53,6 +53,21 @@ def test_one_flipped_bit_anywhere_changes_the_digest_and_rank_state_does_not():
     assert shared_digest(state) == before
 
 
+def test_the_order_of_registration_is_no_part_of_the_state():
+    """A spare's Job registers the loop's position after the positional objects, a survivor
+    kept it registered from its last run of main() and registers the script's objects anew
+    after it: the same state in another order, which the replicas must find equal."""
+    state, model = _state()
+    opt = state.get("optimizer")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    state.register(sched=sched)
+    other = TrainState(sched=sched)
+    other.register(optimizer=opt)
+    other.register(model=model)
+    assert other.names() != state.names()
+    assert shared_digest(other) == shared_digest(state)
+
+
 def test_buffers_count_by_shape_only():
     """BatchNorm's running statistics follow each rank's own batch until DDP's next buffer
     broadcast: replicas differ there at a step's end without anything being wrong."""

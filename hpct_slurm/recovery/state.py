@@ -180,13 +180,18 @@ class TrainState:
 
     def _gather(self, scopes: Iterable[Scope], rng: bool = True) -> dict:
         scopes = set(scopes)
-        tree: dict[str, Any] = {name: obj.state_dict() for name, (obj, sc) in self._objects.items()
-                                if sc in scopes}
+        found: dict[str, Any] = {name: obj.state_dict() for name, (obj, sc) in self._objects.items()
+                                 if sc in scopes}
         # State restored for a name not registered yet belongs to the step as much as the
         # rest: a snapshot taken before its object registers keeps it as it came.
         for name, (sd, restored) in self._pending.items():
             if restored & scopes:
-                tree[name] = sd
+                found[name] = sd
+        # In name order: the order of registration differs between ranks that hold the same
+        # state (a spare's Job registers the loop's position after the positional objects, a
+        # survivor kept it registered from its last run of main()), and a tree in that order
+        # made the replicas' digests differ (crosscheck.py) where nothing else did.
+        tree = {name: found[name] for name in sorted(found)}
         if "rank" in scopes and rng:
             rngs: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                                     "torch": torch.get_rng_state()}

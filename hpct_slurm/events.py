@@ -88,6 +88,7 @@ class Ev(_Name):
     MOVE_ASSIGN = "move.assign"
     MOVE_DONE = "move.done"
     MOVE_FAILED = "move.failed"
+    MOVE_CUT_SHORT = "move.cut_short"
     MOVE_LEAVING_LOST = "move.leaving_lost"
     GROW_ASSIGN = "grow.assign"
     GROW_DONE = "grow.done"

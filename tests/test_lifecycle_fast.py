@@ -236,6 +236,42 @@ def test_a_users_move_request_moves_the_node_and_bad_ones_are_answered(tmp_path)
     run(scenario)
 
 
+@pytest.mark.parametrize("asked_by", ["drain", "user"])
+def test_a_move_cut_short_at_its_stop_by_another_fault_is_asked_again(tmp_path, asked_by):
+    """a1 is to move (an admin's drain, a user's `move`), and a2 dies on the move's STOP: the
+    round becomes a2's recovery. a1 stayed a member, so its move is asked again once a spare
+    is ready, said in an event: before, it trained on to the end with a spare ready."""
+    from hpct_slurm.move_requests import ask_move
+
+    async def scenario():
+        async with FakeCluster(tmp_path, ["localhost", "a1", "a2", "s1", "s2"], spares=2) as c:
+            await c.started()
+            await c.train(["localhost", "a1", "a2"], 3)
+            c.rank("a2").on_stop = "die"
+            if asked_by == "drain":
+                c.state["a1"], c.reason["a1"] = "ALLOCATED+DRAIN", "new DIMM"
+            else:
+                ask_move(c.options.run_dir, "a1", "swap the NIC")
+            [cut] = await c.until(lambda: c.events("move.cut_short"), "move.cut_short")
+            assert cut["node"] == "a1" and "asked again" in cut["why"]
+            await c.assigned("localhost", 1)  # a2's recovery
+            taker = next(iter(c.events("recovery.assign")[0]["taken"].values()))
+            await c.train(["localhost", "a1", taker], 4)
+            await c.until(lambda: c.events("recovery.done"), "a2's recovery.done")
+
+            other = ({"s1", "s2"} - {taker}).pop()
+            a = await c.assigned(other, 2)
+            assert a.restore_step == 4
+            first, again = c.events("move.requested")
+            assert first["node"] == again["node"] == "a1" and again["again"] is True
+            assert again["reason"] == first["reason"]
+            await c.train(["localhost", other, taker], 5)
+            [done] = await c.until(lambda: c.events("move.done"), "move.done")
+            assert done["taken"] == {"a1": other} and done["lost_steps"] == 0
+            assert await c.finish() == 0
+    run(scenario)
+
+
 @pytest.mark.parametrize("policy", ["leave", "reboot"])
 def test_a_node_fenced_down_is_left_or_rebooted_per_the_admins_policy(tmp_path, monkeypatch,
                                                                       policy):

@@ -6,6 +6,8 @@
   in a new generation and pulls the state from the leaving ranks themselves (still alive, they
   are its first sources), the group resumes at the step everyone completed, and only then the
   leaving ranks are told goodbye and exit cleanly; the node stays drained, our reason appended.
+  A move whose round ends without it (another node's fault at its STOP, the spare gone) is
+  asked again until it starts, whatever asked for it first (`_cut_short`).
 * Grow back: after an elastic shrink, a spare that is ready again takes back a data shard a
   survivor took over (policy.decide_grow), restoring the world the job started with.
 * The record in Slurm: after every round the job's own Comment carries a one-line summary
@@ -176,7 +178,10 @@ class Lifecycle:
     def __init__(self, ctl: Host):
         self.ctl = ctl
         self.tally = Tally()
-        self.requested: set[str] = set()   # nodes whose move was started (once each)
+        self.requested: set[str] = set()   # nodes whose move is under way or done
+        # node -> why: moves whose round did not complete with the node still a member (a
+        # fault at the STOP, the spare gone): asked again until one starts
+        self.again: dict[str, str] = {}
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
         self.refused: set[str] = set()     # request entries refused that stay (said once)
         self.corrupt: set[str] = set()     # nodes drained for corruption (once each)
@@ -194,6 +199,12 @@ class Lifecycle:
 
     # ---- triggers (the controller's Slurm poll) ---------------------------------------------
     def on_nodes(self, nodes: Sequence[NodeInfo]) -> None:
+        # first, so that a move asked again keeps the reason it was first asked for
+        for node, why in list(self.again.items()):
+            if node not in self.ctl.world.members:
+                del self.again[node]  # a fault took it out of the job meanwhile
+            else:
+                self.request_move(node, why)
         for node, reason in drained(nodes, self.ctl.world.members):
             self.request_move(node, reason)
         for node, reason in self.maintenance:
@@ -317,7 +328,7 @@ class Lifecycle:
         self.requested.add(node)
         self.why[node] = why
         c.events.emit(Ev.MOVE_REQUESTED, node=node, reason=why,
-                      generation=c.world.generation)
+                      generation=c.world.generation, again=self.again.pop(node, None) is not None)
         self._start(self._move(node, why))
         return True
 
@@ -381,12 +392,14 @@ class Lifecycle:
         rec = RecoveryRecord(t_detect=time.time(), kind="move")
         everyone = await self._stop_all(rec, f"planned move off {node}: {why}")
         if everyone is None:
+            if node not in c.pending_faults:  # else its own fault's round replaces it
+                self._cut_short(node, why, "a fault at its stop: the fault's round runs first")
             return
         d = await c._decide([node], everyone, [], leaving=(node,))
         if d.action != Action.REPLACE or not d.taken:
             # the spare went away meanwhile: everyone goes on where it stopped
             c.events.emit(Ev.MOVE_FAILED, node=node, error=d.reason)
-            self.requested.discard(node)
+            self._cut_short(node, why, "no spare to take its place")
             d = await c._decide([], everyone, [])
             rec.kind = "recovery"
             if d.escalates:
@@ -395,6 +408,16 @@ class Lifecycle:
         if leaving:
             self.leaving[node] = leaving
         await self._carry(rec, d, everyone, first=leaving, event=Ev.MOVE_ASSIGN)
+
+    def _cut_short(self, node: str, why: str, cause: str) -> None:
+        """The move's round ended without it and the node is still in the job: whatever
+        asked for it (a drain, a user, a slow or corrupt node) may never ask again (a user's
+        request is read once, a drain Slurm refused is not seen), so the move is asked
+        again here until it starts."""
+        self.requested.discard(node)
+        self.again[node] = why
+        self.ctl.events.emit(Ev.MOVE_CUT_SHORT, node=node, reason=why, cause=cause,
+                             why="asked again at the next poll that finds a spare ready")
 
     async def _grow(self) -> None:
         c = self.ctl

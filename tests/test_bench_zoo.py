@@ -64,13 +64,13 @@ def _done(t: float, s: float, lost: int = 0) -> dict:
             "phases": {p: s / len(Z.PHASES) for p in Z.PHASES}}
 
 
-def test_a_crash_that_took_two_rounds_counts_from_the_first_detection_to_the_last_end():
-    one = Z.rounds_of([_done(10.0, 0.4)])
-    assert one["rounds"] == 1 and one["recovery_s"] == pytest.approx(0.4)
-    two = Z.rounds_of([_done(10.0, 0.4), _done(13.0, 1.2)])
-    assert two["rounds"] == 2
-    assert two["recovery_s"] == pytest.approx(13.0 - 9.6)
-    assert sum(two["phases"].values()) == pytest.approx(1.6)  # each phase summed
+def test_the_crash_round_is_the_recovery_and_later_rounds_are_counted_apart():
+    one = Z.crash_round([_done(10.0, 0.4)])
+    assert (one["rounds"], one["later_rounds_s"]) == (1, 0)
+    assert one["recovery_s"] == 0.4 and one["phases"]["fence"] == pytest.approx(0.1)
+    # a rollback at the end of the job, 3 s of training after the crash's round
+    two = Z.crash_round([_done(10.0, 0.4), _done(13.0, 0.3, lost=17)])
+    assert (two["rounds"], two["recovery_s"], two["later_rounds_s"]) == (2, 0.4, 0.3)
 
 
 def test_summary_is_per_shape_with_the_ratio_to_the_demos_median():
@@ -84,7 +84,7 @@ def test_summary_is_per_shape_with_the_ratio_to_the_demos_median():
     assert (cnn["median"], cnn["min"], cnn["max"], cnn["ratio"]) == (0.5, 0.4, 0.9, 1.67)
     assert ema["runs"] == 2 and ema["failed"] == 1 and ema["median"] == 0.6
     assert ema["ratio"] == 2.0 and s["within_2x"] is True  # 2x is still within
-    assert ema["lost_steps"] == 1 == s["lost_steps"] and ema["rounds"] == 2
+    assert ema["lost_steps"] == 1 == s["lost_steps"] and ema["rounds"] == 2 == s["rounds"]
     assert ema["bit_identical"] is False and s["all_bit_identical"] is False
     assert cnn["phases"]["fence"] == pytest.approx(0.5 / len(Z.PHASES), abs=1e-4)
     assert s["failed_runs"] == 1

@@ -9,9 +9,11 @@ once without a fault (its reference), then once per crash moment: node n3 hard-c
 step, and that many seconds into the next. The moments are drawn from one seeded generator, so
 every shape is crashed at the same moments and a rerun repeats them.
 
-Per crash: the controller's recovery.done (recovery_s, detection to every rank's first step, and
-its phases), crash to that event (detection included), the steps lost (rolled back or computed
-twice), and whether the run ends bit-identical to the shape's own reference. Per shape: median,
+Per crash: the controller's recovery.done of the crash's round (recovery_s, detection to every
+rank's first step, and its phases), crash to that event (detection included), how many recovery
+rounds the run took (a later one, such as a cross-check's rollback, is the job's cost too), the
+steps lost (rolled back or computed twice), and whether the run ends bit-identical to the
+shape's own reference. Per shape: median,
 min and max recovery, and the median's ratio to the demo's median (goal: at most 2).
 """
 from __future__ import annotations
@@ -97,18 +99,19 @@ def same_state(ref: dict[int, dict], got: dict[int, dict]) -> bool:
                                         for r in ref)
 
 
-def rounds_of(done: Sequence[dict]) -> dict:
-    """One crash's recovery from its recovery.done events: a crash that took more than one
-    round (a fault during the recovery, a first step mistaken for one) paused the job from the
-    first round's detection to the last round's end, and each phase is summed over the rounds."""
-    t_detect = done[0]["t"] - done[0]["recovery_s"]
-    return {"rounds": len(done), "recovery_s": done[-1]["t"] - t_detect,
-            "phases": {p: sum(e["phases"][p] for e in done) for p in PHASES}}
+def crash_round(done: Sequence[dict]) -> dict:
+    """A crash's recovery from the run's recovery.done events: the first is the crash's own
+    round, the figure the demo's recovery is. A later round (a fault during the recovery, a
+    cross-check that rolled the group back) is counted in `rounds` and its seconds in
+    `later_rounds_s`; the steps it rolled back show in the run's lost steps."""
+    return {"recovery_s": done[0]["recovery_s"], "phases": done[0]["phases"],
+            "rounds": len(done), "later_rounds_s": sum(e["recovery_s"] for e in done[1:])}
 
 
 def summarize(runs: Sequence[dict], failed: Sequence[dict] = ()) -> dict:
-    """Per shape over its good runs: median/min/max recovery_s, the median's ratio to the
-    demo's, crash-to-done and phase medians, the worst lost steps, bit-identity in every run;
+    """Per shape over its good runs: median/min/max of the crash round's recovery_s, the
+    median's ratio to the demo's, crash-to-done and phase medians, the most rounds and lost
+    steps of any run, bit-identity in every run;
     and whether every shape's median is within WITHIN x the demo's (None without a demo)."""
     shapes: dict[str, dict] = {}
     for shape in dict.fromkeys(r["shape"] for r in (*runs, *failed)):
@@ -136,6 +139,7 @@ def summarize(runs: Sequence[dict], failed: Sequence[dict] = ()) -> dict:
                                                    for x in ratios),
         "all_bit_identical": all(row.get("bit_identical", False) for row in shapes.values()),
         "lost_steps": max((row.get("lost_steps", 0) for row in shapes.values()), default=0),
+        "rounds": max((row.get("rounds", 0) for row in shapes.values()), default=0),
         "failed_runs": len(failed),
         "shapes": shapes,
     }
@@ -185,7 +189,7 @@ def _crash_run(cluster: LocalCluster, d: Path, shape: str, cfg: Config, moment: 
         steps = {e["step"] for e in step_events(d)}
         identical = same_state(ref, got) and steps >= set(range(cfg.steps))
     return {"shape": shape, "step": moment.step, "delay_s": moment.delay_s, "run_dir": str(d),
-            "job_id": jid, **rounds_of(done), "crash_to_done_s": done[-1]["t"] - t_crash,
+            "job_id": jid, **crash_round(done), "crash_to_done_s": done[0]["t"] - t_crash,
             "lost_steps": max(max(e["lost_steps"] for e in done), recomputed_steps(d)),
             "taken": [e["taken"] for e in done], "bit_identical": identical}
 

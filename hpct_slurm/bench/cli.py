@@ -13,11 +13,11 @@ from ..errors import HpctError
 
 # Each name is a module `hpct_slurm.bench.<name>` exposing `run(out_dir, quick=False) -> dict`.
 BENCHMARKS = ["rendezvous", "replication", "transfer", "teardown", "gradients", "cache", "proof",
-              "recovery", "move", "failslow",
+              "recovery", "zoo", "move", "failslow",
               "stress", "second_fault", "scale", "store_scale", "gpu", "peers",
               "all"]
 # These run on a local Slurm cluster: their `run` also takes `root` and `down`.
-CLUSTER_BENCHMARKS = {"recovery", "move", "failslow", "stress", "second_fault", "peers", "all"}
+CLUSTER_BENCHMARKS = {"recovery", "zoo", "move", "failslow", "stress", "second_fault", "peers", "all"}
 # These need no cluster; their `run` also takes `smoke` (smallest sizes, to check the command).
 SMOKE_BENCHMARKS = {"rendezvous", "replication", "transfer", "teardown", "gradients", "cache",
                     "proof"}

@@ -235,7 +235,7 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _wait_unless_escalated(cluster: LocalCluster, job_id: int, run_dir: Path,
+def wait_unless_escalated(cluster: LocalCluster, job_id: int, run_dir: Path,
                            timeout: float) -> None:
     """Wait for the job to leave the queue. A recovery that escalated (requeue or fail) is a
     failed repeat: cancel the job instead of timing a restart from disk."""
@@ -263,7 +263,7 @@ def _run_one(cluster: LocalCluster, d: Path, cfg: Config, ref: dict[int, dict],
     else:
         jid = submit_baseline(cluster, d, cfg.train_args(), cfg.ckpt_every)
     t_crash = crash_at(cluster, d, cfg.kill_at, cfg.timeout_s)
-    _wait_unless_escalated(cluster, jid, d, cfg.timeout_s)
+    wait_unless_escalated(cluster, jid, d, cfg.timeout_s)
     run = RunResult(method, d, jid, t_crash, collect(d, WORLD))
     ctl, ranks = run.controller_events(), run.events()
     if method == "hpct":

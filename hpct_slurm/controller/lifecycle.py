@@ -179,9 +179,7 @@ class Lifecycle:
         self.ctl = ctl
         self.tally = Tally()
         self.requested: set[str] = set()   # nodes whose move is under way or done
-        # node -> why: moves whose round did not complete with the node still a member (a
-        # fault at the STOP, the spare gone): asked again until one starts
-        self.again: dict[str, str] = {}
+        self.again: dict[str, str] = {}  # node -> why: a move cut short, asked again (_cut_short)
         self.skipped: set[str] = set()     # nodes whose move.skipped was said (once each)
         self.refused: set[str] = set()     # request entries refused that stay (said once)
         self.corrupt: set[str] = set()     # nodes drained for corruption (once each)
